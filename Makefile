@@ -1,0 +1,34 @@
+# Developer entry points. `make run` and `make test` set up .venv on a fresh machine first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sglang -e ./miles_plugins_rdt \
+	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
+PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# Every distribution of the repository, editable, in one environment; torch pinned to the CPU build on disk.
+$(STAMP): $(PYPROJECTS)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt $(DISTRIBUTIONS)
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/miles plugins
+
+test: setup
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python benchmarks/cli_startup.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""The ``miles`` command line."""

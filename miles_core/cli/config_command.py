@@ -1,0 +1,28 @@
+"""``miles config show``: the resolved config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import yaml
+
+from miles_core.cli.config_args import ConfigArguments
+from miles_core.config.build import build_config
+from miles_core.plugin_manager import MilesPluginManager
+
+
+def prepare(parser: argparse.ArgumentParser, plugin_args: list[str]) -> Callable[[argparse.Namespace], int]:
+    """Load the plugins, add the config flags to ``parser``, and return the function that runs the command."""
+    manager = MilesPluginManager.load(plugin_args)
+    arguments = ConfigArguments(manager)
+    arguments.add_to(parser)
+
+    def show(args: argparse.Namespace) -> int:
+        config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
+        data = config.model_dump(mode="json")
+        print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip("\n"))
+        return 0
+
+    return show

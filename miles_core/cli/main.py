@@ -1,0 +1,124 @@
+"""``miles``: the command line.
+
+``--plugin`` is global and may appear anywhere; it is taken out of the arguments first, because plugins
+contribute the config flags that the rest of the command line is parsed with. Only the commands that need plugins
+load them, so ``miles --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Callable, Sequence
+
+from miles_core.errors import MilesError
+
+PLUGIN_HELP = (
+    "load a plugin: a module name or a path to a .py file; 'no:NAME' blocks the plugin NAME (repeatable, "
+    "allowed anywhere on the command line)"
+)
+
+
+def split_plugin_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--plugin X`` / ``--plugin=X`` from the other arguments, keeping the order of each."""
+    plugins: list[str] = []
+    rest: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--plugin":
+            value = next(args, None)
+            if value is None:
+                raise MilesError("--plugin needs a value: a module, a path to a .py file, or no:NAME")
+            plugins.append(value)
+        elif arg.startswith("--plugin="):
+            plugins.append(arg.split("=", 1)[1])
+        elif arg == "--":
+            rest.append(arg)
+            rest.extend(args)
+        else:
+            rest.append(arg)
+    return plugins, rest
+
+
+def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.ArgumentParser, Callable | None]:
+    """The parser; config flags are added only to the command about to run (they need the plugins)."""
+    parser = argparse.ArgumentParser(
+        prog="miles", description="Miles: plugin-based RL post-training of large language models."
+    )
+    parser.add_argument("--plugin", action="append", metavar="MODULE|FILE|no:NAME", help=PLUGIN_HELP)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    plugins = commands.add_parser("plugins", help="list the loaded plugins and what they provide")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+
+    config = commands.add_parser("config", help="inspect the resolved config")
+    config_commands = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
+    show = config_commands.add_parser("show", help="print the resolved config (defaults < --config < flags)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
+    commands.add_parser("version", help="print the versions of miles-core and of every plugin distribution")
+
+    finish = None
+    if command == "config":
+        from miles_core.cli import config_command  # deferred: needs the plugins, pydantic and the config model
+
+        finish = config_command.prepare(show, plugin_args)
+    return parser, finish
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``miles`` command line; returns the exit status."""
+    try:
+        return _run(list(sys.argv[1:] if argv is None else argv))
+    except MilesError as exc:
+        print(f"miles: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
+    plugin_args, rest = split_plugin_args(argv)
+    command = next((arg for arg in rest if not arg.startswith("-")), None)
+    parser, finish = build_parser(command, plugin_args)
+    args, unknown = parser.parse_known_args(rest)
+    if unknown:
+        parser.error(_unknown_arguments_message(parser, unknown))
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if args.command == "version":
+        from miles_core.cli.plugins_command import print_versions
+
+        return print_versions(plugin_args)
+    if args.command == "plugins":
+        from miles_core.cli.plugins_command import list_plugins
+
+        return list_plugins(plugin_args, as_json=args.json)
+    assert finish is not None
+    return finish(args)
+
+
+def _unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """Name the unknown arguments and, for a mistyped flag, the closest known flags."""
+    known = sorted(_all_option_strings(parser))
+    hints = []
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=3)
+            if close:
+                hints.append(f"{arg}: did you mean {' or '.join(close)}?")
+    return f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints)
+
+
+def _all_option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    options: set[str] = set()
+    for action in parser._actions:  # argparse has no public API for walking sub-parsers
+        options.update(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                options |= _all_option_strings(sub)
+    return options
+
+
+if __name__ == "__main__":
+    sys.exit(main())

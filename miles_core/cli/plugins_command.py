@@ -1,0 +1,67 @@
+"""``miles plugins`` and ``miles version``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from miles_core import __version__
+from miles_core.plugin_manager import MilesPluginManager
+
+
+def describe_plugins(manager: MilesPluginManager) -> list[dict[str, Any]]:
+    """Per plugin: name, source, distribution, version, location, hooks implemented and names provided."""
+    registries = manager.registries
+    return [
+        {
+            "name": info.name,
+            "source": info.source,
+            "distribution": info.distribution,
+            "version": info.version,
+            "location": info.location,
+            "hooks": manager.hooks_of(info.name),
+            "provides": registries.provided_by(info.name),
+        }
+        for info in manager.infos.values()
+    ]
+
+
+def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
+    """Print the loaded plugins as a table, or as JSON."""
+    manager = MilesPluginManager.load(plugin_args)
+    plugins = describe_plugins(manager)
+    if as_json:
+        print(json.dumps({"plugins": plugins, "blocked": sorted(manager.blocked)}, indent=2))
+        return 0
+    rows = [
+        (
+            p["name"],
+            f"{p['distribution'] or '-'} {p['version'] or ''}".strip(),
+            p["source"],
+            "; ".join(f"{kind}: {', '.join(names)}" for kind, names in p["provides"].items()) or "-",
+        )
+        for p in plugins
+    ]
+    print(_table(("PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"), rows))
+    if manager.blocked:
+        print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
+    return 0
+
+
+def print_versions(plugin_args: list[str]) -> int:
+    """Print the core version and the version of every distribution that provides a plugin."""
+    manager = MilesPluginManager.load(plugin_args)
+    print(f"miles-core {__version__}")
+    seen = {"miles-core"}
+    for info in manager.infos.values():
+        if info.distribution and info.distribution not in seen:
+            seen.add(info.distribution)
+            print(f"{info.distribution} {info.version or '(unknown version)'}")
+    return 0
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""Assembling the config model from plugin sections and building a config from its sources.
+
+Sources, lowest to highest priority: section defaults, ``--config FILE.yaml``, command-line flags. The result is a
+frozen pydantic model validated at construction, then checked across sections by the ``validate_config`` hook.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from miles_core.config.section import Section
+from miles_core.errors import ConfigError
+from miles_core.registry import call_each_plugin
+
+
+class MilesConfig(pydantic.BaseModel):
+    """The root of a run's config; its fields (the sections) are contributed by plugins."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+
+def config_model(manager: Any) -> type[MilesConfig]:
+    """The config model for the loaded plugins: one field per contributed section."""
+    sections: dict[str, tuple[type, str]] = {}
+    for plugin_name, contributed in call_each_plugin(manager.pm, "config_sections"):
+        for section_name, model in (contributed or {}).items():
+            if section_name in sections:
+                raise ConfigError(
+                    f"config section {section_name!r} is contributed twice, by plugin "
+                    f"{sections[section_name][1]!r} and by plugin {plugin_name!r}"
+                )
+            if not (isinstance(model, type) and issubclass(model, Section)):
+                raise ConfigError(
+                    f"plugin {plugin_name!r} contributed section {section_name!r} as {model!r}; "
+                    "expected a subclass of miles_core.config.Section"
+                )
+            sections[section_name] = (model, plugin_name)
+    fields: dict[str, Any] = {
+        name: (model, pydantic.Field(default_factory=model)) for name, (model, _) in sections.items()
+    }
+    return pydantic.create_model("MilesConfig", __base__=MilesConfig, **fields)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a mapping of sections; a parse error names the file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections (like 'rollout: {{batch_size: 8}}'), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def set_path(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set a dotted ``path`` in nested dicts, creating intermediate dicts."""
+    *parents, leaf = path.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {path!r}: {part!r} holds {child!r}, not a mapping")
+        node = child
+    node[leaf] = value
+
+
+def build_config(
+    manager: Any, *, config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> MilesConfig:
+    """Build and validate the config from defaults, an optional YAML file and dotted-path ``overrides``."""
+    model = config_model(manager)
+    data = load_config_file(config_file) if config_file is not None else {}
+    for path, value in (overrides or {}).items():
+        set_path(data, path, value)
+    try:
+        config = model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, model)) from exc
+    manager.hook.validate_config(config=config, registries=manager.registries)
+    return config
+
+
+def format_validation_error(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
+    """One line per problem: the field, the value given, and what is allowed."""
+    lines = [f"invalid config ({exc.error_count()} problem{'s' if exc.error_count() > 1 else ''}):"]
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key; {_allowed_keys_hint(model, error['loc'])}")
+        else:
+            lines.append(f"  {path} = {error['input']!r}: {error['msg']}{_allowed_values_hint(model, error['loc'])}")
+    return "\n".join(lines)
+
+
+def _model_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> type[pydantic.BaseModel] | None:
+    """The pydantic model that holds the field at ``loc`` (the parent of the last element)."""
+    current: Any = model
+    for part in loc[:-1]:
+        field = current.model_fields.get(part) if isinstance(current, type) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, pydantic.BaseModel)):
+            return None
+        current = field.annotation
+    return current
+
+
+def _allowed_keys_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> str:
+    parent = _model_at(model, loc)
+    if parent is None:
+        return "not allowed here"
+    allowed = list(parent.model_fields)
+    where = "sections" if len(loc) == 1 else f"keys of {'.'.join(str(p) for p in loc[:-1])!r}"
+    hint = f"allowed {where}: {', '.join(allowed) or '(none)'}"
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    return hint + (f"; did you mean {close[0]!r}?" if close else "")
+
+
+def _allowed_values_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> str:
+    parent = _model_at(model, loc)
+    field = parent.model_fields.get(loc[-1]) if parent is not None else None
+    if field is None:
+        return ""
+    bounds = [f"{name} {getattr(meta, name)}" for meta in field.metadata for name in ("ge", "gt", "le", "lt")
+              if getattr(meta, name, None) is not None]
+    allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
+    return f"{allowed}; {field.description}" if field.description else allowed

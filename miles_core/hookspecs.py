@@ -1,0 +1,236 @@
+"""The extension surface of Miles: every hook a plugin may implement.
+
+Plugins are modules (or objects) whose functions carry ``@miles_core.hookimpl``. The core calls the hooks below;
+this module is their documentation. Conventions:
+
+* **Registry hooks** (``provide_*``) are called once, when the :class:`~miles_core.registry.Registries` are built
+  after all plugins are loaded. Each returns a list of :class:`~miles_core.registry.Implementation` entries (or
+  ``None``). The core merges them per registry; a name that two plugins provide is an error naming both.
+  Entries point at their code by an import string (``"package.module:attr"``) and are imported only when used, so
+  listing plugins never imports torch, ray or a backend.
+* **Configuration hooks** contribute pydantic sections and command-line flags, and validate the whole config once
+  it is built.
+* **Run-time hooks** (engine launch, rollout preparation, dashboard, weight updates) are called by the RL loop.
+
+None of the hooks is historic: plugins register before any hook is called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # annotations only: importing these at run time would be circular
+    from miles_core.config.flags import ConfigFlag
+    from miles_core.registry import Implementation, Registries
+
+PROJECT_NAME = "miles"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Registries of named implementations
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def provide_training_backends() -> list[Implementation] | None:
+    """Training backends (``--trainer NAME``), such as ``torch`` or ``megatron``.
+
+    Called once when the registries are built. Each entry's target is a trainer class.
+    """
+
+
+@hookspec
+def provide_engine_backends() -> list[Implementation] | None:
+    """Inference-engine backends (``--engine NAME``), such as ``local`` or ``sglang``.
+
+    Called once when the registries are built. Each entry's target is an engine-backend class whose workers speak
+    SGLang's native HTTP API.
+    """
+
+
+@hookspec
+def provide_worker_providers() -> list[Implementation] | None:
+    """Worker providers (``--worker-provider NAME``), such as ``local`` (subprocesses) or ``ray``.
+
+    Called once when the registries are built. Each entry's target is a ``BaseWorkerProvider`` subclass.
+    """
+
+
+@hookspec
+def provide_weight_transfer_protocols() -> list[Implementation] | None:
+    """Weight-transfer protocols (``--update-weight-transfer-mode NAME``), such as ``disk`` or ``rdt``.
+
+    Called once when the registries are built. Each entry's target is a
+    :class:`~miles_core.weight_transfer.WeightTransferProtocol` subclass. Packages that only add a protocol need no
+    hook code: the core feeds the entry-point group ``miles.weight_transfer`` into this registry.
+    """
+
+
+@hookspec
+def provide_hf_weight_iterators() -> list[Implementation] | None:
+    """HF weight iterators, keyed by training-backend name.
+
+    Called once when the registries are built. Each entry's target is an ``HfWeightIterator`` subclass that turns a
+    trainer's parameters into buckets of HF-named tensors.
+    """
+
+
+@hookspec
+def provide_model_implementations() -> list[Implementation] | None:
+    """Model implementations, named ``"FAMILY/IMPL"`` (for example ``"qwen3/megatron"``).
+
+    Called once when the registries are built. A family may have several implementations; all of them load the
+    same HF checkpoint names. The user picks one per family with ``--model-impl FAMILY=IMPL`` (``--dsv4-impl IMPL``
+    for ``deepseek_v4``). Build entries with :func:`miles_core.registry.model_implementation`.
+    """
+
+
+@hookspec
+def provide_reward_functions() -> list[Implementation] | None:
+    """Reward functions (``--reward NAME``).
+
+    Called once when the registries are built. Each target is a callable
+    ``reward(*, prompt: str, response: str, label: Any, metadata: dict) -> float``.
+    """
+
+
+@hookspec
+def provide_tasks() -> list[Implementation] | None:
+    """Tasks: prompt datasets with their default reward (``--task NAME``).
+
+    Called once when the registries are built. Each target is a task class.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def config_sections() -> dict[str, type] | None:
+    """Config sections this plugin contributes: ``{section_name: pydantic model class}``.
+
+    Called once when the config model is assembled. Each model must be frozen with ``extra="forbid"`` (derive from
+    :class:`miles_core.config.Section`) and have a default for every field. A section name contributed twice is an
+    error naming both plugins.
+    """
+
+
+@hookspec
+def config_flags() -> list[ConfigFlag] | None:
+    """Named command-line flags that set a config path, beyond the automatic ``--SECTION-FIELD`` flags.
+
+    Called once when the command-line parser is built. Example:
+    ``ConfigFlag(flag="--update-weight-transfer-mode", path="weight_transfer.mode")``.
+    """
+
+
+@hookspec
+def validate_config(config: Any, registries: Registries) -> None:
+    """Cross-section validation of a fully built config.
+
+    Called once, right after the config is constructed (every source merged, every section validated). Raise
+    :class:`miles_core.errors.ConfigError` with a message that names the fields, the values and what would be
+    accepted; return ``None`` otherwise. Example: "the rdt protocol needs engines hosted in Ray actors".
+    """
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Engines
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def launch_engines(config: Any, engine_spec: Any, provider: Any) -> Any:
+    """Turn an engine spec into running engine workers.
+
+    Called by the ``InferenceController`` when it starts (or restarts) a cell of engines, with the run config, the
+    engine spec (backend name, model, count) and the worker provider. The first plugin whose backend matches
+    ``engine_spec.backend`` returns the started workers; the others return ``None``. ``firstresult``.
+    """
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rollout preparation
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def prepare_rollout(rollout_id: int, controller: Any) -> None:
+    """Runs before every training rollout is generated.
+
+    Called by the RL loop with the rollout id and the ``InferenceController``; used to resume health monitoring,
+    inject faults for tests, or register engines with the dashboard. Generation itself does none of this work.
+    """
+
+
+@hookspec
+def prepare_eval(rollout_id: int, controller: Any) -> None:
+    """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Dashboard registration and events
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def register_engines(engines: list[Any]) -> None:
+    """Engines are up: called with one description per engine (cell id, address, weight version, state).
+
+    Called after engines start and after a cell is restarted.
+    """
+
+
+@hookspec
+def register_router(router: Any) -> None:
+    """A router is up: called with its description (address, registered engines). Called after it starts."""
+
+
+@hookspec
+def on_phase(rollout_id: int, phase: str, started: float, ended: float) -> None:
+    """A phase of a step ended (``rollout``, ``train``, ``weight_update``, ``eval``, ...), with wall-clock times."""
+
+
+@hookspec
+def on_metrics(rollout_id: int, metrics: dict[str, float]) -> None:
+    """Metrics of a step (reward, loss, KL, entropy, step time, ...), called once per step after training."""
+
+
+@hookspec
+def on_samples(rollout_id: int, samples: list[Any]) -> None:
+    """The samples of a rollout (prompt, response, reward), called once per rollout after rewards are computed."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weight-update lifecycle
+# --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def before_weight_update(version: int, protocol: Any) -> None:
+    """Called before every weight transfer, with the version about to be published and the protocol instance."""
+
+
+@hookspec
+def weight_update_wrapper(version: int, protocol: Any) -> contextlib.AbstractContextManager | None:
+    """Wrap every weight transfer: return a context manager (or ``None``).
+
+    Called before every transfer, after :func:`before_weight_update`. The core enters every returned context
+    manager, in plugin order, around the transfer and exits them when it ends, also when it fails (the exception is
+    passed to ``__exit__`` as usual), so a plugin can time, checksum or trace the whole transfer with one
+    ``@contextlib.contextmanager`` function.
+    """
+
+
+@hookspec
+def after_weight_update(version: int, protocol: Any, report: Any) -> None:
+    """Called after every successful weight transfer, with the version, the protocol and its
+    :class:`~miles_core.weight_transfer.TransferReport` (bytes, seconds, GB/s, checksum result)."""

@@ -1,0 +1,1 @@
+"""Model implementations: several implementations of one family load the same HF checkpoint names."""

@@ -1,0 +1,187 @@
+"""Registries of named implementations, merged from every plugin's ``provide_*`` hooks.
+
+An :class:`Implementation` names its code by an import string and is imported only by :meth:`Implementation.load`,
+so building the registries (and ``miles plugins``) never imports a heavy backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pluggy
+
+from miles_core.errors import RegistryError
+
+REGISTRY_HOOKS: dict[str, str] = {
+    "training_backends": "provide_training_backends",
+    "engine_backends": "provide_engine_backends",
+    "worker_providers": "provide_worker_providers",
+    "weight_transfer_protocols": "provide_weight_transfer_protocols",
+    "hf_weight_iterators": "provide_hf_weight_iterators",
+    "model_implementations": "provide_model_implementations",
+    "reward_functions": "provide_reward_functions",
+    "tasks": "provide_tasks",
+}
+"""Registry name -> the hook that fills it."""
+
+# The first-party plugin distribution that provides a well-known name, for "pip install ..." hints.
+FIRST_PARTY_PROVIDERS: dict[str, dict[str, str]] = {
+    "weight_transfer_protocols": {"rdt": "miles-plugins-rdt"},
+    "training_backends": {"megatron": "miles-plugins-megatron"},
+    "engine_backends": {"sglang": "miles-plugins-sglang"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One named implementation in a registry.
+
+    ``target`` is ``"package.module:attribute"`` (imported lazily by :meth:`load`) or the object itself.
+    ``provider`` is the name of the plugin that registered it; the core fills it in.
+    ``loader``, when set, replaces the import (the core uses it to load entry points through stevedore, which
+    reports the distribution on failure).
+    """
+
+    name: str
+    target: str | Any
+    description: str = ""
+    provider: str = ""
+    loader: Callable[[], Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def load(self) -> Any:
+        """Import and return the implementation; an import failure names the implementation and its provider."""
+        if self.loader is not None:
+            return self.loader()
+        if not isinstance(self.target, str):
+            return self.target
+        module_name, _, attribute = self.target.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in filter(None, attribute.split(".")):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise RegistryError(
+                f"cannot load {self.name!r} (target {self.target!r}, from plugin {self.provider!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return obj
+
+    @property
+    def target_text(self) -> str:
+        """The target as text, for listings."""
+        if isinstance(self.target, str):
+            return self.target
+        return f"{getattr(self.target, '__module__', '?')}:{getattr(self.target, '__qualname__', repr(self.target))}"
+
+
+def model_implementation(family: str, impl: str, target: str | Any, description: str = "") -> Implementation:
+    """An entry of the model-implementation registry, named ``"FAMILY/IMPL"``."""
+    return Implementation(name=f"{family}/{impl}", target=target, description=description)
+
+
+class Registry(Mapping[str, Implementation]):
+    """One merged registry: a read-only mapping from name to :class:`Implementation`."""
+
+    def __init__(self, kind: str, entries: Mapping[str, Implementation]) -> None:
+        self.kind = kind
+        self._entries = dict(sorted(entries.items()))
+
+    def __getitem__(self, name: str) -> Implementation:
+        return self._entries[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get_or_raise(self, name: str) -> Implementation:
+        """The entry called ``name``, or a :class:`RegistryError` that lists the available names."""
+        if name in self._entries:
+            return self._entries[name]
+        raise RegistryError(unknown_name_message(self.kind, name, list(self._entries)))
+
+
+def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
+    """Explain that ``name`` is not in the registry ``kind``: list what is there and, for a first-party name,
+    which distribution provides it."""
+    label = kind.replace("_", " ")
+    message = f"unknown {label.rstrip('s')} {name!r}; available: {', '.join(available) or '(none installed)'}"
+    distribution = FIRST_PARTY_PROVIDERS.get(kind, {}).get(name)
+    if distribution is not None:
+        if _is_installed(distribution):
+            message += f" ({distribution} is installed but its version provides no {name!r})"
+        else:
+            message += f"; {name!r} is provided by {distribution}: pip install {distribution}"
+    return message
+
+
+def _is_installed(distribution: str) -> bool:
+    from importlib import metadata  # deferred: only needed for this hint
+
+    try:
+        metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+class Registries:
+    """All registries, built once from a plugin manager's hooks."""
+
+    def __init__(self, registries: Mapping[str, Registry]) -> None:
+        self._registries = dict(registries)
+
+    def __getitem__(self, kind: str) -> Registry:
+        return self._registries[kind]
+
+    def items(self) -> Iterator[tuple[str, Registry]]:
+        return iter(self._registries.items())
+
+    @classmethod
+    def collect(cls, pm: pluggy.PluginManager) -> Registries:
+        """Call every registry hook of every plugin and merge the results; a duplicate name is an error naming
+        both plugins."""
+        return cls({kind: Registry(kind, _collect_one(pm, kind, hook)) for kind, hook in REGISTRY_HOOKS.items()})
+
+    def provided_by(self, plugin_name: str) -> dict[str, list[str]]:
+        """The names a plugin provides, per registry (registries it provides nothing to are left out)."""
+        provided: dict[str, list[str]] = {}
+        for kind, registry in self._registries.items():
+            names = [name for name, entry in registry.items() if entry.provider == plugin_name]
+            if names:
+                provided[kind] = names
+        return provided
+
+
+def _collect_one(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[str, Implementation]:
+    merged: dict[str, Implementation] = {}
+    for plugin_name, entries in call_each_plugin(pm, hook_name):
+        for entry in entries or []:
+            if not isinstance(entry, Implementation):
+                raise RegistryError(
+                    f"plugin {plugin_name!r} returned {entry!r} from {hook_name}; expected miles_core.Implementation"
+                )
+            entry = dataclasses.replace(entry, provider=entry.provider or plugin_name)
+            if entry.name in merged:
+                raise RegistryError(
+                    f"{kind.replace('_', ' ')}: {entry.name!r} is provided twice, by plugin "
+                    f"{merged[entry.name].provider!r} and by plugin {entry.provider!r}; "
+                    f"block one with --plugin no:NAME or uninstall it"
+                )
+            merged[entry.name] = entry
+    return merged
+
+
+def call_each_plugin(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+    """Call one hook plugin by plugin (registration order), returning ``(plugin name, result)`` pairs, so that
+    results can be attributed to the plugin that produced them."""
+    caller = getattr(pm.hook, hook_name)
+    results = []
+    for impl in reversed(caller.get_hookimpls()):  # pluggy keeps them last-registered-first
+        args = {name: kwargs[name] for name in impl.argnames}
+        results.append((pm.get_name(impl.plugin) or impl.plugin_name, impl.function(**args)))
+    return results

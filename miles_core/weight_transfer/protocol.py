@@ -1,0 +1,69 @@
+"""The interface of a weight-transfer protocol.
+
+A protocol is constructed once per run, connected to the engines once, then called once per weight update with
+the buckets of HF-named tensors that the trainer's ``HfWeightIterator`` yields. Engines speak SGLang's native HTTP
+API, so a protocol may use any of its ``/update_weights_*`` routes, or a channel of its own.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # torch is imported by the implementations; the interface stays light
+    import torch
+
+WeightBucket = list[tuple[str, "torch.Tensor"]]
+"""One bucket of ``(HF name, tensor)`` pairs, at most the configured bucket size in bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineEndpoint:
+    """An engine as a protocol sees it: its name (the cell id), base URL and admin key."""
+
+    name: str
+    url: str
+    admin_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """Authorization headers for the engine's control routes."""
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferReport:
+    """What one transfer moved and how fast."""
+
+    protocol: str
+    version: int
+    num_bytes: int
+    seconds: float
+    num_engines: int
+    checksum_ok: bool | None = None  # None when no checksum was checked
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput in GB/s (10^9 bytes per second) of the trainer's bytes."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class WeightTransferProtocol(abc.ABC):
+    """Base class of every protocol. Subclasses set :attr:`name` and implement the three steps."""
+
+    name: ClassVar[str]
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = settings
+
+    @abc.abstractmethod
+    async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
+        """Prepare the channel to every engine (called once, and again after an engine was replaced)."""
+
+    @abc.abstractmethod
+    async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        """Move every bucket to every engine and publish ``version``; an engine never serves a mix of versions."""
+
+    async def close(self) -> None:
+        """Release the channel. The default does nothing."""

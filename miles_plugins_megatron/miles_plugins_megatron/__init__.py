@@ -1,0 +1,1 @@
+"""Miles plugin: the Megatron training backend and its HfWeightIterator."""

@@ -1,0 +1,1 @@
+"""Miles plugin: P2P weight transfer over Ray Direct Transport (NIXL)."""

@@ -1,0 +1,1 @@
+"""Miles plugin: SGLang engines and the sglang-router."""

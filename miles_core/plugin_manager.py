@@ -64,9 +64,7 @@ class MilesPluginManager:
         self.blocked: set[str] = set()
 
     @classmethod
-    def load(
-        cls, plugin_args: Sequence[str] = (), environ: dict[str, str] | None = None
-    ) -> MilesPluginManager:
+    def load(cls, plugin_args: Sequence[str] = (), environ: dict[str, str] | None = None) -> MilesPluginManager:
         """Load every plugin in the documented order. ``plugin_args`` are the ``--plugin`` values."""
         environ = dict(os.environ if environ is None else environ)
         manager = cls()

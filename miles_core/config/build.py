@@ -116,10 +116,14 @@ def _model_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> type[pyd
     current: Any = model
     for part in loc[:-1]:
         field = current.model_fields.get(part) if isinstance(current, type) else None
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, pydantic.BaseModel)):
+        if field is None or not _is_model(field.annotation):
             return None
         current = field.annotation
     return current
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
 
 
 def _allowed_keys_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> str:
@@ -138,7 +142,11 @@ def _allowed_values_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) 
     field = parent.model_fields.get(loc[-1]) if parent is not None else None
     if field is None:
         return ""
-    bounds = [f"{name} {getattr(meta, name)}" for meta in field.metadata for name in ("ge", "gt", "le", "lt")
-              if getattr(meta, name, None) is not None]
+    bounds = [
+        f"{name} {getattr(meta, name)}"
+        for meta in field.metadata
+        for name in ("ge", "gt", "le", "lt")
+        if getattr(meta, name, None) is not None
+    ]
     allowed = f" (allowed: {', '.join(bounds)})" if bounds else ""
     return f"{allowed}; {field.description}" if field.description else allowed

@@ -65,5 +65,5 @@ class WeightTransferProtocol(abc.ABC):
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         """Move every bucket to every engine and publish ``version``; an engine never serves a mix of versions."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional step, most protocols hold nothing to release
         """Release the channel. The default does nothing."""

@@ -85,7 +85,9 @@ class ShardedDiskProtocol(WeightTransferProtocol):
     async def _load(self, engine: EngineEndpoint, version_dir: Path, version: int) -> None:
         payload: dict[str, Any] = {"model_path": str(version_dir), "weight_version": str(version)}
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            response = await client.post(f"{engine.url}/update_weights_from_disk", json=payload, headers=engine.headers())
+            response = await client.post(
+                f"{engine.url}/update_weights_from_disk", json=payload, headers=engine.headers()
+            )
         body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if response.status_code != 200 or not body.get("success", False):
             raise MilesError(

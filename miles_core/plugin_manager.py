@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -82,6 +83,7 @@ class MilesPluginManager:
         for spec in plugin_args:
             if not spec.startswith("no:"):
                 manager._load_plugin_spec(spec, source="--plugin")
+        manager._check_unknown_hooks()
         return manager
 
     @property
@@ -100,6 +102,20 @@ class MilesPluginManager:
         if plugin is None:
             return []
         return sorted(caller.name for caller in self.pm.get_hookcallers(plugin) or [])
+
+    def _check_unknown_hooks(self) -> None:
+        """A hook implementation without a spec is almost always a typo: fail, suggesting the closest hook."""
+        known = [name for name in dir(hookspecs) if getattr(getattr(hookspecs, name), "miles_spec", None)]
+        for caller in self.pm.hook.__dict__.values():
+            if not isinstance(caller, pluggy.HookCaller) or caller.spec is not None:
+                continue
+            for impl in caller.get_hookimpls():
+                name = self.pm.get_name(impl.plugin)
+                close = difflib.get_close_matches(caller.name, known, n=1)
+                raise PluginLoadError(
+                    f"plugin {name!r} ({self.infos[name].source}) implements {caller.name!r}, which is not a miles "
+                    f"hook{f'; did you mean {close[0]!r}?' if close else ''} (the hooks are in miles_core.hookspecs)"
+                )
 
     # -- loading --------------------------------------------------------------------------------------------
 
@@ -136,7 +152,10 @@ class MilesPluginManager:
         )
         for extension in extensions:
             self._register_module(
-                extension.plugin, name=extension.name, source="entry point", dist=extension.entry_point.dist
+                extension.plugin,
+                name=extension.name,
+                source="entry point",
+                dist=_distribution_of_entry_point(extension.entry_point),
             )
 
     def _register_weight_transfer_entry_points(self) -> None:
@@ -207,10 +226,20 @@ def _load_weight_transfer_entry_point(name: str) -> Any:
 
 def _raise_load_failure(_manager: Any, entry_point: metadata.EntryPoint, exc: BaseException) -> None:
     raise PluginLoadError(
-        f"plugin {entry_point.name!r} ({_describe_source('entry point', entry_point.dist)}, "
+        f"plugin {entry_point.name!r} ({_describe_source('entry point', _distribution_of_entry_point(entry_point))}, "
         f"entry point {entry_point.group}: {entry_point.name} = {entry_point.value}) failed to load: "
         f"{type(exc).__name__}: {exc}"
     ) from exc
+
+
+def _distribution_of_entry_point(entry_point: metadata.EntryPoint) -> Any:
+    """The distribution that declares ``entry_point`` (stevedore's cached entry points do not carry it)."""
+    if entry_point.dist is not None:
+        return entry_point.dist
+    for candidate in metadata.entry_points(group=entry_point.group, name=entry_point.name):
+        if candidate.value == entry_point.value:
+            return candidate.dist
+    return None
 
 
 def _describe_source(source: str, dist: Any) -> str:

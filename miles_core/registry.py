@@ -181,7 +181,7 @@ def call_each_plugin(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) ->
     results can be attributed to the plugin that produced them."""
     caller = getattr(pm.hook, hook_name)
     results = []
-    for impl in reversed(caller.get_hookimpls()):  # pluggy keeps them last-registered-first
+    for impl in caller.get_hookimpls():  # registration order (pluggy calls them in reverse)
         args = {name: kwargs[name] for name in impl.argnames}
         results.append((pm.get_name(impl.plugin) or impl.plugin_name, impl.function(**args)))
     return results

@@ -6,9 +6,10 @@ from typing import Any
 
 from miles_core.config.flags import ConfigFlag
 from miles_core.config.sections import ModelSection, RolloutSection, RunSection, WeightTransferSection
-from miles_core.errors import ConfigError, RegistryError
+from miles_core.errors import ConfigError, PluginLoadError, RegistryError
 from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation, Registries, model_implementation
+from miles_core.weight_transfer import WeightTransferProtocol
 
 DSV4_FAMILY = "deepseek_v4"
 TRANSFORMERS_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -55,7 +56,7 @@ def config_flags() -> list[ConfigFlag]:
 def validate_config(config: Any, registries: Registries) -> None:
     mode = config.weight_transfer.mode
     if mode is not None:
-        _require(registries["weight_transfer_protocols"], mode, "weight_transfer.mode (--update-weight-transfer-mode)")
+        check_weight_transfer_protocol(registries, mode)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
 
@@ -75,11 +76,16 @@ def check_model_implementation(registries: Registries, family: str, impl: str) -
     )
 
 
-def _require(registry: Any, name: str, field: str) -> None:
+def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
+    """Load the protocol class called ``name``; a :class:`ConfigError` names the flag and lists what exists."""
+    field = f"weight_transfer.mode (--update-weight-transfer-mode) = {name!r}"
     try:
-        registry.get_or_raise(name)
-    except RegistryError as exc:
-        raise ConfigError(f"{field} = {name!r}: {exc}") from exc
+        protocol = registries["weight_transfer_protocols"].get_or_raise(name).load()
+    except (RegistryError, PluginLoadError) as exc:
+        raise ConfigError(f"{field}: {exc}") from exc
+    if not (isinstance(protocol, type) and issubclass(protocol, WeightTransferProtocol)):
+        raise ConfigError(f"{field}: {protocol!r} is not a subclass of WeightTransferProtocol")
+    return protocol
 
 
 @hookimpl

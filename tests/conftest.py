@@ -1,0 +1,82 @@
+"""Shared helpers: run the installed ``miles`` command as a user would, and build throwaway plugin distributions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+MILES = Path(sys.executable).parent / "miles"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_miles(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the installed ``miles`` console script in a fresh process."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [str(MILES), *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=300, check=False
+    )
+
+
+def plugins_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    """``miles plugins --json`` as a mapping from plugin name to its description (plus ``"blocked"``)."""
+    result = run_miles("plugins", "--json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    return {"blocked": data["blocked"], **{p["name"]: p for p in data["plugins"]}}
+
+
+def config_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    """``miles config show --json`` parsed."""
+    result = run_miles("config", "show", "--json", *args, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def pip_install_distribution(
+    target: Path, source: Path, *, name: str, entry_points: str, files: dict[str, str]
+) -> None:
+    """Write a tiny distribution into ``source`` and ``pip install`` it into the directory ``target``."""
+    source.mkdir(parents=True)
+    package = name.replace("-", "_")
+    (source / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            [build-system]
+            requires = ["setuptools>=64"]
+            build-backend = "setuptools.build_meta"
+            [project]
+            name = "{name}"
+            version = "9.9.9"
+            [tool.setuptools]
+            packages = ["{package}"]
+            """
+        )
+        + entry_points
+    )
+    (source / package).mkdir()
+    for filename, text in files.items():
+        (source / package / filename).write_text(textwrap.dedent(text))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Path:
+    """A directory on PYTHONPATH for plugin modules written by a test."""
+    path = tmp_path / "plugin_modules"
+    path.mkdir()
+    return path
+
+
+def with_pythonpath(*paths: Path) -> dict[str, str]:
+    """An environment overlay putting ``paths`` on PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join(str(p) for p in paths)}

@@ -1,0 +1,235 @@
+"""Plugin discovery and loading, through the ``miles`` command as a user runs it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import config_json, pip_install_distribution, plugins_json, run_miles, with_pythonpath
+
+FIRST_PARTY = {"megatron": "miles-plugins-megatron", "sglang": "miles-plugins-sglang", "rdt": "miles-plugins-rdt"}
+
+EXTRA_REWARD_PLUGIN = """\
+from miles_core import Implementation, hookimpl
+
+def reward(*, prompt, response, label, metadata):
+    return float(len(response))
+
+@hookimpl
+def provide_reward_functions():
+    return [Implementation(name="{name}", target=reward)]
+"""
+
+
+def write_module(directory: Path, name: str, text: str) -> Path:
+    path = directory / f"{name}.py"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_plugins_json_lists_core_first_party_and_examples() -> None:
+    plugins = plugins_json()
+    assert plugins["core"]["distribution"] == "miles-core"
+    assert plugins["core"]["source"] == "builtin"
+    for name, distribution in FIRST_PARTY.items():
+        assert plugins[name]["distribution"] == distribution
+        assert plugins[name]["version"] == importlib.metadata.version(distribution)
+        assert plugins[name]["source"] == "entry point"
+    hooks = plugins["example-hooks"]
+    assert hooks["distribution"] == "miles-example-hooks"
+    assert hooks["hooks"] == ["provide_model_implementations", "provide_reward_functions"]
+    assert hooks["provides"] == {"model_implementations": ["llama/minimal"], "reward_functions": ["example.keyword"]}
+    transfer = plugins["miles-example-transfer"]
+    assert transfer["source"] == "entry point (miles.weight_transfer)"
+    assert transfer["provides"] == {"weight_transfer_protocols": ["sharded-disk"]}
+    assert "config_sections" in plugins["core"]["hooks"]
+
+
+def test_example_distributions_are_really_pip_installed() -> None:
+    hooks = importlib.metadata.distribution("miles-example-hooks")
+    assert [(ep.group, ep.name) for ep in hooks.entry_points] == [("miles.plugins", "example-hooks")]
+    transfer = importlib.metadata.distribution("miles-example-transfer")
+    assert [(ep.group, ep.name) for ep in transfer.entry_points] == [("miles.weight_transfer", "sharded-disk")]
+
+
+def test_plugins_table_is_readable() -> None:
+    result = run_miles("plugins")
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"]
+    assert any(row.startswith("example-hooks ") and "llama/minimal" in row for row in rows)
+
+
+def test_entry_point_only_protocol_is_selectable() -> None:
+    config = config_json("--update-weight-transfer-mode", "sharded-disk")
+    assert config["weight_transfer"]["mode"] == "sharded-disk"
+
+
+def test_plugin_given_as_module(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "my_reward_plugin", EXTRA_REWARD_PLUGIN.format(name="mine.length"))
+    plugins = plugins_json("--plugin", "my_reward_plugin", env=with_pythonpath(plugin_dir))
+    assert plugins["my_reward_plugin"]["source"] == "--plugin"
+    assert plugins["my_reward_plugin"]["provides"] == {"reward_functions": ["mine.length"]}
+
+
+def test_plugin_given_as_file_anywhere_on_the_command_line(tmp_path: Path) -> None:
+    path = write_module(tmp_path, "file_plugin", EXTRA_REWARD_PLUGIN.format(name="file.length"))
+    result = run_miles("plugins", "--json", f"--plugin={path}")
+    assert result.returncode == 0, result.stderr
+    plugins = plugins_json("--plugin", str(path))
+    assert plugins[str(path)]["provides"] == {"reward_functions": ["file.length"]}
+    assert plugins[str(path)]["location"] == str(path)
+
+
+def test_block_a_plugin_with_no_name() -> None:
+    plugins = plugins_json("--plugin", "no:example-hooks")
+    assert "example-hooks" not in plugins
+    assert plugins["blocked"] == ["example-hooks"]
+    result = run_miles("config", "show", "--plugin", "no:example-hooks", "--model-impl", "llama=minimal")
+    assert result.returncode == 2
+    assert "no such implementation of model family 'llama'" in result.stderr
+
+
+def test_block_an_entry_point_only_distribution() -> None:
+    plugins = plugins_json("--plugin", "no:miles-example-transfer")
+    assert "miles-example-transfer" not in plugins
+    result = run_miles("config", "show", "--plugin", "no:miles-example-transfer", "--update-weight-transfer-mode",
+                       "sharded-disk")  # fmt: skip
+    assert result.returncode == 2
+    assert "unknown weight transfer protocol 'sharded-disk'" in result.stderr
+
+
+def test_miles_plugins_env_loads_modules_in_order_before_cli(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "env_one", EXTRA_REWARD_PLUGIN.format(name="env.one"))
+    write_module(plugin_dir, "env_two", EXTRA_REWARD_PLUGIN.format(name="env.two"))
+    write_module(plugin_dir, "cli_three", EXTRA_REWARD_PLUGIN.format(name="cli.three"))
+    env = {**with_pythonpath(plugin_dir), "MILES_PLUGINS": "env_one, env_two"}
+    plugins = plugins_json("--plugin", "cli_three", env=env)
+    names = [name for name in plugins if name != "blocked"]
+    assert names[-3:] == ["env_one", "env_two", "cli_three"]
+    assert plugins["env_one"]["source"] == "MILES_PLUGINS"
+    assert plugins["cli_three"]["source"] == "--plugin"
+
+
+def test_autoload_disabled_keeps_builtins_and_explicit_plugins(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "explicit_one", EXTRA_REWARD_PLUGIN.format(name="explicit.one"))
+    env = {**with_pythonpath(plugin_dir), "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    plugins = plugins_json("--plugin", "explicit_one", env=env)
+    assert sorted(name for name in plugins if name != "blocked") == ["core", "explicit_one"]
+
+
+def test_plugin_module_whose_import_raises(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "exploding", "raise RuntimeError('boom at import')\n")
+    result = run_miles("plugins", "--plugin", "exploding", env=with_pythonpath(plugin_dir))
+    assert result.returncode == 2
+    assert "plugin module 'exploding' (from --plugin) failed to import: RuntimeError: boom at import" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_plugin_module_and_file(tmp_path: Path) -> None:
+    result = run_miles("plugins", "--plugin", "no_such_module_anywhere")
+    assert result.returncode == 2
+    assert "'no_such_module_anywhere' (from --plugin) failed to import: ModuleNotFoundError" in result.stderr
+    result = run_miles("plugins", "--plugin", str(tmp_path / "absent.py"))
+    assert result.returncode == 2
+    assert "absent.py' (from --plugin) does not exist" in result.stderr
+
+
+def test_plugin_with_a_hook_the_specs_do_not_know(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "typo_plugin", """\
+        from miles_core import hookimpl
+
+        @hookimpl
+        def provide_rewards_functions():
+            return []
+        """)  # fmt: skip
+    result = run_miles("plugins", "--plugin", "typo_plugin", env=with_pythonpath(plugin_dir))
+    assert result.returncode == 2
+    assert (
+        "plugin 'typo_plugin' (--plugin) implements 'provide_rewards_functions', which is not a miles hook"
+        in result.stderr
+    )
+    assert "did you mean 'provide_reward_functions'?" in result.stderr
+
+
+def test_duplicate_registry_name_names_both_plugins(plugin_dir: Path) -> None:
+    write_module(plugin_dir, "dup_reward", EXTRA_REWARD_PLUGIN.format(name="example.keyword"))
+    result = run_miles("plugins", "--plugin", "dup_reward", env=with_pythonpath(plugin_dir))
+    assert result.returncode == 2
+    assert (
+        "reward functions: 'example.keyword' is provided twice, by plugin 'example-hooks' and by plugin 'dup_reward'"
+        in result.stderr
+    )
+
+
+@pytest.fixture(scope="module")
+def broken_distributions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real distributions, pip-installed into their own directories, whose entry points are broken."""
+    root = tmp_path_factory.mktemp("broken")
+    specs = {
+        "miles-broken-import": (
+            '[project.entry-points."miles.plugins"]\nbroken-import = "miles_broken_import.plugin"\n',
+            {"__init__.py": "", "plugin.py": "raise ImportError('needs a library that is not installed')\n"},
+        ),
+        "miles-missing-object": (
+            '[project.entry-points."miles.plugins"]\nmissing-object = "miles_missing_object.plugin:no_such_object"\n',
+            {"__init__.py": "", "plugin.py": "VALUE = 1\n"},
+        ),
+        "miles-missing-protocol": (
+            '[project.entry-points."miles.weight_transfer"]\nghost = "miles_missing_protocol:NoSuchProtocol"\n',
+            {"__init__.py": ""},
+        ),
+        "miles-duplicate-protocol": (
+            '[project.entry-points."miles.weight_transfer"]\nsharded-disk = "miles_duplicate_protocol:Other"\n',
+            {"__init__.py": "class Other: ...\n"},
+        ),
+    }
+    targets = {}
+    for name, (entry_points, files) in specs.items():
+        targets[name] = root / "site" / name
+        pip_install_distribution(targets[name], root / "src" / name, name=name, entry_points=entry_points, files=files)
+    return targets
+
+
+def test_entry_point_whose_import_fails_names_distribution_and_entry_point(broken_distributions) -> None:
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions["miles-broken-import"]))
+    assert result.returncode == 2
+    assert (
+        "plugin 'broken-import' (distribution miles-broken-import 9.9.9, entry point miles.plugins: "
+        "broken-import = miles_broken_import.plugin) failed to load: ImportError: needs a library that is not installed"
+    ) in result.stderr
+
+
+def test_entry_point_naming_a_missing_object(broken_distributions) -> None:
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions["miles-missing-object"]))
+    assert result.returncode == 2
+    assert "distribution miles-missing-object 9.9.9" in result.stderr
+    assert "miles_missing_object.plugin:no_such_object) failed to load: AttributeError" in result.stderr
+
+
+def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:
+    env = with_pythonpath(broken_distributions["miles-missing-protocol"])
+    assert plugins_json(env=env)["miles-missing-protocol"]["provides"] == {"weight_transfer_protocols": ["ghost"]}
+    result = run_miles("config", "show", "--update-weight-transfer-mode", "ghost", env=env)
+    assert result.returncode == 2
+    assert "weight_transfer.mode (--update-weight-transfer-mode) = 'ghost'" in result.stderr
+    assert "distribution miles-missing-protocol 9.9.9" in result.stderr
+    assert "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol) failed to load" in result.stderr
+
+
+def test_duplicate_protocol_from_two_distributions(broken_distributions) -> None:
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions["miles-duplicate-protocol"]))
+    assert result.returncode == 2
+    assert "'sharded-disk' is provided twice" in result.stderr
+    assert "miles-duplicate-protocol" in result.stderr and "miles-example-transfer" in result.stderr
+
+
+def test_version_lists_plugin_distributions() -> None:
+    result = run_miles("version")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"miles-core {importlib.metadata.version('miles-core')}"
+    assert "miles-plugins-rdt 0.1.0" in lines and "miles-example-transfer 0.1.0" in lines

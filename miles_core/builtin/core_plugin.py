@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from miles_core.config.flags import ConfigFlag
-from miles_core.config.sections import ModelSection, RolloutSection, RunSection, WeightTransferSection
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
 from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation, Registries, model_implementation
@@ -17,6 +16,9 @@ TRANSFORMERS_FAMILIES = ("llama", "qwen2", "qwen3")
 
 @hookimpl
 def config_sections() -> dict[str, type]:
+    # Deferred: pydantic costs ~0.3 s to import, and `miles plugins` never builds the config.
+    from miles_core.config.sections import ModelSection, RolloutSection, RunSection, WeightTransferSection
+
     return {
         "run": RunSection,
         "model": ModelSection,

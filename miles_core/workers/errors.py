@@ -1,0 +1,45 @@
+"""Errors of the worker runtime; each names the worker, and the method and call id where there is one."""
+
+from __future__ import annotations
+
+from miles_core.errors import MilesError
+
+
+class WorkerError(MilesError):
+    """Base class of worker-runtime errors."""
+
+
+class RpcRequestError(WorkerError):
+    """The worker refused a call (bad arguments, unknown method, bad token, ...): a 4xx answer."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RemoteError(WorkerError):
+    """The remote method raised; carries the remote exception's type, message and traceback text."""
+
+    def __init__(self, *, worker: str, method: str, error_type: str, message: str, traceback: str) -> None:
+        super().__init__(f"{worker}.{method} raised {error_type}: {message}\n--- remote traceback ---\n{traceback}")
+        self.worker = worker
+        self.method = method
+        self.error_type = error_type
+        self.remote_message = message
+        self.remote_traceback = traceback
+
+
+class WorkerDiedError(WorkerError):
+    """The worker process is gone."""
+
+
+class CallLostError(WorkerError):
+    """The worker no longer knows an accepted call (it restarted, or the result expired)."""
+
+
+class RpcDeadlineError(WorkerError):
+    """A call did not finish before its deadline."""
+
+
+class WorkerStartError(WorkerError):
+    """A worker did not start or never became healthy; the message carries the tail of its log."""

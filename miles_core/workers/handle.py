@@ -1,0 +1,59 @@
+"""Typed client handles: ``await handle.update_weights(version=3)``, checked against the worker's real signature."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from miles_core.workers.rpc_client import RpcClient
+from miles_core.workers.rpc_server import rpc_methods_of
+
+
+class WorkerHandle:
+    """Calls a worker's methods through an :class:`RpcClient`, binding the arguments against the signature of
+    ``interface`` first, so a wrong call fails here with a ``TypeError`` and is never sent.
+
+    ``interface`` is the worker class (its :func:`~miles_core.workers.rpc_server.rpc_method` methods are exposed) or
+    a ``typing.Protocol`` describing it (all its public methods are exposed).
+    """
+
+    def __init__(self, client: RpcClient, interface: type) -> None:
+        self._client = client
+        self._interface = interface
+        marked = rpc_methods_of(interface)
+        self._methods: dict[str, inspect.Signature] = {
+            name: inspect.signature(fn) for name, fn in (marked or _public_methods(interface)).items()
+        }
+
+    @property
+    def client(self) -> RpcClient:
+        return self._client
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        signature = self.__dict__.get("_methods", {}).get(name)
+        if signature is None:
+            raise AttributeError(
+                f"{self._interface.__name__} has no RPC method {name!r}; methods: {sorted(self._methods)}"
+            )
+        return functools.partial(self._invoke, name, signature)
+
+    async def _invoke(self, name: str, signature: inspect.Signature, *args: Any, **kwargs: Any) -> Any:
+        timeout_s = kwargs.pop("rpc_timeout_s", None)
+        try:
+            signature.bind(None, *args, **kwargs)  # None stands for self
+        except TypeError as exc:
+            raise TypeError(f"{self._interface.__name__}.{name}{_without_self(signature)}: {exc}") from None
+        return await self._client.call(name, *args, timeout_s=timeout_s, **kwargs)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._methods))
+
+
+def _public_methods(interface: type) -> dict[str, Callable]:
+    return {name: fn for name, fn in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
+
+
+def _without_self(signature: inspect.Signature) -> inspect.Signature:
+    return signature.replace(parameters=list(signature.parameters.values())[1:])

@@ -1,0 +1,126 @@
+"""``LocalWorkerProvider``: every worker is a child process on this machine (tests, single-machine runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from miles_core.workers.errors import WorkerStartError
+from miles_core.workers.process import SupervisedProcess, free_ports, log_tail
+from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo, wait_healthy
+from miles_core.workers.python_worker import READY_FILE_ENV, SPEC_ENV
+from miles_core.workers.rpc_wire import HEALTH_PATH, TOKEN_ENV
+from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
+
+
+class LocalWorkerProvider(BaseWorkerProvider):
+    """Starts workers as child processes, each in its own session, logs under ``run_dir/logs``."""
+
+    def __init__(self, *, token: str, run_dir: str | Path) -> None:
+        super().__init__(token=token)
+        self.run_dir = Path(run_dir)
+        self.processes: dict[str, SupervisedProcess] = {}
+
+    async def start(self, spec: WorkerSpec) -> WorkerInfo:
+        self._check_new(spec)
+        log_file = Path(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
+        if isinstance(spec, PythonWorkerSpec):
+            info = await self._start_python(spec, log_file)
+        else:
+            info = await self._start_command(spec, log_file)
+        self.workers[spec.name] = info
+        self.specs[spec.name] = spec
+        return info
+
+    async def _start_python(self, spec: PythonWorkerSpec, log_file: Path) -> WorkerInfo:
+        ready_file = self.run_dir / "workers" / f"{spec.name}.ready.json"
+        ready_file.parent.mkdir(parents=True, exist_ok=True)
+        ready_file.unlink(missing_ok=True)
+        env = {**os.environ, **spec.env, TOKEN_ENV: self.token, SPEC_ENV: spec.model_dump_json(),
+               READY_FILE_ENV: str(ready_file)}  # fmt: skip
+        process = SupervisedProcess([sys.executable, "-m", "miles_core.workers.python_worker"], env=env,
+                                    log_file=log_file)  # fmt: skip
+        self.processes[spec.name] = process
+        deadline = time.monotonic() + spec.startup_timeout_s
+        try:
+            while not ready_file.exists():
+                if not process.is_alive() or time.monotonic() > deadline:
+                    what = "exited while starting" if not process.is_alive() else "did not start in time"
+                    raise WorkerStartError(f"worker {spec.name} {what}\n{self._describe(spec.name)}")
+                await asyncio.sleep(0.05)
+            url = _read_url(ready_file)
+            await wait_healthy(
+                name=spec.name, url=f"{url}{HEALTH_PATH}", deadline=deadline, alive=self._alive_fn(spec.name),
+                describe=self._describe_fn(spec.name), headers={"Authorization": f"Bearer {self.token}"},
+            )  # fmt: skip
+        except BaseException:
+            await self._discard(spec.name)
+            raise
+        return WorkerInfo(name=spec.name, kind="python", url=url, ports={}, pid=process.pid, node="127.0.0.1",
+                          log_file=str(log_file))  # fmt: skip
+
+    async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
+        ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
+        fill = {"host": spec.host, **{name: str(port) for name, port in ports.items()}}
+        argv = [arg.format(**fill) for arg in spec.argv]
+        env = {**os.environ, TOKEN_ENV: self.token, **{k: v.format(**fill) for k, v in spec.env.items()}}
+        process = SupervisedProcess(argv, env=env, log_file=log_file, cwd=spec.cwd)
+        self.processes[spec.name] = process
+        if spec.health_url is not None:
+            try:
+                await wait_healthy(
+                    name=spec.name, url=spec.health_url.format(**fill),
+                    deadline=time.monotonic() + spec.startup_timeout_s, alive=self._alive_fn(spec.name),
+                    describe=self._describe_fn(spec.name),
+                )  # fmt: skip
+            except BaseException:
+                await self._discard(spec.name)
+                raise
+        url = f"http://{spec.host}:{ports[spec.ports[0]]}" if spec.ports else None
+        return WorkerInfo(name=spec.name, kind="command", url=url, ports=ports, pid=process.pid, node=spec.host,
+                          log_file=str(log_file))  # fmt: skip
+
+    async def stop(self, name: str) -> None:
+        await self._discard(name)
+        self.workers.pop(name, None)
+
+    async def is_alive(self, name: str) -> bool:
+        process = self.processes.get(name)
+        return process is not None and process.is_alive()
+
+    def logs(self, name: str, *, tail_bytes: int = 4096) -> str:
+        process = self.processes.get(name)
+        info = self.workers.get(name)
+        path = process.log_file if process is not None else (info.log_file if info else None)
+        return log_tail(path, tail_bytes)
+
+    async def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.processes[name].kill(sig)
+
+    async def _discard(self, name: str) -> None:
+        process = self.processes.pop(name, None)
+        if process is not None:
+            await asyncio.to_thread(process.stop)
+
+    def _alive_fn(self, name: str):
+        return lambda: self.is_alive(name)
+
+    def _describe_fn(self, name: str):
+        async def describe() -> str:
+            return self._describe(name)
+
+        return describe
+
+    def _describe(self, name: str) -> str:
+        process = self.processes[name]
+        return (f"  {process.describe()}, exit code {process.exit_code}\n  --- log tail ---\n"
+                f"{log_tail(process.log_file)}")  # fmt: skip
+
+
+def _read_url(ready_file: Path) -> str:
+    return json.loads(ready_file.read_text())["url"]

@@ -1,0 +1,119 @@
+"""Starting, watching and killing local processes (and their whole process trees)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import psutil
+
+LOG_TAIL_BYTES = 4096
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that are free on ``host`` right now (all held open until all are chosen)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def log_tail(path: str | Path | None, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of a log file, or a note when there is none."""
+    if path is None:
+        return "(no log file)"
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - max_bytes))
+            return log.read().decode(errors="replace")
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc})"
+
+
+class SupervisedProcess:
+    """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree."""
+
+    def __init__(
+        self, argv: list[str], *, env: Mapping[str, str], log_file: str | Path, cwd: str | None = None
+    ) -> None:
+        self.argv = list(argv)
+        self.log_file = Path(log_file)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.argv, env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
+
+    def tree_pids(self) -> list[int]:
+        """The pids of the process and all its descendants (alive ones)."""
+        try:
+            root = psutil.Process(self.pid)
+            return [self.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the process only (fault injection)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM the whole tree, SIGKILL what is left after ``grace_s``, and reap the child."""
+        kill_tree(self.tree_pids(), grace_s=grace_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=grace_s)
+
+    def describe(self) -> str:
+        return f"pid {self.pid}, command {' '.join(self.argv)!r}, log {self.log_file}"
+
+
+def kill_tree(pids: Iterable[int], *, grace_s: float = 5.0) -> None:
+    """Terminate ``pids`` (a process tree), then kill the survivors."""
+    processes = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(pid))
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+def wait_until(predicate, *, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout_s`` passed; return its last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)

@@ -1,0 +1,52 @@
+"""Worker specs: what to start. Every kind of worker (engine, router, trainer rank, session server) is one of these.
+
+Strings in a :class:`CommandWorkerSpec` (argv, env values, health URL) may hold ``{host}`` and ``{NAME}`` for each
+port named in ``ports``; the provider fills them in with the host and free ports it allocated.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import pydantic
+
+WorkerName = Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+
+
+class _Spec(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    name: WorkerName
+    env: dict[str, str] = pydantic.Field(default_factory=dict, description="Extra environment variables.")
+    num_cpus: float = pydantic.Field(default=1.0, ge=0, description="CPUs reserved for the worker.")
+    num_gpus: float = pydantic.Field(default=0.0, ge=0, description="GPUs reserved for the worker.")
+    startup_timeout_s: float = pydantic.Field(default=120.0, gt=0, description="Time allowed to become healthy.")
+    log_file: str | None = pydantic.Field(default=None, description="Log path; default: RUN_DIR/logs/NAME.log.")
+
+
+class PythonWorkerSpec(_Spec):
+    """A Python worker: ``target`` (``"module:Class"``) built with keyword-only ``kwargs``, served over RPC."""
+
+    kind: str = "python"
+    target: str = pydantic.Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    kwargs: dict[str, Any] = pydantic.Field(default_factory=dict)
+    rpc_groups: dict[str, int | None] | None = pydantic.Field(
+        default=None, description="Concurrency groups of the worker's RPC server (default: control=1, query=None)."
+    )
+    result_ttl_s: float = pydantic.Field(default=12 * 3600.0, gt=0, description="How long call results are kept.")
+
+
+class CommandWorkerSpec(_Spec):
+    """A worker that is a command line (an SGLang server, the router), supervised by its provider."""
+
+    kind: str = "command"
+    argv: list[str] = pydantic.Field(min_length=1)
+    cwd: str | None = None
+    ports: list[str] = pydantic.Field(default_factory=list, description="Names of ports to allocate.")
+    health_url: str | None = pydantic.Field(
+        default=None, description="URL that answers 200 once the worker is ready, e.g. http://{host}:{port}/health."
+    )
+    host: str = "127.0.0.1"
+
+
+WorkerSpec = PythonWorkerSpec | CommandWorkerSpec

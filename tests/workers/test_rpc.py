@@ -301,10 +301,9 @@ def test_submit_body_is_plain_json() -> None:
     import pickle
 
     async def scenario() -> None:
-        async with Served() as served:
-            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-                response = await http.post(f"{served.server.url}/rpc/submit", content=pickle.dumps({"x": 1}))
-                assert response.status_code == 400
-                assert json.loads(response.text)["error"].startswith("request body is not valid JSON")
+        async with Served() as served, httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            response = await http.post(f"{served.server.url}/rpc/submit", content=pickle.dumps({"x": 1}))
+            assert response.status_code == 400
+            assert json.loads(response.text)["error"].startswith("request body is not valid JSON")
 
     run(scenario())

@@ -62,7 +62,7 @@ class LocalWorkerProvider(BaseWorkerProvider):
             await self._discard(spec.name)
             raise
         return WorkerInfo(name=spec.name, kind="python", url=url, ports={}, pid=process.pid, node="127.0.0.1",
-                          log_file=str(log_file))  # fmt: skip
+                          log_file=str(log_file), health_url=f"{url}{HEALTH_PATH}")  # fmt: skip
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
@@ -82,8 +82,9 @@ class LocalWorkerProvider(BaseWorkerProvider):
                 await self._discard(spec.name)
                 raise
         url = f"http://{spec.host}:{ports[spec.ports[0]]}" if spec.ports else None
+        health_url = spec.health_url.format(**fill) if spec.health_url else None
         return WorkerInfo(name=spec.name, kind="command", url=url, ports=ports, pid=process.pid, node=spec.host,
-                          log_file=str(log_file))  # fmt: skip
+                          log_file=str(log_file), health_url=health_url)  # fmt: skip
 
     async def stop(self, name: str) -> None:
         await self._discard(name)

@@ -27,6 +27,7 @@ class WorkerInfo:
     pid: int | None
     node: str  # node address
     log_file: str
+    health_url: str | None = None  # answers 200 while the worker is healthy (a Python worker's needs the token)
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)  # provider-specific (bundle index, ...)
 
 

@@ -1,0 +1,146 @@
+"""The health monitor: checks every running cell periodically and restores the ones that failed.
+
+A failed cell is stopped, restarted from its specs, then handed to the recovery callbacks, which re-register it
+wherever it was registered (the router, the dashboard) and bring it to the current weight version, while the run
+goes on. Checks pause around weight updates (:meth:`HealthMonitor.paused`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+
+from miles_core.workers.cells import Cell, CellManager
+
+logger = logging.getLogger(__name__)
+
+RecoveryCallback = Callable[[Cell], Awaitable[None]]
+
+
+class HealthMonitor:
+    """Checks cells every ``interval_s``; after ``failures_to_restart`` failed checks in a row a cell is restarted."""
+
+    def __init__(
+        self,
+        cells: CellManager,
+        *,
+        interval_s: float = 5.0,
+        timeout_s: float = 5.0,
+        failures_to_restart: int = 2,
+        on_recovered: list[RecoveryCallback] | None = None,
+    ) -> None:
+        if interval_s <= 0 or timeout_s <= 0 or failures_to_restart < 1:
+            raise ValueError("interval_s and timeout_s must be positive and failures_to_restart at least 1")
+        self.cells = cells
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failures_to_restart = failures_to_restart
+        self.on_recovered = list(on_recovered or [])
+        self.failures: dict[str, int] = {}
+        self.events: list[tuple[float, str, str]] = []  # (time, cell id, what happened)
+        self._pause_depth = 0
+        self._round = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+
+    # -- control --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run checks in the background of the current event loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="health-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """No checks run inside this block (a round in progress is waited for first)."""
+        self._pause_depth += 1
+        try:
+            async with self._round:
+                pass
+            yield
+        finally:
+            self._pause_depth -= 1
+
+    @property
+    def is_paused(self) -> bool:
+        return self._pause_depth > 0
+
+    # -- checking -------------------------------------------------------------------------------------------
+
+    async def check_once(self) -> list[str]:
+        """One round over the running and failed cells; returns the ids of the cells it restored."""
+        if self.is_paused:
+            return []
+        async with self._round:
+            restored = []
+            for cell in list(self.cells.cells.values()):
+                if self.is_paused:
+                    break
+                if await self._needs_recovery(cell) and await self._recover(cell):
+                    restored.append(cell.cell_id)
+            return restored
+
+    async def is_healthy(self, cell: Cell) -> bool:
+        """Every worker of the cell is alive and answers its health URL with 200."""
+        headers = {"Authorization": f"Bearer {self.cells.provider.token}"}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
+            for worker in cell.workers:
+                if not await self.cells.provider.is_alive(worker.name):
+                    return False
+                if worker.health_url is None:
+                    continue
+                try:
+                    if (await client.get(worker.health_url)).status_code != 200:
+                        return False
+                except httpx.HTTPError:
+                    return False
+        return bool(cell.workers)
+
+    async def _needs_recovery(self, cell: Cell) -> bool:
+        if cell.state.value == "failed":
+            return True
+        if cell.state.value != "running":
+            return False
+        if await self.is_healthy(cell):
+            self.failures[cell.cell_id] = 0
+            return False
+        self.failures[cell.cell_id] = self.failures.get(cell.cell_id, 0) + 1
+        self._event(cell.cell_id, f"health check failed ({self.failures[cell.cell_id]} in a row)")
+        return self.failures[cell.cell_id] >= self.failures_to_restart
+
+    async def _recover(self, cell: Cell) -> bool:
+        self._event(cell.cell_id, "restarting")
+        try:
+            await self.cells.restart(cell.cell_id)
+            for callback in self.on_recovered:
+                await callback(cell)
+        except Exception as exc:  # the run goes on; the next round tries again
+            self._event(cell.cell_id, f"recovery failed: {type(exc).__name__}: {exc}")
+            logger.warning("cell %s could not be recovered: %s", cell.cell_id, exc)
+            return False
+        self.failures[cell.cell_id] = 0
+        self._event(cell.cell_id, "recovered")
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.check_once()
+            except Exception:  # never let a monitoring bug end the run
+                logger.exception("health check round failed")
+
+    def _event(self, cell_id: str, what: str) -> None:
+        self.events.append((time.time(), cell_id, what))
+        logger.info("cell %s: %s", cell_id, what)

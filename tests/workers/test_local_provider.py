@@ -1,0 +1,196 @@
+"""Workers as real local processes: start, call, kill, recover, stop, with cells and the health monitor."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from miles_core.testkit.echo_worker import ECHO_GROUPS, EchoWorker
+from miles_core.workers.cells import CellManager, CellState
+from miles_core.workers.errors import WorkerDiedError, WorkerError, WorkerStartError
+from miles_core.workers.faults import Fault, FaultInjector
+from miles_core.workers.handle import WorkerHandle
+from miles_core.workers.health import HealthMonitor
+from miles_core.workers.local_provider import LocalWorkerProvider
+from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec
+
+TOKEN = "local-token"
+ECHO_TARGET = "miles_core.testkit.echo_worker:EchoWorker"
+
+
+def echo_spec(name: str, **kwargs) -> PythonWorkerSpec:
+    return PythonWorkerSpec(name=name, target=ECHO_TARGET, kwargs={"label": name}, rpc_groups=ECHO_GROUPS, **kwargs)
+
+
+def http_server_spec(name: str, **kwargs) -> CommandWorkerSpec:
+    """A command worker whose real server is a grandchild (bash -> python), to prove the whole tree is stopped."""
+    return CommandWorkerSpec(
+        name=name,
+        argv=["bash", "-c", f"{sys.executable} -m http.server {{port}} --bind {{host}} & wait"],
+        ports=["port"],
+        health_url="http://{host}:{port}/",
+        **kwargs,
+    )
+
+
+def gone(pids: list[int]) -> bool:
+    return all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE for pid in pids)
+
+
+@pytest.fixture
+def provider(tmp_path: Path):
+    provider = LocalWorkerProvider(token=TOKEN, run_dir=tmp_path)
+    yield provider
+    asyncio.run(provider.shutdown())
+
+
+def test_python_worker_call_and_stop(provider: LocalWorkerProvider) -> None:
+    async def scenario() -> None:
+        info = await provider.start(echo_spec("echo-a"))
+        assert info.kind == "python" and info.url.startswith("http://127.0.0.1:")
+        handle = WorkerHandle(provider.client("echo-a"), EchoWorker)
+        identity = await handle.identity()
+        assert identity["label"] == "echo-a" and identity["pid"] == info.pid
+        await handle.client.aclose()
+        with pytest.raises(WorkerError, match="already running"):
+            await provider.start(echo_spec("echo-a"))
+        await provider.stop("echo-a")
+        assert gone([info.pid])
+        assert not await provider.is_alive("echo-a")
+
+    asyncio.run(scenario())
+
+
+def test_sigkill_mid_call_then_health_monitor_recovers(provider: LocalWorkerProvider) -> None:
+    async def scenario() -> None:
+        cells = CellManager(provider)
+        cells.add_server("engine", count=2, specs=lambda cell_id: [echo_spec(cell_id)])
+        await cells.start_all()
+        current_version = 7
+        registered: list[str] = []
+
+        async def bring_back(cell) -> None:  # what the controller does: re-register, re-sync weights
+            registered.append(cell.cell_id)
+            client = provider.client(cell.workers[0].name)
+            await client.call("set_version", current_version)
+            await client.aclose()
+
+        monitor = HealthMonitor(cells, interval_s=0.2, failures_to_restart=1, on_recovered=[bring_back])
+        old_pid = cells.get("engine-1").workers[0].pid
+        handle = WorkerHandle(provider.client("engine-1", timeout_s=60), EchoWorker)
+        call = asyncio.create_task(handle.sleep(30.0))
+        await asyncio.sleep(0.5)
+        start = time.monotonic()
+        await FaultInjector(provider, [Fault.parse("engine-1@rollout:3")]).on_event("rollout:3")
+        with pytest.raises(WorkerDiedError, match=r"worker engine-1 died during engine-1\.sleep"):
+            await call
+        assert time.monotonic() - start < 10  # well before the 60 s deadline
+        await handle.client.aclose()
+
+        monitor.start()
+        for _ in range(150):
+            if any(what == "recovered" for _, _, what in monitor.events):
+                break
+            await asyncio.sleep(0.1)
+        await monitor.stop()
+        assert registered == ["engine-1"]
+        cell = cells.get("engine-1")
+        assert cell.state == CellState.RUNNING and cell.restarts == 1
+        handle = WorkerHandle(provider.client("engine-1"), EchoWorker)
+        identity = await handle.identity()
+        assert identity["pid"] != old_pid and identity["version"] == current_version
+        assert await handle.record("after-recovery", 2) == 4
+        await handle.client.aclose()
+        assert cells.get("engine-0").restarts == 0
+        assert [what for _, cell_id, what in monitor.events if cell_id == "engine-1"][-1] == "recovered"
+        await cells.stop_all()
+        assert gone([old_pid, identity["pid"]])
+
+    asyncio.run(scenario())
+
+
+def test_paused_monitor_does_not_check(provider: LocalWorkerProvider) -> None:
+    async def scenario() -> None:
+        cells = CellManager(provider)
+        cells.add_server("engine", count=1, specs=lambda cell_id: [echo_spec(cell_id)])
+        await cells.start_all()
+        monitor = HealthMonitor(cells, failures_to_restart=1)
+        async with monitor.paused():
+            await provider.kill("engine-0")
+            assert await monitor.check_once() == []
+            assert cells.get("engine-0").restarts == 0
+        assert await monitor.check_once() == ["engine-0"]
+        assert cells.get("engine-0").restarts == 1
+        await cells.stop_all()
+
+    asyncio.run(scenario())
+
+
+def test_command_worker_tree_is_stopped(provider: LocalWorkerProvider) -> None:
+    async def scenario() -> None:
+        cells = CellManager(provider)
+        cells.add_server("router", count=1, specs=lambda cell_id: [http_server_spec(cell_id)])
+        cell = await cells.start("router-0")
+        worker = cell.workers[0]
+        assert worker.url == f"http://127.0.0.1:{worker.ports['port']}"
+        tree = provider.processes["router-0"].tree_pids()
+        assert len(tree) == 2  # bash and its python child
+        monitor = HealthMonitor(cells)
+        assert await monitor.is_healthy(cell)
+        topology = cells.topology()
+        assert topology["cells"][0]["cell_id"] == "router-0"
+        assert topology["cells"][0]["workers"][0]["ports"] == worker.ports
+        await cells.stop("router-0")
+        assert gone(tree)
+        assert cells.get("router-0").state == CellState.STOPPED
+
+    asyncio.run(scenario())
+
+
+def test_command_that_exits_at_once_reports_its_log(provider: LocalWorkerProvider) -> None:
+    spec = CommandWorkerSpec(
+        name="bad-flag", argv=[sys.executable, "-c", "print('error: unknown flag --tp-size'); raise SystemExit(3)"],
+        ports=["port"], health_url="http://{host}:{port}/health",
+    )  # fmt: skip
+    with pytest.raises(WorkerStartError) as caught:
+        asyncio.run(provider.start(spec))
+    message = str(caught.value)
+    assert "worker bad-flag exited while starting" in message
+    assert "exit code 3" in message and "error: unknown flag --tp-size" in message
+    assert "bad-flag" not in provider.workers
+
+
+def test_worker_that_never_becomes_healthy_times_out(provider: LocalWorkerProvider) -> None:
+    spec = CommandWorkerSpec(
+        name="silent", argv=["sleep", "60"], ports=["port"], health_url="http://{host}:{port}/health",
+        startup_timeout_s=1.0,
+    )  # fmt: skip
+    start = time.monotonic()
+    with pytest.raises(WorkerStartError, match=r"worker silent did not become healthy at http://127\.0\.0\.1:"):
+        asyncio.run(provider.start(spec))
+    assert time.monotonic() - start < 10
+    assert "silent" not in provider.processes
+
+
+def test_python_worker_with_a_bad_target(provider: LocalWorkerProvider) -> None:
+    spec = PythonWorkerSpec(name="typo", target="miles_core.testkit.echo_worker:EchoWorkr")
+    with pytest.raises(WorkerStartError) as caught:
+        asyncio.run(provider.start(spec))
+    assert "worker typo exited while starting" in str(caught.value)
+    assert "EchoWorkr" in str(caught.value)  # the log tail shows the import error
+
+
+def test_worker_spec_validation() -> None:
+    with pytest.raises(ValueError, match="name"):
+        PythonWorkerSpec(name="bad name!", target=ECHO_TARGET)
+    with pytest.raises(ValueError, match="target"):
+        PythonWorkerSpec(name="w", target="not a target")
+    with pytest.raises(ValueError, match="argv"):
+        CommandWorkerSpec(name="w", argv=[])
+    with pytest.raises(WorkerError, match="WORKER@EVENT"):
+        Fault.parse("engine-0")

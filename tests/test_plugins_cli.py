@@ -46,6 +46,7 @@ def test_plugins_json_lists_core_first_party_and_examples() -> None:
     assert transfer["source"] == "entry point (miles.weight_transfer)"
     assert transfer["provides"] == {"weight_transfer_protocols": ["sharded-disk"]}
     assert "config_sections" in plugins["core"]["hooks"]
+    assert plugins["core"]["provides"]["worker_providers"] == ["local", "ray"]
 
 
 def test_example_distributions_are_really_pip_installed() -> None:

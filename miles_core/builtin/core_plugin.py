@@ -101,3 +101,11 @@ def provide_model_implementations() -> list[Implementation]:
         )
         for family in TRANSFORMERS_FAMILIES
     ]
+
+
+@hookimpl
+def provide_worker_providers() -> list[Implementation]:
+    return [
+        Implementation("local", "miles_core.workers.local_provider:LocalWorkerProvider", "child processes"),
+        Implementation("ray", "miles_core.workers.ray_provider:RayWorkerProvider", "Ray placement groups"),
+    ]

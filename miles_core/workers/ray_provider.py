@@ -1,0 +1,242 @@
+"""``RayWorkerProvider``: workers placed on Ray placement-group bundles, one actor per worker.
+
+Placement: :meth:`RayWorkerProvider.place` reserves one bundle per worker (CPUs, and GPUs where asked) in a
+placement group, starts one actor in each bundle, asks each where it landed, and hands the workers out in a
+deterministic order: by node address, then device id, then bundle index. A Python worker is hosted inside its
+actor (so it can use Ray itself, which RDT weight transfer needs); a command worker is a child process that its
+actor starts, watches and, on stop, kills with its whole process tree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from miles_core.workers.errors import WorkerError, WorkerStartError
+from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
+from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
+from miles_core.workers.python_worker import build_target, make_server
+from miles_core.workers.rpc_wire import HEALTH_PATH, TOKEN_ENV
+from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
+
+
+@ray.remote(max_restarts=0)
+class WorkerActor:
+    """Holds one bundle and hosts (Python) or supervises (command) one worker."""
+
+    def __init__(self) -> None:
+        self.server = None
+        self.process: SupervisedProcess | None = None
+
+    def locate(self) -> dict[str, Any]:
+        """Where this actor runs: node address and id, GPU ids, pid."""
+        context = ray.get_runtime_context()
+        return {
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": context.get_node_id(),
+            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+        }
+
+    def start(self, spec_json: str, kind: str, *, token: str, log_file: str, host: str) -> dict[str, Any]:
+        spec_class = PythonWorkerSpec if kind == "python" else CommandWorkerSpec
+        spec = spec_class.model_validate_json(spec_json)
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(spec, PythonWorkerSpec):
+            return self._start_python(spec, token=token, log_file=log_file, host=host)
+        return self._start_command(spec, token=token, log_file=log_file)
+
+    def _start_python(self, spec: PythonWorkerSpec, *, token: str, log_file: str, host: str) -> dict[str, Any]:
+        log = open(log_file, "ab", buffering=0)  # noqa: SIM115 - lives as long as the actor process
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        os.environ.update(spec.env)
+        self.server = make_server(spec, build_target(spec), token=token, host=host)
+        self.server.start_in_thread()
+        url = self.server.url
+        return {"url": url, "pid": os.getpid(), "ports": {}, "health_url": f"{url}{HEALTH_PATH}"}
+
+    def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str) -> dict[str, Any]:
+        ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
+        fill = {"host": spec.host, **{name: str(port) for name, port in ports.items()}}
+        env = {**os.environ, TOKEN_ENV: token, **{k: v.format(**fill) for k, v in spec.env.items()}}
+        self.process = SupervisedProcess([a.format(**fill) for a in spec.argv], env=env, log_file=log_file,
+                                         cwd=spec.cwd)  # fmt: skip
+        health_url = spec.health_url.format(**fill) if spec.health_url else None
+        if health_url is not None and not self._wait_healthy(health_url, spec.startup_timeout_s):
+            what = "exited while starting" if not self.process.is_alive() else "did not become healthy in time"
+            detail = f"  {self.process.describe()}, exit code {self.process.exit_code}\n  --- log tail ---\n"
+            self.process.stop()
+            raise WorkerStartError(f"worker {spec.name} {what} ({health_url})\n{detail}{log_tail(log_file)}")
+        url = f"http://{spec.host}:{ports[spec.ports[0]]}" if spec.ports else None
+        return {"url": url, "pid": self.process.pid, "ports": ports, "health_url": health_url}
+
+    def _wait_healthy(self, url: str, timeout_s: float) -> bool:
+        import httpx  # deferred: only command workers with a health URL need it
+
+        def healthy() -> bool:
+            if not self.process.is_alive():
+                return True  # stop waiting; the caller sees the exit
+            try:
+                return httpx.get(url, timeout=2.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        return wait_until(healthy, timeout_s=timeout_s, interval_s=0.1) and self.process.is_alive()
+
+    def is_alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.server is not None
+
+    def tree_pids(self) -> list[int]:
+        return [os.getpid(), *(self.process.tree_pids() if self.process else [])]
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    def kill(self, sig: int) -> None:
+        if self.process is not None:
+            self.process.kill(sig)
+        else:
+            os.kill(os.getpid(), sig)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A bundle handed to one worker name: its placement group, bundle index and location."""
+
+    group: PlacementGroup
+    bundle_index: int
+    location: dict[str, Any]
+    actor: Any = None
+
+
+class RayWorkerProvider(BaseWorkerProvider):
+    """Places workers with Ray placement groups; connects to ``address`` or starts a local Ray."""
+
+    def __init__(self, *, token: str, run_dir: str | Path, address: str | None = None, **ray_init: Any) -> None:
+        super().__init__(token=token)
+        self.run_dir = Path(run_dir)
+        if not ray.is_initialized():
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
+        self.driver_ip = ray.util.get_node_ip_address()
+        self.slots: dict[str, _Slot] = {}
+        self.groups: list[PlacementGroup] = []
+
+    async def place(self, specs: list[WorkerSpec], *, strategy: str = "PACK") -> list[_Slot]:
+        """Reserve one bundle per spec in one placement group and assign them in the documented order."""
+        if not specs:
+            return []
+        shapes = {(spec.num_cpus, spec.num_gpus) for spec in specs}
+        if len(shapes) > 1:
+            raise WorkerError(f"workers placed together need the same resources; got {sorted(shapes)}")
+        num_cpus, num_gpus = shapes.pop()
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        group = placement_group([dict(bundle) for _ in specs], strategy=strategy)
+        await group.ready()
+        self.groups.append(group)
+        actors = [self._new_actor(group, index, num_cpus, num_gpus) for index in range(len(specs))]
+        locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))
+        slots = [_Slot(group, index, location, actor) for index, (actor, location) in
+                 enumerate(zip(actors, locations, strict=True))]  # fmt: skip
+        slots.sort(key=placement_order)
+        for spec, slot in zip(specs, slots, strict=True):
+            slot.location = {**slot.location, "bundle_index": slot.bundle_index, "placement_group": group.id.hex()}
+            self.slots[spec.name] = slot
+        return slots
+
+    def _new_actor(self, group: PlacementGroup, index: int, num_cpus: float, num_gpus: float) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+        return WorkerActor.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy).remote()
+
+    async def start(self, spec: WorkerSpec) -> WorkerInfo:
+        self._check_new(spec)
+        if spec.name not in self.slots:
+            await self.place([spec])
+        slot = self.slots[spec.name]
+        if slot.actor is None:  # restarted: a fresh actor in the same bundle
+            slot.actor = self._new_actor(slot.group, slot.bundle_index, spec.num_cpus, spec.num_gpus)
+        log_file = str(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
+        host = "127.0.0.1" if slot.location["node_ip"] == self.driver_ip else slot.location["node_ip"]
+        try:
+            started = await slot.actor.start.remote(spec.model_dump_json(), spec.kind, token=self.token,
+                                                    log_file=log_file, host=host)  # fmt: skip
+        except ray.exceptions.RayTaskError as exc:
+            await self._kill_actor(slot)
+            raise WorkerStartError(f"worker {spec.name} failed to start on {slot.location}: {exc.cause}") from None
+        info = WorkerInfo(name=spec.name, kind=spec.kind, url=started["url"], ports=started["ports"],
+                          pid=started["pid"], node=slot.location["node_ip"], log_file=log_file,
+                          health_url=started["health_url"], placement=dict(slot.location))  # fmt: skip
+        self.workers[spec.name] = info
+        self.specs[spec.name] = spec
+        return info
+
+    async def stop(self, name: str) -> None:
+        slot = self.slots.get(name)
+        if slot is not None and slot.actor is not None:
+            pids: list[int] = []
+            with contextlib.suppress(ray.exceptions.RayActorError):  # already dead: only the handle is left
+                pids = await slot.actor.tree_pids.remote()
+                await slot.actor.stop.remote()
+            await self._kill_actor(slot)
+            if slot.location["node_ip"] == self.driver_ip:  # ray.kill returns before the process is gone
+                await asyncio.to_thread(wait_until, lambda: not any(map(_running, pids)), timeout_s=30)
+        self.workers.pop(name, None)
+
+    async def is_alive(self, name: str) -> bool:
+        slot = self.slots.get(name)
+        if slot is None or slot.actor is None:
+            return False
+        try:
+            return await asyncio.wait_for(slot.actor.is_alive.remote(), timeout=10.0)
+        except (ray.exceptions.RayActorError, TimeoutError):
+            return False
+
+    def logs(self, name: str, *, tail_bytes: int = 4096) -> str:
+        info = self.workers.get(name)
+        return log_tail(info.log_file if info else None, tail_bytes)
+
+    async def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the actor killed itself, as asked
+            await self.slots[name].actor.kill.remote(sig)
+
+    async def tree_pids(self, name: str) -> list[int]:
+        """The pids of the worker's actor and of the processes it started."""
+        return await self.slots[name].actor.tree_pids.remote()
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups.clear()
+        self.slots.clear()
+
+    async def _kill_actor(self, slot: _Slot) -> None:
+        ray.kill(slot.actor, no_restart=True)
+        slot.actor = None
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def placement_order(slot: _Slot) -> tuple:
+    """Node address, then first device id, then bundle index: the same workers land in the same order."""
+    ip = tuple(int(part) if part.isdigit() else part for part in slot.location["node_ip"].split("."))
+    gpus = slot.location.get("gpu_ids") or [""]
+    return (ip, gpus[0].zfill(8), slot.bundle_index)

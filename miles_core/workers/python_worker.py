@@ -13,6 +13,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import uvloop
+
 from miles_core.registry import Implementation
 from miles_core.workers.rpc_server import RpcServer
 from miles_core.workers.rpc_wire import TOKEN_ENV
@@ -57,7 +59,7 @@ async def _serve(spec: PythonWorkerSpec, token: str, ready_file: str) -> None:
 
 def main() -> None:
     spec = PythonWorkerSpec.model_validate_json(os.environ[SPEC_ENV])
-    asyncio.run(_serve(spec, os.environ[TOKEN_ENV], os.environ[READY_FILE_ENV]))
+    uvloop.run(_serve(spec, os.environ[TOKEN_ENV], os.environ[READY_FILE_ENV]))
 
 
 if __name__ == "__main__":

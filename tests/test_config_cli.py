@@ -152,3 +152,51 @@ def test_config_is_frozen_and_validated_at_construction() -> None:
         build_config(manager, overrides={"rollout.batch_size": 0})
     with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
         type(config.rollout)(unknown=1)
+
+
+SECTION_PLUGIN = """\
+import pydantic
+from miles_core import ConfigError, hookimpl
+from miles_core.config import ConfigFlag, Section
+
+class CurriculumSection(Section):
+    stages: int = pydantic.Field(default=1, ge=1)
+    warmup_steps: int = pydantic.Field(default=0, ge=0)
+
+@hookimpl
+def config_sections():
+    return {"curriculum": CurriculumSection}
+
+@hookimpl
+def config_flags():
+    return [ConfigFlag(flag="--stages", path="curriculum.stages", help="curriculum stages")]
+
+@hookimpl
+def validate_config(config, registries):
+    if config.curriculum.warmup_steps >= config.run.num_steps:
+        raise ConfigError(
+            f"curriculum.warmup_steps = {config.curriculum.warmup_steps} must be below run.num_steps = "
+            f"{config.run.num_steps}"
+        )
+"""
+
+
+def test_plugin_contributes_a_section_flags_and_cross_section_validation(tmp_path: Path) -> None:
+    plugin = tmp_path / "curriculum_plugin.py"
+    plugin.write_text(SECTION_PLUGIN)
+    config = config_json("--plugin", str(plugin), "--stages", "3", "--curriculum-warmup-steps", "5")
+    assert config["curriculum"] == {"stages": 3, "warmup_steps": 5}
+    stderr = show_error("--plugin", str(plugin), "--curriculum-warmup-steps", "50", "--run-num-steps", "10")
+    assert "curriculum.warmup_steps = 50 must be below run.num_steps = 10" in stderr
+    assert "curriculum.stages = '0'" in show_error("--plugin", str(plugin), "--stages", "0")
+
+
+def test_missing_first_party_protocol_names_the_package_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_core import registry
+
+    monkeypatch.setattr(registry, "_is_installed", lambda distribution: False)
+    message = registry.unknown_name_message("weight_transfer_protocols", "rdt", ["disk", "tensor"])
+    assert message == (
+        "unknown weight transfer protocol 'rdt'; available: disk, tensor; "
+        "'rdt' is provided by miles-plugins-rdt: pip install miles-plugins-rdt"
+    )

@@ -66,25 +66,21 @@ class LocalWorkerProvider(BaseWorkerProvider):
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        fill = {"host": spec.host, **{name: str(port) for name, port in ports.items()}}
-        argv = [arg.format(**fill) for arg in spec.argv]
-        env = {**os.environ, TOKEN_ENV: self.token, **{k: v.format(**fill) for k, v in spec.env.items()}}
-        process = SupervisedProcess(argv, env=env, log_file=log_file, cwd=spec.cwd)
+        command = spec.resolve(ports)
+        env = {**os.environ, TOKEN_ENV: self.token, **command.env}
+        process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         self.processes[spec.name] = process
-        if spec.health_url is not None:
+        if command.health_url is not None:
             try:
                 await wait_healthy(
-                    name=spec.name, url=spec.health_url.format(**fill),
-                    deadline=time.monotonic() + spec.startup_timeout_s, alive=self._alive_fn(spec.name),
-                    describe=self._describe_fn(spec.name),
+                    name=spec.name, url=command.health_url, deadline=time.monotonic() + spec.startup_timeout_s,
+                    alive=self._alive_fn(spec.name), describe=self._describe_fn(spec.name),
                 )  # fmt: skip
             except BaseException:
                 await self._discard(spec.name)
                 raise
-        url = f"http://{spec.host}:{ports[spec.ports[0]]}" if spec.ports else None
-        health_url = spec.health_url.format(**fill) if spec.health_url else None
-        return WorkerInfo(name=spec.name, kind="command", url=url, ports=ports, pid=process.pid, node=spec.host,
-                          log_file=str(log_file), health_url=health_url)  # fmt: skip
+        return WorkerInfo(name=spec.name, kind="command", url=command.url, ports=ports, pid=process.pid,
+                          node=spec.host, log_file=str(log_file), health_url=command.health_url)  # fmt: skip
 
     async def stop(self, name: str) -> None:
         await self._discard(name)

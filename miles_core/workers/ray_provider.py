@@ -68,18 +68,15 @@ class WorkerActor:
 
     def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str) -> dict[str, Any]:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        fill = {"host": spec.host, **{name: str(port) for name, port in ports.items()}}
-        env = {**os.environ, TOKEN_ENV: token, **{k: v.format(**fill) for k, v in spec.env.items()}}
-        self.process = SupervisedProcess([a.format(**fill) for a in spec.argv], env=env, log_file=log_file,
-                                         cwd=spec.cwd)  # fmt: skip
-        health_url = spec.health_url.format(**fill) if spec.health_url else None
-        if health_url is not None and not self._wait_healthy(health_url, spec.startup_timeout_s):
+        command = spec.resolve(ports)
+        env = {**os.environ, TOKEN_ENV: token, **command.env}
+        self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
+        if command.health_url is not None and not self._wait_healthy(command.health_url, spec.startup_timeout_s):
             what = "exited while starting" if not self.process.is_alive() else "did not become healthy in time"
             detail = f"  {self.process.describe()}, exit code {self.process.exit_code}\n  --- log tail ---\n"
             self.process.stop()
-            raise WorkerStartError(f"worker {spec.name} {what} ({health_url})\n{detail}{log_tail(log_file)}")
-        url = f"http://{spec.host}:{ports[spec.ports[0]]}" if spec.ports else None
-        return {"url": url, "pid": self.process.pid, "ports": ports, "health_url": health_url}
+            raise WorkerStartError(f"worker {spec.name} {what} ({command.health_url})\n{detail}{log_tail(log_file)}")
+        return {"url": command.url, "pid": self.process.pid, "ports": ports, "health_url": command.health_url}
 
     def _wait_healthy(self, url: str, timeout_s: float) -> bool:
         import httpx  # deferred: only command workers with a health URL need it

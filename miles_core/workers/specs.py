@@ -6,6 +6,7 @@ port named in ``ports``; the provider fills them in with the host and free ports
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any
 
 import pydantic
@@ -47,6 +48,31 @@ class CommandWorkerSpec(_Spec):
         default=None, description="URL that answers 200 once the worker is ready, e.g. http://{host}:{port}/health."
     )
     host: str = "127.0.0.1"
+
+    def resolve(self, ports: dict[str, int]) -> ResolvedCommand:
+        """Fill ``{host}`` and the port placeholders in with the allocated ``ports``."""
+        fill = {"host": self.host, **{name: str(port) for name, port in ports.items()}}
+        try:
+            return ResolvedCommand(
+                argv=[arg.format(**fill) for arg in self.argv],
+                env={key: value.format(**fill) for key, value in self.env.items()},
+                health_url=self.health_url.format(**fill) if self.health_url else None,
+                url=f"http://{self.host}:{ports[self.ports[0]]}" if self.ports else None,
+            )
+        except (KeyError, IndexError) as exc:
+            raise ValueError(
+                f"worker {self.name}: placeholder {exc} is not host or one of ports {self.ports}"
+            ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedCommand:
+    """A command worker's argv, extra environment and URLs with every placeholder filled in."""
+
+    argv: list[str]
+    env: dict[str, str]
+    health_url: str | None
+    url: str | None
 
 
 WorkerSpec = PythonWorkerSpec | CommandWorkerSpec

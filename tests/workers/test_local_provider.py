@@ -194,3 +194,9 @@ def test_worker_spec_validation() -> None:
         CommandWorkerSpec(name="w", argv=[])
     with pytest.raises(WorkerError, match="WORKER@EVENT"):
         Fault.parse("engine-0")
+    typo = CommandWorkerSpec(name="w", argv=["serve", "--port", "{prot}"], ports=["port"])
+    with pytest.raises(ValueError, match="placeholder 'prot' is not host or one of ports"):
+        typo.resolve({"port": 8000})
+    resolved = http_server_spec("w").resolve({"port": 8000})
+    assert resolved.health_url == "http://127.0.0.1:8000/" and resolved.url == "http://127.0.0.1:8000"
+    assert "8000 --bind 127.0.0.1" in resolved.argv[2]

@@ -1,0 +1,232 @@
+"""``LocalEngine``: a transformers model behind a request batcher, with SGLang's weight-update semantics.
+
+Concurrent generate requests are gathered into batches (up to ``max_batch_size``) and sampled together on one
+thread. Weight updates take the same lock as a batch, so they happen between batches and an engine never serves a
+mix of versions: an update is checked in full before anything is copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from miles_core.engines.sampling import GenerationRequest, GenerationResult, generate_batch
+from miles_core.engines.weights import (
+    WeightLoadError,
+    broadcast,
+    decode_tensors,
+    load_named_tensors,
+    new_weight_update_group,
+    read_checkpoint_dir,
+)
+from miles_core.errors import MilesError
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: GenerationRequest
+    future: asyncio.Future
+
+
+class LocalEngine:
+    """Loads an HF checkpoint directory and generates from token ids."""
+
+    def __init__(self, model_path: str | Path, *, max_batch_size: int = 64, seed: int = 0) -> None:
+        self.model_path = str(model_path)
+        self.model = load_model(model_path)
+        self.tokenizer = _load_tokenizer(model_path)
+        self.eos_token_ids = _eos_token_ids(self.model)
+        self.pad_token_id = self.model.config.pad_token_id or 0
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self.weight_version = "default"
+        self.lock = threading.Lock()  # one batch or one weight update at a time
+        self.groups: dict[str, Any] = {}
+        self.generated_tokens = 0
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._running = asyncio.Event()
+        self._running.set()
+        self._abort_message: str | None = None
+        self._batches = 0
+        self._loop_task: asyncio.Task | None = None
+        self._held: _Pending | None = None  # taken from the queue, waiting for the engine to resume
+
+    # -- generation -----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the batching loop in the running event loop."""
+        self._queue = asyncio.Queue()
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="local-engine-batches")
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+        """Queue requests and wait for their results (they may be batched with other callers' requests)."""
+        assert self._queue is not None, "call start() first"
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(request, loop.create_future()) for request in requests]
+        for item in pending:
+            self._queue.put_nowait(item)
+        return list(await asyncio.gather(*(item.future for item in pending)))
+
+    async def _batch_loop(self) -> None:
+        assert self._queue is not None
+        while True:
+            first = self._held = await self._queue.get()
+            await self._running.wait()
+            self._held = None
+            if first.future.done():  # aborted while held
+                continue
+            batch = [first]
+            while len(batch) < self.max_batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                results = await asyncio.to_thread(self._run_batch, [item.request for item in batch])
+            except Exception as exc:
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+                continue
+            for item, result in zip(batch, results, strict=True):
+                if not item.future.done():
+                    item.future.set_result(result)
+
+    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        with self.lock:
+            self._batches += 1
+            results = generate_batch(
+                self.model, requests, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                default_seed=self.seed * 1_000_003 + self._batches * 4099, should_abort=lambda: self._abort_message,
+            )  # fmt: skip
+        self.generated_tokens += sum(len(r.output_ids) for r in results)
+        return results
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
+    # -- pause / continue -----------------------------------------------------------------------------------
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop serving: ``abort`` ends running and queued requests with an abort reason; ``retract`` and
+        ``in_place`` hold queued requests until :meth:`resume` (the running batch finishes)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._running.clear()
+        if mode == "abort":
+            self._abort_message = "aborted by pause_generation"
+            self._abort_queued()
+            await asyncio.to_thread(self._wait_idle)
+            self._abort_message = None
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def _abort_queued(self) -> None:
+        assert self._queue is not None
+        held = [self._held] if self._held is not None else []
+        while not self._queue.empty():
+            held.append(self._queue.get_nowait())
+        for item in held:
+            if not item.future.done():
+                result = GenerationResult([], [], {"type": "abort", "message": "aborted by pause_generation"})
+                item.future.set_result(result)
+
+    def _wait_idle(self) -> None:
+        with self.lock:
+            pass
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    def _load(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> int:
+        with self.lock:
+            loaded = load_named_tensors(self.model, tensors)
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return loaded
+
+    def update_from_disk(self, model_path: str, weight_version: str | None) -> int:
+        return self._load(read_checkpoint_dir(model_path), weight_version)
+
+    def update_from_tensor(self, serialized: list[str], weight_version: str | None) -> int:
+        if len(serialized) != 1:
+            raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
+        try:
+            data = base64.b64decode(serialized[0], validate=True)
+        except ValueError as exc:
+            raise WeightLoadError(f"serialized_named_tensors[0] is not base64: {exc}") from None
+        return self._load(decode_tensors(data), weight_version)
+
+    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str) -> None:  # fmt: skip
+        if backend not in ("gloo", "nccl"):
+            raise MilesError(f"backend must be gloo or nccl, got {backend!r}")
+        if group_name in self.groups:
+            raise MilesError(f"weight update group {group_name!r} already exists; destroy it first")
+        self.groups[group_name] = new_weight_update_group(
+            master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
+            group_name=group_name,
+        )  # fmt: skip
+
+    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                group_name: str, weight_version: str | None) -> int:  # fmt: skip
+        group = self.groups.get(group_name)
+        if group is None:
+            raise MilesError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise MilesError("names, dtypes and shapes must have the same length")
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(shape, dtype=_dtype(dtype))
+            broadcast(group, tensor, root=0)
+            received[name] = tensor
+        return self._load(received, weight_version)
+
+    def destroy_group(self, group_name: str) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise MilesError(f"no weight update group {group_name!r}")
+
+
+def load_model(model_path: str | Path) -> transformers.PreTrainedModel:
+    """An HF checkpoint directory as an eval-mode transformers model; a clear error when it is not one."""
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for corrupt checkpoints
+        raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None
+    return model.eval()
+
+
+def _load_tokenizer(model_path: str | Path) -> Any:
+    path = Path(model_path)
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _eos_token_ids(model: transformers.PreTrainedModel) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise MilesError(f"unknown dtype {name!r}")
+    return dtype

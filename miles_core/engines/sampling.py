@@ -1,0 +1,135 @@
+"""Batched sampling with a KV cache, on CPU or GPU, from any transformers causal LM.
+
+Token in, token out: requests carry prompt token ids and get back output token ids with their logprobs. The
+logprob of a token is taken from the distribution it was sampled from before top-k / top-p truncation, that is
+``log_softmax(logits / temperature)`` (raw logits when greedy), which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import pydantic
+import torch
+
+
+class SamplingParams(pydantic.BaseModel):
+    """The subset of SGLang's ``sampling_params`` the local engine implements; other keys are rejected."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = pydantic.Field(default=128, ge=0)
+    temperature: float = pydantic.Field(default=1.0, ge=0.0)
+    top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = pydantic.Field(default=-1, ge=-1)
+    stop_token_ids: list[int] = pydantic.Field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    n: int = pydantic.Field(default=1, ge=1, le=1)  # one sample per request; send a group as separate requests
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: dict  # {"type": "length", "length": N} or {"type": "stop", "matched": token_id}
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k and the top-p nucleus with -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class _Sampler:
+    """Per-request state: generator, stop set, outputs."""
+
+    def __init__(self, request: GenerationRequest, eos_token_ids: set[int], default_seed: int) -> None:
+        self.params = request.params
+        seed = self.params.sampling_seed if self.params.sampling_seed is not None else default_seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.stop_ids = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else eos_token_ids)
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason: dict | None = None if self.params.max_new_tokens > 0 else {"type": "length", "length": 0}
+
+    def step(self, logits: torch.Tensor) -> int:
+        """Choose the next token from this request's logits row; record it and whether the request ended."""
+        logits = logits.float()
+        if self.params.temperature == 0:
+            token = int(torch.argmax(logits))
+            logprob = float(torch.log_softmax(logits, dim=-1)[token])
+        else:
+            scaled = logits / self.params.temperature
+            probs = torch.softmax(_filter(scaled, self.params.top_k, self.params.top_p), dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+            logprob = float(torch.log_softmax(scaled, dim=-1)[token])
+        self.output_ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = {"type": "stop", "matched": token}
+        elif len(self.output_ids) >= self.params.max_new_tokens:
+            self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+        return token
+
+
+@torch.inference_mode()
+def generate_batch(
+    model: torch.nn.Module,
+    requests: Sequence[GenerationRequest],
+    *,
+    eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    pad_token_id: int = 0,
+    default_seed: int = 0,
+    should_abort: Callable[[], str | None] = lambda: None,
+) -> list[GenerationResult]:
+    """Sample every request to completion in one left-padded batch that shares a KV cache.
+
+    ``should_abort`` is asked before every step; a message ends the unfinished requests with an ``abort`` reason.
+    """
+    if not requests:
+        return []
+    samplers = [_Sampler(r, set(eos_token_ids), default_seed + i) for i, r in enumerate(requests)]
+    device = next(model.parameters()).device
+    width = max(len(r.input_ids) for r in requests)
+    input_ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for row, request in enumerate(requests):
+        input_ids[row, width - len(request.input_ids) :] = torch.tensor(request.input_ids, dtype=torch.long)
+        attention_mask[row, width - len(request.input_ids) :] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = None
+    max_steps = max(r.params.max_new_tokens for r in requests)
+    for _ in range(max_steps):
+        if all(s.finish_reason is not None for s in samplers):
+            break
+        abort_message = should_abort()
+        if abort_message is not None:
+            for sampler in samplers:
+                sampler.finish_reason = sampler.finish_reason or {"type": "abort", "message": abort_message}
+            break
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1)  # fmt: skip
+        cache = out.cache
+        last = out.logits[:, -1].cpu()
+        tokens = [s.step(last[row]) if s.finish_reason is None else pad_token_id for row, s in enumerate(samplers)]
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=1)
+        positions = positions[:, -1:] + 1
+    return [GenerationResult(s.output_ids, s.logprobs, s.finish_reason or {"type": "length",
+            "length": len(s.output_ids)}) for s in samplers]  # fmt: skip

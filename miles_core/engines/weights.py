@@ -1,0 +1,97 @@
+"""Loading HF-named tensors into a live model, all or nothing, and the wire formats that carry them.
+
+Tensors travel as safetensors bytes (never pickle). A weight-update group for ``update_weights_from_distributed``
+is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load, load_file, save
+
+from miles_core.errors import MilesError
+
+
+class WeightLoadError(MilesError):
+    """Weights that do not fit the model; nothing was loaded."""
+
+
+def check_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every name must be a parameter or buffer of the model, with the same shape; raise before any copy."""
+    state = model.state_dict()
+    problems = []
+    for name, tensor in tensors.items():
+        if name not in state:
+            problems.append(f"{name}: not a weight of this model")
+        elif tuple(tensor.shape) != tuple(state[name].shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, model has {tuple(state[name].shape)}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise WeightLoadError(f"{len(problems)} tensors do not fit the model, none loaded: {shown}")
+
+
+@torch.no_grad()
+def load_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Copy ``tensors`` into the model's weights (checked first); returns the bytes loaded."""
+    check_named_tensors(model, tensors)
+    state = model.state_dict()
+    for name, tensor in tensors.items():
+        state[name].copy_(tensor.to(dtype=state[name].dtype, device=state[name].device))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint directory."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not path.is_dir() or not files:
+        raise WeightLoadError(f"{path} is not a directory holding .safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
+    """safetensors bytes for named tensors."""
+    return save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})
+
+
+def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """Named tensors from safetensors bytes; anything else is a :class:`WeightLoadError`."""
+    try:
+        return load(data)
+    except Exception as exc:  # safetensors raises its own error types for malformed input
+        raise WeightLoadError(f"payload is not safetensors data: {exc}") from None
+
+
+def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A SHA-256 over names, dtypes, shapes and bytes, in name order: equal iff the weights are identical."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        data = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def new_weight_update_group(
+    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 120.0
+) -> dist.ProcessGroup:
+    """A gloo process group of its own (rank 0 hosts the store), for broadcasting weights to engines."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:
+    """Broadcast ``tensor`` in place from ``root`` over ``group``."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    group.broadcast([tensor], options).wait()

@@ -1,0 +1,138 @@
+"""``EngineClient``: one async client (httpx) for every engine that speaks SGLang's native HTTP API, the local
+engine and SGLang servers alike."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from miles_core.engines.weights import encode_tensors
+from miles_core.errors import MilesError
+
+
+class EngineError(MilesError):
+    """An engine refused a request or answered unsuccessfully."""
+
+
+class EngineClient:
+    """Talks to one engine at ``url``; control routes carry ``admin_key``."""
+
+    def __init__(self, url: str, *, admin_key: str | None = None, name: str = "engine", timeout_s: float = 600) -> None:
+        self.url = url.rstrip("/")
+        self.name = name
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    # -- data plane -----------------------------------------------------------------------------------------
+
+    async def generate(
+        self, input_ids: list[int] | list[list[int]], sampling_params: Mapping[str, Any] | list | None = None,
+        *, return_logprob: bool = True, rid: str | list[str] | None = None,
+    ) -> Any:  # fmt: skip
+        """``/generate`` with token ids: one response dict, or a list for a batch of prompts."""
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
+                                "return_logprob": return_logprob}  # fmt: skip
+        if rid is not None:
+            body["rid"] = rid
+        return await self._request("POST", "/generate", body)
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def health_generate(self) -> bool:
+        try:
+            return (await self._http.get("/health_generate", timeout=25)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/model_info")
+
+    async def server_info(self) -> dict:
+        return await self._request("GET", "/server_info")
+
+    async def weight_version(self) -> str:
+        return str((await self.model_info())["weight_version"])
+
+    # -- control plane --------------------------------------------------------------------------------------
+
+    async def flush_cache(self) -> None:
+        response = await self._http.post("/flush_cache")
+        if response.status_code != 200:
+            raise EngineError(f"engine {self.name} ({self.url}) did not flush its cache: {response.text[:300]}")
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> dict:
+        return await self._control("/update_weights_from_disk", model_path=model_path, weight_version=weight_version)
+
+    async def update_weights_from_tensor(
+        self, tensors: Mapping[str, Any], *, weight_version: str | None = None
+    ) -> dict:
+        """Send named tensors as safetensors bytes (never pickle)."""
+        payload = base64.b64encode(encode_tensors(tensors)).decode()
+        return await self._control("/update_weights_from_tensor", serialized_named_tensors=[payload],
+                                   load_format="safetensors", weight_version=weight_version)  # fmt: skip
+
+    async def init_weights_update_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "gloo",
+    ) -> dict:  # fmt: skip
+        return await self._control("/init_weights_update_group", master_address=master_address,
+                                   master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+                                   group_name=group_name, backend=backend)  # fmt: skip
+
+    async def update_weights_from_distributed(
+        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", weight_version: str | None = None,
+    ) -> dict:  # fmt: skip
+        return await self._control("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
+                                   group_name=group_name, weight_version=weight_version)  # fmt: skip
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._control("/destroy_weights_update_group", group_name=group_name)
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self._request("POST", "/continue_generation", {})
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
+        return await self._control("/update_weight_version", new_version=new_version,
+                                   abort_all_requests=abort_all_requests)  # fmt: skip
+
+    # -- helpers --------------------------------------------------------------------------------------------
+
+    async def _control(self, path: str, **body: Any) -> dict:
+        result = await self._request("POST", path, {k: v for k, v in body.items() if v is not None})
+        if not result.get("success", False):
+            raise EngineError(f"engine {self.name} ({self.url}) {path} failed: {result.get('message')}")
+        return result
+
+    async def _request(self, method: str, path: str, body: dict | None = None) -> Any:
+        try:
+            response = await self._http.request(method, path, json=body if method == "POST" else None)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"engine {self.name} ({self.url}) {path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            data = response.json()
+        except ValueError:
+            data = {"message": response.text[:500]}
+        if response.status_code != 200:
+            message = data.get("error") or data.get("message") if isinstance(data, dict) else data
+            raise EngineError(f"engine {self.name} ({self.url}) {path}: HTTP {response.status_code}: {message}")
+        return data

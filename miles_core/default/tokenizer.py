@@ -1,0 +1,34 @@
+"""``DigitTokenizer``: the embedded default's character-level tokenizer (digits, ``:`` and special tokens)."""
+
+from __future__ import annotations
+
+from miles_core.errors import MilesError
+
+SPECIALS = ("<pad>", "<eos>", "<bos>")
+CHARACTERS = ":0123456789"
+
+
+class DigitTokenizer:
+    """Maps each character of ``CHARACTERS`` to one token; ids 0-2 are ``<pad>``, ``<eos>``, ``<bos>``."""
+
+    pad_token_id, eos_token_id, bos_token_id = 0, 1, 2
+    vocab_size = len(SPECIALS) + len(CHARACTERS)
+
+    def __init__(self) -> None:
+        self._ids = {char: index + len(SPECIALS) for index, char in enumerate(CHARACTERS)}
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        unknown = sorted(set(text) - set(self._ids))
+        if unknown:
+            raise MilesError(f"the default tokenizer knows only {CHARACTERS!r}; {text!r} has {unknown}")
+        return ([self.bos_token_id] if add_bos else []) + [self._ids[char] for char in text]
+
+    def decode(self, ids: list[int]) -> str:
+        """Characters of the ids; decoding stops at ``<eos>`` and skips the other special tokens."""
+        text = []
+        for token in ids:
+            if token == self.eos_token_id:
+                break
+            if token >= len(SPECIALS):
+                text.append(CHARACTERS[token - len(SPECIALS)])
+        return "".join(text)

@@ -1,0 +1,1 @@
+"""Rollout: prompts, generation through engines, rewards, and conversion to training data."""

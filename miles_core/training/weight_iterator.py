@@ -1,0 +1,55 @@
+"""The weight-export API: an ``HfWeightIterator`` turns a trainer's parameters into buckets of HF-named tensors
+of at most ``bucket_bytes`` each (a tensor larger than a bucket travels alone). Every weight-transfer protocol
+consumes these buckets, so a protocol works with any trainer that provides an iterator."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+
+import torch
+
+WeightBucket = list[tuple[str, torch.Tensor]]
+
+
+class HfWeightIterator(abc.ABC):
+    """Yields buckets of ``(HF name, tensor)``; iterate once per weight update."""
+
+    def __init__(self, *, bucket_bytes: int) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+
+    @abc.abstractmethod
+    def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every weight under its HF name, as a CPU or device tensor (gathered from shards if sharded)."""
+
+    def __iter__(self) -> Iterator[WeightBucket]:
+        return bucketize(self.named_tensors(), self.bucket_bytes)
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Group named tensors into buckets of at most ``bucket_bytes`` (one oversized tensor fills a bucket alone)."""
+    bucket: WeightBucket = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class ModuleHfWeightIterator(HfWeightIterator):
+    """For a module whose parameter names already are HF names (any transformers model)."""
+
+    def __init__(self, module: torch.nn.Module, *, bucket_bytes: int) -> None:
+        super().__init__(bucket_bytes=bucket_bytes)
+        self.module = module
+
+    def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in self.module.state_dict().items():
+            yield name, tensor.detach()

@@ -148,12 +148,14 @@ def validate_config(config: Any, registries: Registries) -> None:
 
 
 @hookspec(firstresult=True)
-def launch_engines(config: Any, engine_spec: Any, provider: Any) -> Any:
-    """Turn an engine spec into running engine workers.
+def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
+    """The worker specs that launch one engine cell of ``config.engine.backend``.
 
-    Called by the ``InferenceController`` when it starts (or restarts) a cell of engines, with the run config, the
-    engine spec (backend name, model, count) and the worker provider. The first plugin whose backend matches
-    ``engine_spec.backend`` returns the started workers; the others return ``None``. ``firstresult``.
+    Called by the ``InferenceController`` for every engine cell it starts (and again when a cell is restarted),
+    with the run config, the cell id (``"engine-0"``, ...) and the checkpoint directory the engine loads first. The
+    plugin that owns the configured backend returns a list of ``WorkerSpec`` (usually one ``CommandWorkerSpec``
+    running a server that speaks SGLang's HTTP API with ``{host}``/``{port}`` placeholders); the others return
+    ``None``. The controller starts the specs through the worker provider. ``firstresult``.
     """
 
 

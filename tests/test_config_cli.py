@@ -68,7 +68,7 @@ def test_unknown_section_and_key_suggest_the_closest(tmp_path: Path) -> None:
     config_file = tmp_path / "typo.yaml"
     config_file.write_text("rolout:\n  batch_size: 4\nrollout:\n  bath_size: 4\n")
     stderr = show_error("--config", str(config_file))
-    assert "rolout: unknown key; allowed sections: run, model, rollout, weight_transfer" in stderr
+    assert "rolout: unknown key; allowed sections: run, model, rollout, train, engine, weight_transfer" in stderr
     assert "did you mean 'rollout'?" in stderr
     assert "rollout.bath_size: unknown key; allowed keys of 'rollout': batch_size" in stderr
     assert "did you mean 'batch_size'?" in stderr
@@ -107,17 +107,18 @@ def test_every_problem_is_reported_with_allowed_values(tmp_path: Path) -> None:
 def test_unknown_protocol_lists_available_ones() -> None:
     stderr = show_error("--update-weight-transfer-mode", "carrier-pigeon")
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'carrier-pigeon'" in stderr
-    assert "unknown weight transfer protocol 'carrier-pigeon'; available: sharded-disk" in stderr
+    assert (
+        "unknown weight transfer protocol 'carrier-pigeon'; available: broadcast, disk, sharded-disk, tensor" in stderr
+    )
 
 
 def test_first_party_protocol_name_says_which_package(tmp_path: Path) -> None:
     stderr = show_error("--update-weight-transfer-mode", "rdt")
     assert "miles-plugins-rdt is installed but its version provides no 'rdt'" in stderr
-    # Without the rdt distribution's metadata on the path, the hint is the package to install.
     stderr = run_miles(
         "config", "show", "--update-weight-transfer-mode", "rdt", env={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
     ).stderr
-    assert "unknown weight transfer protocol 'rdt'; available: (none installed)" in stderr
+    assert "unknown weight transfer protocol 'rdt'; available: broadcast, disk, tensor (" in stderr
 
 
 def test_unknown_model_implementation_lists_installed_ones() -> None:

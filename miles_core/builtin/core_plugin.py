@@ -17,12 +17,21 @@ TRANSFORMERS_FAMILIES = ("llama", "qwen2", "qwen3")
 @hookimpl
 def config_sections() -> dict[str, type]:
     # Deferred: pydantic costs ~0.3 s to import, and `miles plugins` never builds the config.
-    from miles_core.config.sections import ModelSection, RolloutSection, RunSection, WeightTransferSection
+    from miles_core.config.sections import (
+        EngineSection,
+        ModelSection,
+        RolloutSection,
+        RunSection,
+        TrainSection,
+        WeightTransferSection,
+    )
 
     return {
         "run": RunSection,
         "model": ModelSection,
         "rollout": RolloutSection,
+        "train": TrainSection,
+        "engine": EngineSection,
         "weight_transfer": WeightTransferSection,
     }
 
@@ -32,6 +41,14 @@ def config_flags() -> list[ConfigFlag]:
     return [
         ConfigFlag(flag="--seed", path="run.seed", help="seed of the run", metavar="N"),
         ConfigFlag(flag="--model", path="model.path", help="HF checkpoint directory", metavar="PATH"),
+        ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
+        ConfigFlag(
+            flag="--reward", path="rollout.reward", help="reward: registry name or module:function", metavar="NAME"
+        ),
+        ConfigFlag(flag="--trainer", path="train.backend", help="training backend", metavar="NAME"),
+        ConfigFlag(flag="--engine", path="engine.backend", help="engine backend", metavar="NAME"),
+        ConfigFlag(flag="--num-steps", path="run.num_steps", help="RL steps", metavar="N"),
+        ConfigFlag(flag="--output-dir", path="run.output_dir", help="run directory", metavar="DIR"),
         ConfigFlag(
             flag="--update-weight-transfer-mode",
             path="weight_transfer.mode",
@@ -56,11 +73,23 @@ def config_flags() -> list[ConfigFlag]:
 
 @hookimpl
 def validate_config(config: Any, registries: Registries) -> None:
-    mode = config.weight_transfer.mode
-    if mode is not None:
-        check_weight_transfer_protocol(registries, mode)
+    check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
+    for kind, name, field in (("training_backends", config.train.backend, "train.backend (--trainer)"),
+                              ("engine_backends", config.engine.backend, "engine.backend (--engine)"),
+                              ("worker_providers", config.run.worker_provider, "run.worker_provider")):  # fmt: skip
+        try:
+            registries[kind].get_or_raise(name)
+        except RegistryError as exc:
+            raise ConfigError(f"{field} = {name!r}: {exc}") from exc
+    if config.rollout.reward is not None and ":" not in config.rollout.reward:
+        try:
+            registries["reward_functions"].get_or_raise(config.rollout.reward)
+        except RegistryError as exc:
+            raise ConfigError(
+                f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
+            ) from exc
 
 
 def check_model_implementation(registries: Registries, family: str, impl: str) -> Implementation:
@@ -109,3 +138,41 @@ def provide_worker_providers() -> list[Implementation]:
         Implementation("local", "miles_core.workers.local_provider:LocalWorkerProvider", "child processes"),
         Implementation("ray", "miles_core.workers.ray_provider:RayWorkerProvider", "Ray placement groups"),
     ]
+
+
+@hookimpl
+def provide_weight_transfer_protocols() -> list[Implementation]:
+    return [
+        Implementation("disk", "miles_core.weight_transfer.disk:DiskProtocol", "safetensors file per version"),
+        Implementation("tensor", "miles_core.weight_transfer.tensor:TensorProtocol", "safetensors buffers, HTTP/shm"),
+        Implementation("broadcast", "miles_core.weight_transfer.broadcast:BroadcastProtocol", "gloo/NCCL group"),
+    ]
+
+
+@hookimpl
+def provide_training_backends() -> list[Implementation]:
+    return [Implementation("torch", "miles_core.training.torch_trainer:TorchTrainer", "transformers model, AdamW")]
+
+
+@hookimpl
+def provide_engine_backends() -> list[Implementation]:
+    return [Implementation("local", "miles_core.engines.local_server:main", "transformers model, SGLang HTTP API")]
+
+
+@hookimpl
+def provide_reward_functions() -> list[Implementation]:
+    return [Implementation("echo_last", "miles_core.default.task:echo_last_reward", "the default task's reward")]
+
+
+@hookimpl
+def provide_tasks() -> list[Implementation]:
+    return [Implementation("echo_last", "miles_core.default.task:echo_last_prompts", "repeat the last digit")]
+
+
+@hookimpl
+def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
+    if config.engine.backend != "local":
+        return None
+    from miles_core.engines.local_backend import local_engine_spec  # deferred: pydantic worker specs
+
+    return [local_engine_spec(config, cell_id=cell_id, model_path=model_path)]

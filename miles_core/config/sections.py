@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import pydantic
 
@@ -16,7 +16,14 @@ class RunSection(Section):
 
     seed: int = pydantic.Field(default=1234, ge=0, description="Seed of every random generator of the run.")
     output_dir: str = pydantic.Field(default="runs/latest", min_length=1, description="Directory of the run.")
-    num_steps: int = pydantic.Field(default=40, gt=0, description="RL steps to run.")
+    num_steps: int = pydantic.Field(default=200, gt=0, description="RL steps to run.")
+    schedule: Literal["sync", "one_step_off"] = pydantic.Field(
+        default="sync", description="sync: generate, train, update; one_step_off: generate step k+1 while training k."
+    )
+    eval_every: int = pydantic.Field(default=25, ge=0, description="Evaluate every N steps (0: only at start/end).")
+    checkpoint_every: int = pydantic.Field(default=50, ge=0, description="Checkpoint every N steps (0: at end).")
+    resume: bool = pydantic.Field(default=False, description="Continue from the newest checkpoint in output_dir.")
+    worker_provider: str = pydantic.Field(default="local", description="Worker provider (`miles plugins`).")
 
 
 class ModelSection(Section):
@@ -40,14 +47,47 @@ class RolloutSection(Section):
     temperature: float = pydantic.Field(default=1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = pydantic.Field(default=-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    prompts: str | None = pydantic.Field(
+        default=None, description="JSONL prompt file ({prompt, label, metadata} per line); None: the default task."
+    )
+    eval_prompts: str | None = pydantic.Field(default=None, description="JSONL file of held-out eval prompts.")
+    reward: str | None = pydantic.Field(
+        default=None, description="Reward function: a registry name or module:function; None: the task's own."
+    )
+
+
+class TrainSection(Section):
+    """The policy update."""
+
+    backend: str = pydantic.Field(default="torch", description="Training backend (`miles plugins`).")
+    lr: float = pydantic.Field(default=3e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = pydantic.Field(default=0.0, ge=0)
+    max_grad_norm: float = pydantic.Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    micro_batch_size: int = pydantic.Field(default=64, gt=0, description="Samples per forward/backward pass.")
+    clip_eps: float = pydantic.Field(default=0.2, gt=0, description="PPO clip range.")
+    clip_eps_high: float | None = pydantic.Field(
+        default=None, gt=0, description="Upper clip range (default: clip_eps)."
+    )
+    kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
+    entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
+    normalize_advantages: bool = pydantic.Field(default=True, description="Divide GRPO advantages by the group std.")
+
+
+class EngineSection(Section):
+    """The inference engines."""
+
+    backend: str = pydantic.Field(default="local", description="Engine backend (`miles plugins`).")
+    num_engines: int = pydantic.Field(default=1, ge=1, description="Engines (cells) to run.")
+    max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
+    startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
+    health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)
+    router_url: str | None = pydantic.Field(default=None, description="Send generation through this router.")
 
 
 class WeightTransferSection(Section):
     """How new weights reach the engines."""
 
-    mode: str | None = pydantic.Field(
-        default=None,
-        description="Weight-transfer protocol (see `miles plugins`); unset means the run's default.",
-    )
+    mode: str = pydantic.Field(default="tensor", description="Weight-transfer protocol (see `miles plugins`).")
+    settings: dict[str, Any] = pydantic.Field(default_factory=dict, description="Keyword arguments of the protocol.")
     bucket_size_mb: int = pydantic.Field(default=512, gt=0, description="Bytes per transfer bucket, in MiB.")
     verify_checksum: bool = pydantic.Field(default=False, description="Check that engines hold the exact weights.")

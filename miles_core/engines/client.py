@@ -115,6 +115,10 @@ class EngineClient:
         return await self._control("/update_weight_version", new_version=new_version,
                                    abort_all_requests=abort_all_requests)  # fmt: skip
 
+    async def weights_checksum(self) -> str:
+        """The served weights' checksum (local engine only)."""
+        return (await self._request("POST", "/weights_checksum", {}))["checksum"]
+
     # -- helpers --------------------------------------------------------------------------------------------
 
     async def _control(self, path: str, **body: Any) -> dict:

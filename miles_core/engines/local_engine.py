@@ -22,10 +22,12 @@ from miles_core.engines.sampling import GenerationRequest, GenerationResult, gen
 from miles_core.engines.weights import (
     WeightLoadError,
     broadcast,
+    checksum,
     decode_tensors,
     load_named_tensors,
     new_weight_update_group,
     read_checkpoint_dir,
+    read_safetensors_file,
 )
 from miles_core.errors import MilesError
 
@@ -160,9 +162,18 @@ class LocalEngine:
     def update_from_disk(self, model_path: str, weight_version: str | None) -> int:
         return self._load(read_checkpoint_dir(model_path), weight_version)
 
-    def update_from_tensor(self, serialized: list[str], weight_version: str | None) -> int:
+    def update_from_tensor(self, serialized: list[str], weight_version: str | None, load_format: str | None) -> int:
+        """``load_format`` ``safetensors`` (default): base64 safetensors bytes; ``safetensors_path``: the path of a
+        safetensors file on this machine (shared memory), removed once loaded."""
         if len(serialized) != 1:
             raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
+        if load_format == "safetensors_path":
+            path = Path(serialized[0])
+            try:
+                tensors = read_safetensors_file(path)
+            finally:
+                path.unlink(missing_ok=True)
+            return self._load(tensors, weight_version)
         try:
             data = base64.b64decode(serialized[0], validate=True)
         except ValueError as exc:
@@ -193,6 +204,11 @@ class LocalEngine:
             broadcast(group, tensor, root=0)
             received[name] = tensor
         return self._load(received, weight_version)
+
+    def weights_checksum(self) -> str:
+        """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
+        with self.lock:
+            return checksum(self.model.state_dict().items())
 
     def destroy_group(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:

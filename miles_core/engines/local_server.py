@@ -59,7 +59,8 @@ class LocalEngineServer:
                    "/init_weights_update_group": self.init_group,
                    "/update_weights_from_distributed": self.update_from_distributed,
                    "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
-                   "/continue_generation": self.resume, "/update_weight_version": self.update_version}  # fmt: skip
+                   "/continue_generation": self.resume, "/update_weight_version": self.update_version,
+                   "/weights_checksum": self.weights_checksum}  # fmt: skip
         routes = [Route(path, self._wrap(fn, control=False), methods=["GET", "POST"]) for path, fn in public.items()]
         routes += [Route(path, self._wrap(fn, control=True), methods=["GET", "POST"]) for path, fn in control.items()]
         return Starlette(routes=routes, lifespan=self._lifespan)
@@ -172,9 +173,10 @@ class LocalEngineServer:
 
     async def update_from_tensor(self, body: dict) -> dict:
         payload = _require(body, "serialized_named_tensors", list)
-        if body.get("load_format") not in (None, "safetensors"):
-            raise HttpError(400, f"load_format {body['load_format']!r} is not supported; send safetensors bytes")
-        loaded = await asyncio.to_thread(self.engine.update_from_tensor, payload, _version(body))
+        load_format = body.get("load_format")
+        if load_format not in (None, "safetensors", "safetensors_path"):
+            raise HttpError(400, f"load_format {load_format!r} is not supported: use safetensors or safetensors_path")
+        loaded = await asyncio.to_thread(self.engine.update_from_tensor, payload, _version(body), load_format)
         return self._success(f"loaded {loaded} bytes")
 
     async def init_group(self, body: dict) -> dict:
@@ -213,6 +215,11 @@ class LocalEngineServer:
             self.engine.resume()
         self.engine.weight_version = new_version
         return {**self._success(f"weight version is {new_version}"), "new_version": new_version}
+
+    async def weights_checksum(self, body: dict) -> dict:
+        """Not in SGLang's API: lets a test or ``verify_checksum`` prove the engine holds exact weights."""
+        digest = await asyncio.to_thread(self.engine.weights_checksum)
+        return {"checksum": digest, "weight_version": self.engine.weight_version}
 
     def _success(self, message: str, **extra: Any) -> dict:
         return {"success": True, "message": message, "weight_version": self.engine.weight_version, **extra}

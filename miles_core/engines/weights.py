@@ -58,6 +58,14 @@ def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_safetensors_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file (copied out of the file, so it can be removed)."""
+    try:
+        return {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
+    except Exception as exc:  # OSError, or safetensors' own error types
+        raise WeightLoadError(f"cannot read safetensors file {path}: {exc}") from None
+
+
 def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     """safetensors bytes for named tensors."""
     return save({name: t.detach().contiguous().cpu() for name, t in tensors.items()})

@@ -69,8 +69,10 @@ class TorchTrainer:
         logits = self.model(input_ids=input_ids).logits[:, :-1]
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets)
-        loss, stats = ppo_clip_loss(logprobs, tensors["rollout_logprobs"], tensors["advantages"], mask,
-                                    clip_eps=self.settings.clip_eps, clip_eps_high=self.settings.clip_eps_high)  # fmt: skip
+        loss, stats = ppo_clip_loss(
+            logprobs, tensors["rollout_logprobs"], tensors["advantages"], mask,
+            clip_eps=self.settings.clip_eps, clip_eps_high=self.settings.clip_eps_high,
+        )  # fmt: skip
         token_entropy = masked_mean(entropy(logits), mask)
         kl = torch.zeros(())
         if self.reference is not None:

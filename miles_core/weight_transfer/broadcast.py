@@ -1,0 +1,61 @@
+"""``broadcast``: a process group of its own between the trainer (rank 0) and every engine (ranks 1..N), gloo on
+CPU, with SGLang's handshake: ``/init_weights_update_group`` once, then per bucket
+``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer broadcasts the tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+
+from miles_core.engines.weights import broadcast, new_weight_update_group
+from miles_core.weight_transfer.http_engines import HttpEngineProtocol
+from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_core.workers.process import free_ports
+
+GROUP_NAME = "miles_weight_update"
+
+
+class BroadcastProtocol(HttpEngineProtocol):
+    name = "broadcast"
+
+    def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        super().__init__(master_address=master_address, timeout_s=timeout_s)
+        self.master_address = master_address
+        self.timeout_s = timeout_s
+        self.group = None
+
+    async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
+        await super().connect(engines)
+        (port,) = free_ports(1, self.master_address)
+        world_size = len(engines) + 1
+        joins = [client.init_weights_update_group(master_address=self.master_address, master_port=port,
+                                                  rank_offset=rank + 1, world_size=world_size, group_name=GROUP_NAME)
+                 for rank, client in enumerate(self.clients)]  # fmt: skip
+        self.group, *_ = await asyncio.gather(asyncio.to_thread(
+            new_weight_update_group, master_address=self.master_address, master_port=port, rank=0,
+            world_size=world_size, group_name=GROUP_NAME, timeout_s=self.timeout_s), *joins)  # fmt: skip
+
+    async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        started = time.perf_counter()
+        num_bytes = 0
+        for bucket in buckets:
+            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+            num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+            receive = self.on_each_engine(lambda client, tensors=tensors: client.update_weights_from_distributed(
+                names=[n for n, _ in tensors], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in tensors],
+                shapes=[list(t.shape) for _, t in tensors], group_name=GROUP_NAME))  # fmt: skip
+            await asyncio.gather(asyncio.to_thread(self._send, tensors), receive)
+        await self.publish_version(version)
+        return self.report(version=version, num_bytes=num_bytes, started=started)
+
+    def _send(self, tensors: list) -> None:
+        for _, tensor in tensors:
+            broadcast(self.group, tensor, root=0)
+
+    async def close(self) -> None:
+        if self.group is not None and self.clients:
+            await asyncio.gather(*(c.destroy_weights_update_group(GROUP_NAME) for c in self.clients),
+                                 return_exceptions=True)  # fmt: skip
+        self.group = None
+        await super().close()

@@ -1,0 +1,155 @@
+"""``InferenceController``: the engines of a run as infrastructure: cells, health, pause/continue, weight updates.
+
+Engines start from worker specs (the ``launch_engines`` hook) through the worker provider, in cells
+``engine-0``, ``engine-1``, ... A health monitor restarts a failed engine and brings it to the current weights.
+A weight update pauses generation, moves every bucket through the protocol, publishes the version, optionally
+checks checksums, and resumes; an engine that fails half-way is re-synced (or restarted), so no engine ever
+serves a mix of versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from miles_core.engines.client import EngineClient, EngineError
+from miles_core.engines.weights import checksum
+from miles_core.errors import MilesError
+from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
+from miles_core.workers.cells import Cell, CellManager
+from miles_core.workers.health import HealthMonitor
+from miles_core.workers.provider import BaseWorkerProvider
+
+logger = logging.getLogger(__name__)
+
+WeightSource = Callable[[], Iterable[list]]
+"""Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
+
+
+class InferenceController:
+    def __init__(self, *, config: Any, hooks: Any, provider: BaseWorkerProvider, protocol: WeightTransferProtocol,
+                 model_path: str) -> None:  # fmt: skip
+        self.config = config
+        self.hooks = hooks
+        self.provider = provider
+        self.protocol = protocol
+        self.model_path = model_path
+        self.cells = CellManager(provider)
+        self.monitor = HealthMonitor(self.cells, interval_s=config.engine.health_check_interval_s,
+                                     failures_to_restart=1, on_recovered=[self._bring_back])  # fmt: skip
+        self.version = 0
+        self.weights: WeightSource | None = None
+        self.clients: dict[str, EngineClient] = {}
+        self.reports: list[TransferReport] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every engine cell, connect the protocol, start health monitoring."""
+        self.cells.add_server("engine", count=self.config.engine.num_engines, specs=self._specs)
+        await asyncio.gather(*(self.cells.start(cell_id) for cell_id in self.cells.cells))
+        self._refresh_clients()
+        await self.protocol.connect(self.endpoints())
+        self.hooks.register_engines(engines=self.describe_engines())
+        self.monitor.start()
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        with contextlib.suppress(Exception):  # engines may already be gone
+            await self.protocol.close()
+        for client in self.clients.values():
+            await client.aclose()
+        await self.cells.stop_all()
+
+    def _specs(self, cell_id: str) -> list:
+        specs = self.hooks.launch_engines(config=self.config, cell_id=cell_id, model_path=self.model_path)
+        if not specs:
+            raise MilesError(f"no plugin launches engines of backend {self.config.engine.backend!r}")
+        return specs
+
+    # -- engines ----------------------------------------------------------------------------------------------
+
+    def endpoints(self) -> list[EngineEndpoint]:
+        return [EngineEndpoint(name=cell.cell_id, url=cell.workers[0].url, admin_key=self.provider.token)
+                for cell in self.cells.running()]  # fmt: skip
+
+    def engine_clients(self) -> list[EngineClient]:
+        """Clients of the engines that are running now."""
+        return [self.clients[cell.cell_id] for cell in self.cells.running() if cell.cell_id in self.clients]
+
+    def describe_engines(self) -> list[dict]:
+        return [{**cell.snapshot(), "weight_version": self.version} for cell in self.cells.cells.values()]
+
+    def _refresh_clients(self) -> None:
+        for cell in self.cells.running():
+            url = cell.workers[0].url
+            if cell.cell_id not in self.clients or self.clients[cell.cell_id].url != url:
+                self.clients[cell.cell_id] = EngineClient(url, admin_key=self.provider.token, name=cell.cell_id)
+
+    async def wait_for_engines(self, timeout_s: float) -> None:
+        """Wait until every cell runs again (after a failure), up to ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while len(self.cells.running()) < len(self.cells.cells):
+            if asyncio.get_running_loop().time() > deadline:
+                raise MilesError(f"engines not back within {timeout_s:.0f} s: {self.cells.topology()}")
+            await asyncio.sleep(0.2)
+        self._refresh_clients()
+
+    async def _bring_back(self, cell: Cell) -> None:
+        """A restarted engine: reconnect the protocol and load the current weights everywhere."""
+        self._refresh_clients()
+        if self.weights is not None and self.version > 0:
+            await self._transfer_all(self.version)
+        self.hooks.register_engines(engines=self.describe_engines())
+
+    # -- weights ----------------------------------------------------------------------------------------------
+
+    async def update_weights(self, weights: WeightSource, *, version: int) -> TransferReport:
+        """Publish new weights as ``version`` on every engine."""
+        self.weights = weights
+        async with self.monitor.paused(), self._generation_paused():
+            self.hooks.before_weight_update(version=version, protocol=self.protocol)
+            with contextlib.ExitStack() as wrappers:
+                for wrapper in self.hooks.weight_update_wrapper(version=version, protocol=self.protocol):
+                    if wrapper is not None:
+                        wrappers.enter_context(wrapper)
+                report = await self._transfer_all(version)
+        self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
+        self.reports.append(report)
+        return report
+
+    async def _transfer_all(self, version: int, *, attempts: int = 2) -> TransferReport:
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.protocol.connect(self.endpoints())
+                report = await self.protocol.transfer(iter(self.weights()), version=version)
+                break
+            except (EngineError, MilesError, OSError) as exc:
+                if attempt == attempts:
+                    raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
+                logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
+                await self.wait_for_engines(self.config.engine.startup_timeout_s)
+        self.version = version
+        if self.config.weight_transfer.verify_checksum:
+            report = await self._verify(report)
+        return report
+
+    async def _verify(self, report: TransferReport) -> TransferReport:
+        expected = checksum(name_tensor for bucket in self.weights() for name_tensor in bucket)
+        served = await asyncio.gather(*(client.weights_checksum() for client in self.engine_clients()))
+        ok = all(digest == expected for digest in served)
+        if not ok:
+            raise MilesError(f"checksum mismatch after v{report.version}: trainer {expected}, engines {served}")
+        return TransferReport(**{**report.__dict__, "checksum_ok": True})
+
+    @contextlib.asynccontextmanager
+    async def _generation_paused(self):
+        clients = self.engine_clients()
+        await asyncio.gather(*(c.pause_generation("in_place") for c in clients), return_exceptions=True)
+        try:
+            yield
+        finally:
+            await asyncio.gather(*(c.continue_generation() for c in self.engine_clients()), return_exceptions=True)

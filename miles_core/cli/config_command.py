@@ -1,8 +1,9 @@
-"""``miles config show``: the resolved config."""
+"""``miles config show`` (the resolved config) and ``miles train`` (the RL loop), which share the config flags."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Callable
 
@@ -13,7 +14,9 @@ from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 
 
-def prepare(parser: argparse.ArgumentParser, plugin_args: list[str]) -> Callable[[argparse.Namespace], int]:
+def prepare(
+    parser: argparse.ArgumentParser, plugin_args: list[str], *, command: str
+) -> Callable[[argparse.Namespace], int]:
     """Load the plugins, add the config flags to ``parser``, and return the function that runs the command."""
     manager = MilesPluginManager.load(plugin_args)
     arguments = ConfigArguments(manager)
@@ -25,4 +28,13 @@ def prepare(parser: argparse.ArgumentParser, plugin_args: list[str]) -> Callable
         print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip("\n"))
         return 0
 
-    return show
+    def train(args: argparse.Namespace) -> int:
+        from miles_core.loop import run_training  # deferred: imports torch and transformers
+
+        config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
+        reporter = asyncio.run(run_training(config, manager, progress=not args.no_progress))
+        print(reporter.final_table())
+        print(f"metrics: {reporter.metrics_file}")
+        return 0
+
+    return show if command == "config" else train

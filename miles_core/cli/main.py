@@ -58,12 +58,14 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
     commands.add_parser("version", help="print the versions of miles-core and of every plugin distribution")
+    train = commands.add_parser("train", help="run RL post-training (no arguments: the embedded default on CPU)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar (the per-step lines remain)")
 
     finish = None
-    if command == "config":
+    if command in ("config", "train"):
         from miles_core.cli import config_command  # deferred: needs the plugins, pydantic and the config model
 
-        finish = config_command.prepare(show, plugin_args)
+        finish = config_command.prepare(show if command == "config" else train, plugin_args, command=command)
     return parser, finish
 
 

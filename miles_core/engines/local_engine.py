@@ -28,6 +28,7 @@ from miles_core.engines.weights import (
     new_weight_update_group,
     read_checkpoint_dir,
     read_safetensors_file,
+    unique_named_tensors,
 )
 from miles_core.errors import MilesError
 
@@ -208,7 +209,7 @@ class LocalEngine:
     def weights_checksum(self) -> str:
         """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
         with self.lock:
-            return checksum(self.model.state_dict().items())
+            return checksum(unique_named_tensors(self.model.state_dict().items()))
 
     def destroy_group(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:

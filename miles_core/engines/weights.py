@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -77,6 +77,18 @@ def decode_tensors(data: bytes) -> dict[str, torch.Tensor]:
         return load(data)
     except Exception as exc:  # safetensors raises its own error types for malformed input
         raise WeightLoadError(f"payload is not safetensors data: {exc}") from None
+
+
+def unique_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Drop tensors that share memory with one already seen (tied embeddings: ``lm_head.weight`` is
+    ``model.embed_tokens.weight``), as HF checkpoints do."""
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in named:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        yield name, tensor
 
 
 def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

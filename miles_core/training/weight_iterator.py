@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from miles_core.engines.weights import unique_named_tensors
+
 WeightBucket = list[tuple[str, torch.Tensor]]
 
 
@@ -44,12 +46,13 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 
 class ModuleHfWeightIterator(HfWeightIterator):
-    """For a module whose parameter names already are HF names (any transformers model)."""
+    """For a module whose parameter names already are HF names (any transformers model); tied weights are sent
+    once, under their first name, as HF checkpoints store them."""
 
     def __init__(self, module: torch.nn.Module, *, bucket_bytes: int) -> None:
         super().__init__(bucket_bytes=bucket_bytes)
         self.module = module
 
     def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for name, tensor in self.module.state_dict().items():
+        for name, tensor in unique_named_tensors(self.module.state_dict().items()):
             yield name, tensor.detach()

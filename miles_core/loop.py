@@ -1,0 +1,86 @@
+"""The RL loop: prepare, generate, reward, train, publish weights, evaluate, checkpoint; repeat.
+
+``schedule="sync"`` generates step k with the weights of step k. ``schedule="one_step_off"`` generates step k+1
+while step k trains (with weights one version old; the PPO importance ratio against the rollout logprobs corrects
+for it). Step k's data depends only on k, so a resumed run continues with the same data order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from miles_core.registry import Registries
+from miles_core.reporting import RunReporter
+from miles_core.rollout.controller import InferenceController
+from miles_core.rollout.executor import RolloutExecutor
+from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
+
+
+async def run_training(config: Any, manager: Any, *, progress: bool = True) -> RunReporter:
+    """Run ``config.run.num_steps`` RL steps; returns the reporter holding every metric."""
+    registries: Registries = manager.registries
+    setup = prepare_run(config, registries)
+    trainer = registries["training_backends"].get_or_raise(config.train.backend).load().from_pretrained(
+        setup.model_path, config.train, seed=config.run.seed)  # fmt: skip
+    if setup.start_step:
+        trainer.load_checkpoint(setup.model_path)
+    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(config.weight_transfer.mode).load()
+    provider = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()(
+        token=setup.token, run_dir=setup.run_dir)  # fmt: skip
+    controller = InferenceController(config=config, hooks=manager.hook, provider=provider,
+                                     protocol=protocol_cls(**config.weight_transfer.settings),
+                                     model_path=str(setup.model_path))  # fmt: skip
+    executor = RolloutExecutor(config=config, tokenizer=setup.tokenizer, train_prompts=setup.train_prompts,
+                               eval_prompts=setup.eval_prompts, reward_fn=setup.reward_fn,
+                               reward_name=setup.reward_name, controller=controller)  # fmt: skip
+    reporter = RunReporter(setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step,
+                           enabled=progress)  # fmt: skip
+    await controller.start()
+    controller.version = setup.start_step
+    try:
+        await _steps(config, manager, setup, trainer, controller, executor, reporter)
+    finally:
+        reporter.close()
+        await controller.stop()
+    return reporter
+
+
+async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:
+    bucket_bytes = config.weight_transfer.bucket_size_mb << 20
+    if setup.start_step == 0:
+        reporter.eval(0, await _evaluate(manager, controller, executor, 0))
+    next_rollout = None
+    for step in range(setup.start_step, config.run.num_steps):
+        started = time.monotonic()
+        rollout = await (next_rollout or _rollout(manager, controller, executor, step))
+        if config.run.schedule == "one_step_off" and step + 1 < config.run.num_steps:
+            next_rollout = asyncio.create_task(_rollout(manager, controller, executor, step + 1))
+        generated = time.monotonic()
+        train_metrics = await asyncio.to_thread(trainer.train_step, rollout.batch)
+        trained = time.monotonic()
+        report = await controller.update_weights(lambda: trainer.weight_iterator(bucket_bytes), version=step + 1)
+        metrics = {**rollout.stats, **{f"train/{k}": v for k, v in train_metrics.items()},
+                   "weight_transfer/gb_per_s": report.gb_per_s, "weight_transfer/seconds": report.seconds,
+                   "time/rollout": generated - started, "time/train": trained - generated,
+                   "time/weight_update": time.monotonic() - trained}  # fmt: skip
+        manager.hook.on_samples(rollout_id=step, samples=rollout.samples)
+        done = step + 1
+        if (config.run.eval_every and done % config.run.eval_every == 0) or done == config.run.num_steps:
+            metrics.update(await _evaluate(manager, controller, executor, done))
+        if (config.run.checkpoint_every and done % config.run.checkpoint_every == 0) or done == config.run.num_steps:
+            trainer.save_checkpoint(setup.run_dir / CHECKPOINTS / f"step_{done:06d}")
+        metrics["time/step"] = time.monotonic() - started
+        manager.hook.on_metrics(rollout_id=step, metrics=metrics)
+        reporter.step(done, metrics)
+
+
+async def _rollout(manager, controller, executor, step: int):
+    manager.hook.prepare_rollout(rollout_id=step, controller=controller)
+    return await executor.get(step)
+
+
+async def _evaluate(manager, controller, executor, step: int) -> dict[str, float]:
+    manager.hook.prepare_eval(rollout_id=step, controller=controller)
+    return (await executor.evaluate(step)).stats

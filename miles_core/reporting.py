@@ -1,0 +1,60 @@
+"""What a run shows and writes: a progress bar, a line per step, metrics as JSON lines, a final table."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+class RunReporter:
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True) -> None:
+        self.metrics_file = run_dir / "metrics.jsonl"
+        self.rows: list[dict[str, Any]] = []
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="steps", unit="step", file=sys.stderr,
+                        disable=not enabled, dynamic_ncols=True)  # fmt: skip
+        self.started = time.monotonic()
+
+    def step(self, step: int, metrics: dict[str, float]) -> None:
+        """Record one step: a JSON line, a summary line, the progress bar."""
+        row = {"step": step, "time": round(time.monotonic() - self.started, 3), **metrics}
+        self.rows.append(row)
+        with open(self.metrics_file, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        summary = (f"step {step:4d}  reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
+                   f"loss {metrics.get('train/loss', float('nan')):+.4f}  "
+                   f"entropy {metrics.get('train/entropy', float('nan')):.3f}  "
+                   f"step {metrics.get('time/step', 0):.2f}s")  # fmt: skip
+        if "eval/reward_mean" in metrics:
+            summary += f"  eval {metrics['eval/reward_mean']:.3f}"
+        self.bar.write(summary)
+        self.bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
+        self.bar.update(1)
+
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, "time": round(time.monotonic() - self.started, 3), **metrics}
+        self.rows.append(row)
+        with open(self.metrics_file, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        self.bar.write(f"eval at step {step}: reward {metrics['eval/reward_mean']:.3f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def final_table(self) -> str:
+        """Steps with an eval, and the last step: reward, eval reward, loss, KL, entropy, step time."""
+        header = ("step", "reward", "eval", "loss", "kl", "entropy", "step s")
+        keys = ("rollout/reward_mean", "eval/reward_mean", "train/loss", "train/kl", "train/entropy", "time/step")
+        merged: dict[int, dict[str, Any]] = {}
+        for row in self.rows:
+            merged.setdefault(row["step"], {}).update(row)
+        shown = [r for r in merged.values() if "eval/reward_mean" in r] or list(merged.values())[-1:]
+        lines = ["  ".join(f"{h:>8s}" for h in header)]
+        for row in shown:
+            cells = [f"{row['step']:8d}"] + [f"{row[k]:8.3f}" if k in row else f"{'-':>8s}" for k in keys]
+            lines.append("  ".join(cells))
+        return "\n".join(lines)

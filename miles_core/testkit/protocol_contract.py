@@ -1,0 +1,170 @@
+"""The weight-transfer protocol contract, shipped as a pytest plugin (entry point ``pytest11``).
+
+Any protocol, built-in or third-party, is checked by subclassing :class:`ProtocolContract` in a test module::
+
+    from miles_core.testkit.protocol_contract import ProtocolContract
+
+    class TestMyProtocol(ProtocolContract):
+        protocol_name = "my-protocol"          # its name in the registry
+        protocol_settings = {"option": 1}      # keyword arguments of its constructor
+
+The suite starts real local engines (a tiny model made on the spot) and checks round trips with checksums,
+versioning, reports, and failures (a bad tensor, a dead engine), after which a good transfer must restore every
+engine to exactly the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import transformers
+
+from miles_core.engines.client import EngineClient
+from miles_core.engines.weights import checksum
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
+from miles_core.training.weight_iterator import ModuleHfWeightIterator
+from miles_core.weight_transfer.protocol import EngineEndpoint, WeightTransferProtocol
+from miles_core.workers.local_provider import LocalWorkerProvider
+from miles_core.workers.specs import CommandWorkerSpec
+
+CONTRACT_TOKEN = "contract-admin-key"
+SMALL_BUCKET_BYTES = 16 << 10  # several buckets even for the tiny model
+
+
+class ContractEngines:
+    """Local engines serving one tiny checkpoint, shared by every protocol under test in a session."""
+
+    def __init__(self, root: Path, count: int) -> None:
+        self.model_dir = save_tiny_llama(root / "model", seed=11)
+        self.provider = LocalWorkerProvider(token=CONTRACT_TOKEN, run_dir=root / "run")
+        self.count = count
+        self.infos: list[Any] = []
+
+    def spec(self, name: str) -> CommandWorkerSpec:
+        argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(self.model_dir),
+                "--host", "{host}", "--port", "{port}"]  # fmt: skip
+        return CommandWorkerSpec(name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health")
+
+    async def start(self) -> None:
+        self.infos = list(await asyncio.gather(*(self.provider.start(self.spec(f"contract-{i}"))
+                                                 for i in range(self.count))))  # fmt: skip
+
+    async def restart_dead(self) -> None:
+        for index, info in enumerate(self.infos):
+            if not await self.provider.is_alive(info.name):
+                self.infos[index] = await self.provider.restart(info.name)
+
+    def endpoints(self) -> list[EngineEndpoint]:
+        return [EngineEndpoint(name=i.name, url=i.url, admin_key=CONTRACT_TOKEN) for i in self.infos]
+
+
+@pytest.fixture(scope="session")
+def contract_engines(tmp_path_factory: pytest.TempPathFactory):
+    engines = ContractEngines(tmp_path_factory.mktemp("protocol-contract"), count=2)
+    asyncio.run(engines.start())
+    yield engines
+    asyncio.run(engines.provider.shutdown())
+
+
+class ProtocolContract:
+    """Subclass with ``protocol_name`` (and ``protocol_settings``) to run the contract against a protocol."""
+
+    protocol_name: ClassVar[str]
+    protocol_settings: ClassVar[dict[str, Any]] = {}
+
+    def make_protocol(self) -> WeightTransferProtocol:
+        registries = MilesPluginManager.load().registries
+        protocol_cls = registries["weight_transfer_protocols"].get_or_raise(self.protocol_name).load()
+        return protocol_cls(**self.protocol_settings)
+
+    @staticmethod
+    def trainer_model(engines: ContractEngines, seed: int) -> torch.nn.Module:
+        model = transformers.AutoModelForCausalLM.from_pretrained(engines.model_dir)
+        model.load_state_dict(perturbed_state(model, seed=seed))
+        return model
+
+    @staticmethod
+    async def served(engines: ContractEngines) -> list[tuple[str, str]]:
+        """(weight version, checksum) of every engine."""
+        results = []
+        for endpoint in engines.endpoints():
+            async with EngineClient(endpoint.url, admin_key=CONTRACT_TOKEN) as client:
+                results.append((await client.weight_version(), await client.weights_checksum()))
+        return results
+
+    async def _transfer(self, protocol: WeightTransferProtocol, model: torch.nn.Module, version: int) -> Any:
+        return await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=SMALL_BUCKET_BYTES)),
+                                       version=version)  # fmt: skip
+
+    def test_round_trip_versions_and_report(self, contract_engines: ContractEngines) -> None:
+        async def scenario() -> None:
+            protocol = self.make_protocol()
+            await protocol.connect(contract_engines.endpoints())
+            try:
+                for version, seed in ((101, 1), (102, 2)):
+                    model = self.trainer_model(contract_engines, seed)
+                    report = await self._transfer(protocol, model, version)
+                    expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                    assert await self.served(contract_engines) == [(str(version), expected)] * contract_engines.count
+                    named = list(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                    assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in named)
+                    assert report.version == version and report.num_engines == contract_engines.count
+                    assert report.seconds > 0 and report.gb_per_s > 0
+            finally:
+                await protocol.close()
+
+        asyncio.run(scenario())
+
+    def test_a_bad_tensor_fails_clearly_and_a_retry_restores_exact_weights(self, contract_engines) -> None:
+        async def scenario() -> None:
+            protocol = self.make_protocol()
+            await protocol.connect(contract_engines.endpoints())
+            try:
+                before = await self.served(contract_engines)
+                model = self.trainer_model(contract_engines, 3)
+                bad = list(ModuleHfWeightIterator(model, bucket_bytes=SMALL_BUCKET_BYTES))
+                bad[-1] = [*bad[-1], ("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))]
+                with pytest.raises(Exception, match=r"up_proj\.weight"):
+                    await protocol.transfer(iter(bad), version=201)
+                assert [v for v, _ in await self.served(contract_engines)] == [v for v, _ in before]  # not published
+                await protocol.connect(contract_engines.endpoints())
+                await self._transfer(protocol, model, 202)
+                expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                assert await self.served(contract_engines) == [("202", expected)] * contract_engines.count
+            finally:
+                await protocol.close()
+
+        asyncio.run(scenario())
+
+    def test_a_dead_engine_is_a_clear_error(self, contract_engines: ContractEngines) -> None:
+        async def scenario() -> None:
+            protocol = self.make_protocol()
+            await protocol.connect(contract_engines.endpoints())
+            victim = contract_engines.infos[-1].name
+            try:
+                await contract_engines.provider.kill(victim)
+                await asyncio.sleep(0.2)
+                with pytest.raises(Exception) as caught:
+                    await asyncio.wait_for(self._transfer(protocol, self.trainer_model(contract_engines, 4), 301),
+                                           timeout=150)  # fmt: skip
+                assert not isinstance(caught.value, TimeoutError)
+            finally:
+                await protocol.close()
+                await contract_engines.restart_dead()
+            protocol = self.make_protocol()
+            await protocol.connect(contract_engines.endpoints())
+            try:
+                model = self.trainer_model(contract_engines, 5)
+                await self._transfer(protocol, model, 302)
+                expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                assert await self.served(contract_engines) == [("302", expected)] * contract_engines.count
+            finally:
+                await protocol.close()
+
+        asyncio.run(scenario())

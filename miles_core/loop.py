@@ -11,6 +11,8 @@ import asyncio
 import time
 from typing import Any
 
+import transformers
+
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.controller import InferenceController
@@ -21,6 +23,7 @@ from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 async def run_training(config: Any, manager: Any, *, progress: bool = True) -> RunReporter:
     """Run ``config.run.num_steps`` RL steps; returns the reporter holding every metric."""
     registries: Registries = manager.registries
+    transformers.utils.logging.disable_progress_bar()  # the run has its own progress bar
     setup = prepare_run(config, registries)
     trainer = registries["training_backends"].get_or_raise(config.train.backend).load().from_pretrained(
         setup.model_path, config.train, seed=config.run.seed)  # fmt: skip

@@ -18,6 +18,7 @@ from typing import Any
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
+from miles_core.training.weight_iterator import bucketize
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
@@ -42,6 +43,8 @@ class InferenceController:
                                      failures_to_restart=1, on_recovered=[self._bring_back])  # fmt: skip
         self.version = 0
         self.weights: WeightSource | None = None
+        self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries
+        self._updating = False
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
 
@@ -90,8 +93,10 @@ class InferenceController:
                 self.clients[cell.cell_id] = EngineClient(url, admin_key=self.provider.token, name=cell.cell_id)
 
     async def wait_for_engines(self, timeout_s: float) -> None:
-        """Wait until every cell runs again (after a failure), up to ``timeout_s``."""
+        """After a failure: restore dead engines now (not at the next health check) and wait until every cell
+        runs again, up to ``timeout_s``."""
         deadline = asyncio.get_running_loop().time() + timeout_s
+        await self.monitor.check_once(ignore_pause=True)
         while len(self.cells.running()) < len(self.cells.cells):
             if asyncio.get_running_loop().time() > deadline:
                 raise MilesError(f"engines not back within {timeout_s:.0f} s: {self.cells.topology()}")
@@ -99,10 +104,14 @@ class InferenceController:
         self._refresh_clients()
 
     async def _bring_back(self, cell: Cell) -> None:
-        """A restarted engine: reconnect the protocol and load the current weights everywhere."""
+        """A restarted engine: reconnect the protocol and load the last published weights (during an update, the
+        update's own retry does that)."""
         self._refresh_clients()
-        if self.weights is not None and self.version > 0:
-            await self._transfer_all(self.version)
+        if self.published and not self._updating:
+            published = self.published
+            await self.protocol.connect(self.endpoints())
+            await self.protocol.transfer(bucketize(published, self.config.weight_transfer.bucket_size_mb << 20),
+                                         version=self.version)  # fmt: skip
         self.hooks.register_engines(engines=self.describe_engines())
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -110,16 +119,24 @@ class InferenceController:
     async def update_weights(self, weights: WeightSource, *, version: int) -> TransferReport:
         """Publish new weights as ``version`` on every engine."""
         self.weights = weights
+        self._updating = True
+        try:
+            report = await self._update(version)
+        finally:
+            self._updating = False
+        self.published = [(name, tensor.detach().clone()) for bucket in weights() for name, tensor in bucket]
+        self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
+        self.reports.append(report)
+        return report
+
+    async def _update(self, version: int) -> TransferReport:
         async with self.monitor.paused(), self._generation_paused():
             self.hooks.before_weight_update(version=version, protocol=self.protocol)
             with contextlib.ExitStack() as wrappers:
                 for wrapper in self.hooks.weight_update_wrapper(version=version, protocol=self.protocol):
                     if wrapper is not None:
                         wrappers.enter_context(wrapper)
-                report = await self._transfer_all(version)
-        self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
-        self.reports.append(report)
-        return report
+                return await self._transfer_all(version)
 
     async def _transfer_all(self, version: int, *, attempts: int = 2) -> TransferReport:
         for attempt in range(1, attempts + 1):

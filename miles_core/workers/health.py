@@ -78,14 +78,16 @@ class HealthMonitor:
 
     # -- checking -------------------------------------------------------------------------------------------
 
-    async def check_once(self) -> list[str]:
-        """One round over the running and failed cells; returns the ids of the cells it restored."""
-        if self.is_paused:
+    async def check_once(self, *, ignore_pause: bool = False) -> list[str]:
+        """One round over the running and failed cells; returns the ids of the cells it restored.
+
+        ``ignore_pause`` is for the owner of the pause itself (a weight update that must restore an engine)."""
+        if self.is_paused and not ignore_pause:
             return []
         async with self._round:
             restored = []
             for cell in list(self.cells.cells.values()):
-                if self.is_paused:
+                if self.is_paused and not ignore_pause:
                     break
                 if await self._needs_recovery(cell) and await self._recover(cell):
                     restored.append(cell.cell_id)

@@ -1,0 +1,158 @@
+"""``miles train`` as a user runs it: the default run learns, resume, schedules, faults, real inputs, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_core.testkit.tiny_models import save_tiny_llama
+from miles_core.testkit.tokenizers import save_char_tokenizer
+from tests.conftest import run_miles, with_pythonpath
+
+pytestmark = pytest.mark.slow
+QUICK = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True):
+    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env)
+    if ok:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_default_run_learns(tmp_path: Path) -> None:
+    """A shortened embedded default run (the full one is `miles train`): held-out reward rises."""
+    train(tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0", "--run-checkpoint-every", "0")
+    rows = metrics(tmp_path)
+    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
+    assert len(evals) == 2  # at the start and at the end
+    assert evals[-1] >= evals[0] + 0.2, evals
+    assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
+    assert (tmp_path / "checkpoints" / "step_000110" / "model.safetensors").is_file()
+    assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row)
+
+
+def test_resume_continues_from_the_saved_step(tmp_path: Path) -> None:
+    train(tmp_path, *QUICK, "--num-steps", "4", "--run-checkpoint-every", "2")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    result = train(tmp_path, *QUICK, "--num-steps", "6", "--run-checkpoint-every", "2", "--run-resume", "true")
+    steps = [row["step"] for row in metrics(tmp_path) if "train/loss" in row]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the resumed run started at step 5
+    state = json.loads((tmp_path / "checkpoints" / "step_000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6
+    assert "step    6" in result.stdout
+
+
+FAULTS = """\
+from miles_core import hookimpl
+
+CONTROLLER = None
+
+
+@hookimpl
+def prepare_rollout(rollout_id, controller):
+    global CONTROLLER
+    CONTROLLER = controller
+    if rollout_id == 2:  # engine-1 dies as the rollout starts: its requests fail mid-rollout
+        controller.provider.processes["engine-1"].kill()
+
+
+@hookimpl
+def before_weight_update(version, protocol):
+    if version == 4:  # engine-0 dies as the weight update starts
+        CONTROLLER.provider.processes["engine-0"].kill()
+
+
+@hookimpl
+def on_metrics(rollout_id, metrics):
+    print(f"SAMPLES {rollout_id} {int(metrics['rollout/samples'])}", flush=True)
+    restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
+    print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
+"""
+
+
+def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path: Path) -> None:
+    plugin = tmp_path / "faults.py"
+    plugin.write_text(FAULTS)
+    result = train(tmp_path / "run", *QUICK, "--num-steps", "6", "--engine-num-engines", "2",
+                   "--run-schedule", "one_step_off", "--weight-transfer-verify-checksum", "true",
+                   "--plugin", str(plugin))  # fmt: skip
+    samples = [line.split() for line in result.stdout.splitlines() if line.startswith("SAMPLES")]
+    assert [(int(step), int(count)) for _, step, count in samples] == [(step, 16) for step in range(6)]
+    restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
+    assert restarts[-1] == ["5", "1", "1"]  # both engines were killed once and brought back
+    assert "step    6" in result.stdout
+
+
+REWARDS = """\
+def first_char_reward(*, prompt, response, label, metadata):
+    return float(response[:1] == label)
+
+def broken_reward(*, prompt, response, label, metadata):
+    raise KeyError("score")
+"""
+
+
+@pytest.fixture
+def real_model(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A tiny HF checkpoint with its own tokenizer, a prompt file and a reward module."""
+    model_dir = save_tiny_llama(tmp_path / "model", vocab_size=16)
+    save_char_tokenizer(model_dir, "abc:0123456")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{c}{d}:", "label": c}) + "\n" for c in "abc" for d in "0123"))
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    return model_dir, prompts, tmp_path
+
+
+def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
+    model_dir, prompts, module_dir = real_model
+    train(tmp_path / "run", *QUICK, "--num-steps", "3", "--model", str(model_dir), "--prompts", str(prompts),
+          "--reward", "my_rewards:first_char_reward", "--update-weight-transfer-mode", "broadcast",
+          env=with_pythonpath(module_dir))  # fmt: skip
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows if "train/loss" in row] == [1, 2, 3]
+
+
+def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: Path) -> None:
+    model_dir, prompts, module_dir = real_model
+    result = train(tmp_path / "run", *QUICK, "--num-steps", "2", "--model", str(model_dir), "--prompts",
+                   str(prompts), "--reward", "my_rewards:broken_reward", env=with_pythonpath(module_dir),
+                   ok=False)  # fmt: skip
+    assert result.returncode == 2
+    assert "reward function my_rewards:broken_reward raised on sample 0 of rollout 0" in result.stderr
+    assert "KeyError: 'score'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing_model", "has no config.json"),
+        ("corrupt_model", "cannot load"),
+        ("bad_jsonl", "prompts.jsonl:2: not valid JSON"),
+        ("no_reward", "--prompts needs --reward"),
+        ("unknown_reward_module", "cannot load 'no_such_module:fn'"),
+    ],
+)
+def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, message: str) -> None:
+    model_dir, prompts, _ = real_model
+    args = ["--model", str(model_dir), "--prompts", str(prompts), "--reward", "example.keyword"]
+    if setup == "missing_model":
+        args[1] = str(tmp_path / "nowhere")
+    elif setup == "corrupt_model":
+        (model_dir / "config.json").write_text("{not json")
+    elif setup == "bad_jsonl":
+        prompts.write_text('{"prompt": "a1:", "label": "a"}\n{"prompt": oops}\n')
+    elif setup == "no_reward":
+        args = args[:4]
+    elif setup == "unknown_reward_module":
+        args[5] = "no_such_module:fn"
+    result = train(tmp_path / "run", *QUICK, "--num-steps", "1", *args, ok=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

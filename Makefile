@@ -19,7 +19,7 @@ $(STAMP): $(PYPROJECTS)
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/miles plugins
+	$(BIN)/miles train
 
 test: setup
 	$(BIN)/python -m pytest

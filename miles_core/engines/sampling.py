@@ -67,24 +67,35 @@ class _Sampler:
         self.logprobs: list[float] = []
         self.finish_reason: dict | None = None if self.params.max_new_tokens > 0 else {"type": "length", "length": 0}
 
-    def step(self, logits: torch.Tensor) -> int:
-        """Choose the next token from this request's logits row; record it and whether the request ended."""
-        logits = logits.float()
-        if self.params.temperature == 0:
-            token = int(torch.argmax(logits))
-            logprob = float(torch.log_softmax(logits, dim=-1)[token])
-        else:
-            scaled = logits / self.params.temperature
-            probs = torch.softmax(_filter(scaled, self.params.top_k, self.params.top_p), dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-            logprob = float(torch.log_softmax(scaled, dim=-1)[token])
+    def record(self, token: int, logprob: float) -> None:
+        """Append the chosen token; note whether the request ended."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
         if token in self.stop_ids:
             self.finish_reason = {"type": "stop", "matched": token}
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = {"type": "length", "length": len(self.output_ids)}
-        return token
+
+
+def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Sample one token for each active row at once, by inverse CDF with one uniform number per row drawn from the
+    request's own generator: a request's tokens depend on its seed alone, whatever it is batched with."""
+    logits = logits[rows].float()
+    temperatures = torch.tensor([samplers[r].params.temperature for r in rows])
+    greedy = temperatures == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    probs = logprobs.exp()
+    for i, row in enumerate(rows):
+        params = samplers[row].params
+        if params.top_k > 0 or params.top_p < 1.0:
+            probs[i] = torch.softmax(_filter(scaled[i], params.top_k, params.top_p), dim=-1)
+    uniform = torch.cat([torch.rand(1, generator=samplers[r].generator) for r in rows])
+    cdf = probs.cumsum(-1)
+    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens.tolist(), chosen.tolist()
 
 
 @torch.inference_mode()
@@ -126,8 +137,12 @@ def generate_batch(
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1)  # fmt: skip
         cache = out.cache
-        last = out.logits[:, -1].cpu()
-        tokens = [s.step(last[row]) if s.finish_reason is None else pad_token_id for row, s in enumerate(samplers)]
+        rows = [row for row, s in enumerate(samplers) if s.finish_reason is None]
+        chosen, logprobs = _choose(samplers, rows, out.logits[:, -1].cpu())
+        tokens = [pad_token_id] * len(samplers)
+        for row, token, logprob in zip(rows, chosen, logprobs, strict=True):
+            samplers[row].record(token, logprob)
+            tokens[row] = token
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=1)
         positions = positions[:, -1:] + 1

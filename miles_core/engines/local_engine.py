@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,14 +26,17 @@ from miles_core.engines.weights import (
     checksum,
     decode_tensors,
     load_named_tensors,
+    map_staging_file,
     new_weight_update_group,
     read_checkpoint_dir,
     read_safetensors_file,
+    staged_views,
     unique_named_tensors,
 )
 from miles_core.errors import MilesError
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+MAX_STAGING_FILES = 4  # a trainer double-buffers; more would be stale mappings
 
 
 @dataclasses.dataclass
@@ -63,6 +67,7 @@ class LocalEngine:
         self._batches = 0
         self._loop_task: asyncio.Task | None = None
         self._held: _Pending | None = None  # taken from the queue, waiting for the engine to resume
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}  # mapped shared-memory staging files
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -165,9 +170,12 @@ class LocalEngine:
 
     def update_from_tensor(self, serialized: list[str], weight_version: str | None, load_format: str | None) -> int:
         """``load_format`` ``safetensors`` (default): base64 safetensors bytes; ``safetensors_path``: the path of a
-        safetensors file on this machine (shared memory), removed once loaded."""
+        safetensors file on this machine, removed once loaded; ``shm_staging``: a JSON description (path, size,
+        ``[name, dtype, shape, offset]`` rows) of tensors in a shared-memory staging file."""
         if len(serialized) != 1:
             raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
+        if load_format == "shm_staging":
+            return self._load_staged(json.loads(serialized[0]), weight_version)
         if load_format == "safetensors_path":
             path = Path(serialized[0])
             try:
@@ -180,6 +188,17 @@ class LocalEngine:
         except ValueError as exc:
             raise WeightLoadError(f"serialized_named_tensors[0] is not base64: {exc}") from None
         return self._load(decode_tensors(data), weight_version)
+
+    def _load_staged(self, request: dict, weight_version: str | None) -> int:
+        """Copy tensors straight out of a shared-memory staging file that the trainer filled (mapped once)."""
+        key = (request["path"], int(request["size"]))
+        if key not in self._staging:
+            if not Path(key[0]).is_file() or Path(key[0]).stat().st_size < key[1]:
+                raise WeightLoadError(f"staging file {key[0]} is missing or smaller than {key[1]} bytes")
+            while len(self._staging) >= MAX_STAGING_FILES:
+                self._staging.pop(next(iter(self._staging)))
+            self._staging[key] = map_staging_file(*key)
+        return self._load(staged_views(self._staging[key], request["tensors"]), weight_version)
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:  # fmt: skip

@@ -115,3 +115,40 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) 
     options = dist.BroadcastOptions()
     options.rootRank = root
     group.broadcast([tensor], options).wait()
+
+
+STAGING_ALIGNMENT = 64
+
+
+def staging_layout(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[list], int]:
+    """Where each tensor goes in a staging buffer: ``[name, dtype, shape, offset]`` rows (offsets aligned to 64
+    bytes) and the bytes needed."""
+    layout, offset = [], 0
+    for name, tensor in tensors:
+        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+        offset += -(-tensor.numel() * tensor.element_size() // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
+    return layout, offset
+
+
+def map_staging_file(path: str | Path, size: int) -> torch.Tensor:
+    """A file in shared memory as a uint8 tensor (both sides map the same pages: no copy through the kernel)."""
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+
+
+def staged_views(buffer: torch.Tensor, layout: list[list]) -> dict[str, torch.Tensor]:
+    """The tensors that ``layout`` describes, as views into ``buffer``; a layout outside it is an error."""
+    views = {}
+    for name, dtype_name, shape, offset in layout:
+        dtype = getattr(torch, str(dtype_name), None)
+        if not isinstance(dtype, torch.dtype):
+            raise WeightLoadError(f"{name}: unknown dtype {dtype_name!r}")
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + nbytes > buffer.numel():
+            raise WeightLoadError(
+                f"{name}: bytes {offset}..{offset + nbytes} lie outside the {buffer.numel()}-byte buffer"
+            )
+        views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
+    return views

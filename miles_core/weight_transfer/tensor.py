@@ -1,9 +1,17 @@
-"""``tensor``: each bucket travels as safetensors bytes in ``/update_weights_from_tensor``; to engines on this
-machine (``shared_memory``, the default when the engine's host is loopback) the bytes go through a file in
-``/dev/shm`` instead of the HTTP body."""
+"""``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor``.
+
+* Engines on other machines get the bucket as safetensors bytes in the request body.
+* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share one staging
+  staging files in ``/dev/shm`` with the trainer: the trainer copies a bucket into one once, every engine copies it
+  out into its weights, and the request carries only the layout. Two files alternate, so the trainer fills bucket
+  k+1 while the engines empty bucket k; they are mapped once and reused for every bucket and version, so a
+  steady-state transfer costs two overlapped memory copies and no serialisation.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import tempfile
 import time
@@ -12,9 +20,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
-from safetensors.torch import save_file
+import torch
 
 from miles_core.engines.client import EngineClient
+from miles_core.engines.weights import map_staging_file, staging_layout
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import TransferReport, WeightBucket
 
@@ -28,6 +37,7 @@ class TensorProtocol(HttpEngineProtocol):
         super().__init__(shared_memory=shared_memory, shm_dir=shm_dir)
         self.shared_memory = shared_memory
         self.shm_dir = Path(shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
+        self._staging: list[tuple[Path, torch.Tensor] | None] = [None, None]  # double buffering
 
     def _local(self, client: EngineClient) -> bool:
         if self.shared_memory is not None:
@@ -37,21 +47,55 @@ class TensorProtocol(HttpEngineProtocol):
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()
         num_bytes = 0
-        for bucket in buckets:
-            tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in bucket}
-            num_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-            await self.on_each_engine(lambda client, tensors=tensors: self._send(client, tensors))
+        sending: asyncio.Task | None = None
+        any_local = any(map(self._local, self.clients))
+        for index, bucket in enumerate(buckets):
+            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+            num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+            # Fill one staging file while the engines still read the other (the previous bucket).
+            staged = await asyncio.to_thread(self._stage, tensors, index % 2) if any_local else None
+            if sending is not None:
+                await sending
+            sending = asyncio.create_task(self._send_all(tensors, staged))
+        if sending is not None:
+            await sending
         await self.publish_version(version)
         return self.report(version=version, num_bytes=num_bytes, started=started)
 
-    async def _send(self, client: EngineClient, tensors: dict) -> None:
-        if not self._local(client):
-            await client.update_weights_from_tensor(tensors)
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> str:
+        """Copy the bucket into staging file ``slot`` (grown when too small); returns the request's description."""
+        layout, needed = staging_layout(tensors)
+        current = self._staging[slot]
+        if current is None or current[1].numel() < needed:
+            self._drop_staging(slot)
+            path = self.shm_dir / f"miles-staging-{uuid.uuid4().hex}"
+            with open(path, "wb") as staging_file:
+                staging_file.truncate(needed)
+            self._staging[slot] = (path, map_staging_file(path, needed))
+        path, buffer = self._staging[slot]
+        for (_, tensor), (_, _, _, offset) in zip(tensors, layout, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        return json.dumps({"path": str(path), "size": buffer.numel(), "tensors": layout})
+
+    async def _send_all(self, tensors: list, staged: str | None) -> None:
+        await self.on_each_engine(lambda client: self._send(client, tensors, staged))
+
+    async def _send(self, client: EngineClient, tensors: list, staged: str | None) -> None:
+        if staged is None or not self._local(client):
+            await client.update_weights_from_tensor(dict(tensors))
             return
-        path = self.shm_dir / f"miles-weights-{uuid.uuid4().hex}.safetensors"
-        save_file(tensors, str(path))
-        try:
-            await client._control("/update_weights_from_tensor", serialized_named_tensors=[str(path)],
-                                  load_format="safetensors_path")  # fmt: skip
-        finally:
-            path.unlink(missing_ok=True)  # the engine removes it after loading; this covers failures
+        await client._control(
+            "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_staging"
+        )
+
+    def _drop_staging(self, slot: int) -> None:
+        current = self._staging[slot]
+        if current is not None:
+            current[0].unlink(missing_ok=True)
+            self._staging[slot] = None
+
+    async def close(self) -> None:
+        for slot in range(len(self._staging)):
+            self._drop_staging(slot)
+        await super().close()

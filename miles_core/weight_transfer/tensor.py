@@ -68,7 +68,8 @@ class TensorProtocol(HttpEngineProtocol):
         current = self._staging[slot]
         if current is None or current[1].numel() < needed:
             self._drop_staging(slot)
-            path = self.shm_dir / f"miles-staging-{uuid.uuid4().hex}"
+            _remove_orphans(self.shm_dir)
+            path = self.shm_dir / f"miles-staging-{os.getpid()}-{uuid.uuid4().hex}"
             with open(path, "wb") as staging_file:
                 staging_file.truncate(needed)
             self._staging[slot] = (path, map_staging_file(path, needed))
@@ -99,3 +100,11 @@ class TensorProtocol(HttpEngineProtocol):
         for slot in range(len(self._staging)):
             self._drop_staging(slot)
         await super().close()
+
+
+def _remove_orphans(directory: Path) -> None:
+    """Staging files left by trainers that died without closing their protocol."""
+    for path in directory.glob("miles-staging-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            path.unlink(missing_ok=True)

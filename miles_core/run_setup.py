@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ class RunSetup:
 
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
     run_dir = Path(config.run.output_dir)
+    if not config.run.resume:
+        archive_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if config.model.path is None:
         model_path, tokenizer = default_model(run_dir, seed=config.run.seed), DigitTokenizer()
@@ -101,6 +104,16 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r}, not a function")
     return reward, name
+
+
+def archive_previous_run(run_dir: Path) -> Path | None:
+    """A new run in a directory that holds an earlier run moves the earlier one aside (nothing is deleted)."""
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / CHECKPOINTS).exists()):
+        return None
+    archive = run_dir.with_name(f"{run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir.rename(archive)
+    print(f"miles: the earlier run in {run_dir} was moved to {archive} (use --run-resume true to continue it)")
+    return archive
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

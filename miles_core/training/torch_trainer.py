@@ -81,7 +81,7 @@ class TorchTrainer:
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy
         (total * weight).backward()
-        return {"loss": float(total), "pg_loss": float(loss), "kl": float(kl), "entropy": float(token_entropy),
+        return {"loss": total.item(), "pg_loss": loss.item(), "kl": kl.item(), "entropy": token_entropy.item(),
                 **{key: float(value) for key, value in stats.items()}}  # fmt: skip
 
     def weight_iterator(self, bucket_bytes: int) -> ModuleHfWeightIterator:

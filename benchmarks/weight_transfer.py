@@ -2,7 +2,8 @@
 same-size memory copy into preallocated tensors (the physical limit on this machine), in one run.
 
 Usage: ``python benchmarks/weight_transfer.py [--repeats 3] [--protocols disk,tensor,...]``. Prints GB/s per
-protocol (median of repeats, each including the engine's load into its model) and, last, the ratios to memcpy.
+protocol (median of the repeats after two warm-up transfers, each including the engine's load into its model)
+and, last, the ratios to memcpy.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench-admin"
+WARMUP = 2  # an RL run transfers every step: the first transfers (which create staging files) are reported apart
 SETTINGS = {"tensor-http": ("tensor", {"shared_memory": False}), "tensor-shm": ("tensor", {"shared_memory": True})}
 
 
@@ -64,13 +66,14 @@ async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Mod
     await protocol.connect([endpoint])
     rates = []
     try:
-        for version in range(1, repeats + 1):
+        for version in range(1, repeats + WARMUP + 1):
             report = await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=bucket_bytes)),
                                              version=version)  # fmt: skip
             rates.append(report.gb_per_s)
     finally:
         await protocol.close()
-    return statistics.median(rates)
+    print(f"{name:22s} first transfers {', '.join(f'{r:.2f}' for r in rates[:WARMUP])} GB/s (set-up, not counted)")
+    return statistics.median(rates[WARMUP:])
 
 
 async def main(args: argparse.Namespace) -> None:

@@ -31,6 +31,7 @@ from miles_core.engines.weights import (
     read_checkpoint_dir,
     read_safetensors_file,
     staged_views,
+    swap_in_named_tensors,
     unique_named_tensors,
 )
 from miles_core.errors import MilesError
@@ -174,8 +175,8 @@ class LocalEngine:
         ``[name, dtype, shape, offset]`` rows) of tensors in a shared-memory staging file."""
         if len(serialized) != 1:
             raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
-        if load_format == "shm_staging":
-            return self._load_staged(json.loads(serialized[0]), weight_version)
+        if load_format in ("shm_staging", "shm_swap"):
+            return self._load_staged(json.loads(serialized[0]), weight_version, swap=load_format == "shm_swap")
         if load_format == "safetensors_path":
             path = Path(serialized[0])
             try:
@@ -189,8 +190,10 @@ class LocalEngine:
             raise WeightLoadError(f"serialized_named_tensors[0] is not base64: {exc}") from None
         return self._load(decode_tensors(data), weight_version)
 
-    def _load_staged(self, request: dict, weight_version: str | None) -> int:
-        """Copy tensors straight out of a shared-memory staging file that the trainer filled (mapped once)."""
+    def _load_staged(self, request: dict, weight_version: str | None, *, swap: bool) -> int:
+        """Copy tensors straight out of a shared-memory staging file that the trainer filled (mapped once), or, with
+        ``swap``, point the parameters at them (zero copy: the trainer never writes that file again while the
+        engine may still serve from it)."""
         key = (request["path"], int(request["size"]))
         if key not in self._staging:
             if not Path(key[0]).is_file() or Path(key[0]).stat().st_size < key[1]:
@@ -198,7 +201,14 @@ class LocalEngine:
             while len(self._staging) >= MAX_STAGING_FILES:
                 self._staging.pop(next(iter(self._staging)))
             self._staging[key] = map_staging_file(*key)
-        return self._load(staged_views(self._staging[key], request["tensors"]), weight_version)
+        views = staged_views(self._staging[key], request["tensors"])
+        if not swap:
+            return self._load(views, weight_version)
+        with self.lock:
+            loaded = swap_in_named_tensors(self.model, views)
+            if weight_version is not None:
+                self.weight_version = weight_version
+        return loaded
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:  # fmt: skip

@@ -174,8 +174,10 @@ class LocalEngineServer:
     async def update_from_tensor(self, body: dict) -> dict:
         payload = _require(body, "serialized_named_tensors", list)
         load_format = body.get("load_format")
-        if load_format not in (None, "safetensors", "safetensors_path", "shm_staging"):
-            raise HttpError(400, f"load_format {load_format!r}: use safetensors, safetensors_path or shm_staging")
+        if load_format not in (None, "safetensors", "safetensors_path", "shm_staging", "shm_swap"):
+            raise HttpError(
+                400, f"load_format {load_format!r}: use safetensors, safetensors_path, shm_staging or shm_swap"
+            )
         loaded = await asyncio.to_thread(self.engine.update_from_tensor, payload, _version(body), load_format)
         return self._success(f"loaded {loaded} bytes")
 

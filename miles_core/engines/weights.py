@@ -46,6 +46,24 @@ def load_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+@torch.no_grad()
+def swap_in_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
+    """Make the model's parameters *be* ``tensors`` (same dtype and shape; checked first), without copying; a name
+    that is not a parameter of that dtype is copied instead. Returns the bytes loaded."""
+    check_named_tensors(model, tensors)
+    parameters = dict(model.named_parameters())
+    copies = {}
+    for name, tensor in tensors.items():
+        parameter = parameters.get(name)
+        if parameter is not None and parameter.dtype == tensor.dtype and parameter.device == tensor.device:
+            parameter.data = tensor
+        else:
+            copies[name] = tensor
+    if copies:
+        load_named_tensors(model, copies)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint directory."""
     path = Path(path)

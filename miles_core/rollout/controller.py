@@ -45,6 +45,7 @@ class InferenceController:
         self.weights: WeightSource | None = None
         self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries
         self._updating = False
+        self._connected: list[EngineEndpoint] = []
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
 
@@ -55,7 +56,7 @@ class InferenceController:
         self.cells.add_server("engine", count=self.config.engine.num_engines, specs=self._specs)
         await asyncio.gather(*(self.cells.start(cell_id) for cell_id in self.cells.cells))
         self._refresh_clients()
-        await self.protocol.connect(self.endpoints())
+        await self._connect()
         self.hooks.register_engines(engines=self.describe_engines())
         self.monitor.start()
 
@@ -109,7 +110,7 @@ class InferenceController:
         self._refresh_clients()
         if self.published and not self._updating:
             published = self.published
-            await self.protocol.connect(self.endpoints())
+            await self._connect(force=True)
             await self.protocol.transfer(bucketize(published, self.config.weight_transfer.bucket_size_mb << 20),
                                          version=self.version)  # fmt: skip
         self.hooks.register_engines(engines=self.describe_engines())
@@ -141,7 +142,7 @@ class InferenceController:
     async def _transfer_all(self, version: int, *, attempts: int = 2) -> TransferReport:
         for attempt in range(1, attempts + 1):
             try:
-                await self.protocol.connect(self.endpoints())
+                await self._connect(force=attempt > 1)
                 report = await self.protocol.transfer(iter(self.weights()), version=version)
                 break
             except (EngineError, MilesError, OSError) as exc:
@@ -153,6 +154,13 @@ class InferenceController:
         if self.config.weight_transfer.verify_checksum:
             report = await self._verify(report)
         return report
+
+    async def _connect(self, *, force: bool = False) -> None:
+        """(Re)connect the protocol when the set of engines changed (or after a failure)."""
+        endpoints = self.endpoints()
+        if force or endpoints != self._connected:
+            await self.protocol.connect(endpoints)
+            self._connected = endpoints
 
     async def _verify(self, report: TransferReport) -> TransferReport:
         expected = checksum(name_tensor for bucket in self.weights() for name_tensor in bucket)

@@ -26,6 +26,7 @@ class BroadcastProtocol(HttpEngineProtocol):
         self.group = None
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
+        await self._destroy_group()  # a reconnect (say, after an engine restart) builds a new group
         await super().connect(engines)
         (port,) = free_ports(1, self.master_address)
         world_size = len(engines) + 1
@@ -54,8 +55,11 @@ class BroadcastProtocol(HttpEngineProtocol):
             broadcast(self.group, tensor, root=0)
 
     async def close(self) -> None:
+        await self._destroy_group()
+        await super().close()
+
+    async def _destroy_group(self) -> None:
         if self.group is not None and self.clients:
             await asyncio.gather(*(c.destroy_weights_update_group(GROUP_NAME) for c in self.clients),
                                  return_exceptions=True)  # fmt: skip
         self.group = None
-        await super().close()

@@ -20,7 +20,7 @@ class HttpEngineProtocol(WeightTransferProtocol):
         self.clients: list[EngineClient] = []
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
-        await self.close()
+        await self._close_clients()
         self.engines = list(engines)
         self.clients = [EngineClient(e.url, admin_key=e.admin_key, name=e.name) for e in self.engines]
 
@@ -35,6 +35,9 @@ class HttpEngineProtocol(WeightTransferProtocol):
                               seconds=time.perf_counter() - started, num_engines=len(self.engines))  # fmt: skip
 
     async def close(self) -> None:
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
         for client in self.clients:
             await client.aclose()
         self.clients = []

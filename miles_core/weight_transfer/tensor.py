@@ -6,6 +6,10 @@
   out into its weights, and the request carries only the layout. Two files alternate, so the trainer fills bucket
   k+1 while the engines empty bucket k; they are mapped once and reused for every bucket and version, so a
   steady-state transfer costs two overlapped memory copies and no serialisation.
+* With ``zero_copy`` (the default for engines on this machine) the whole model goes into one staging file and
+  the engines point their parameters at it instead of copying: one memory copy per transfer. Two such files
+  alternate between transfers, so the trainer never writes the file the engines serve from; after a failed
+  transfer both are replaced by new files (engines keep their mapping of the old ones).
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class TensorProtocol(HttpEngineProtocol):
     name = "tensor"
 
-    def __init__(self, *, shared_memory: bool | None = None, shm_dir: str | None = None) -> None:
-        super().__init__(shared_memory=shared_memory, shm_dir=shm_dir)
+    def __init__(
+        self, *, shared_memory: bool | None = None, zero_copy: bool = True, shm_dir: str | None = None
+    ) -> None:
+        super().__init__(shared_memory=shared_memory, zero_copy=zero_copy, shm_dir=shm_dir)
         self.shared_memory = shared_memory
+        self.zero_copy = zero_copy
+        self._next_slot = 0  # zero copy: the staging file the engines do not serve from
         self.shm_dir = Path(shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
         self._staging: list[tuple[Path, torch.Tensor] | None] = [None, None]  # double buffering
 
@@ -45,6 +53,8 @@ class TensorProtocol(HttpEngineProtocol):
         return urlparse(client.url).hostname in LOOPBACK
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        if self.zero_copy and self.clients and all(map(self._local, self.clients)):
+            return await self._transfer_zero_copy(buckets, version=version)
         started = time.perf_counter()
         num_bytes = 0
         sending: asyncio.Task | None = None
@@ -61,6 +71,30 @@ class TensorProtocol(HttpEngineProtocol):
             await sending
         await self.publish_version(version)
         return self.report(version=version, num_bytes=num_bytes, started=started)
+
+    async def _transfer_zero_copy(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        started = time.perf_counter()
+        tensors = [(name, tensor.detach().contiguous().cpu()) for bucket in buckets for name, tensor in bucket]
+        slot = self._next_slot
+        try:
+            staged = await asyncio.to_thread(self._stage, tensors, slot)
+            await self.on_each_engine(lambda client: client._control(
+                "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_swap"))  # fmt: skip
+        except BaseException:
+            for index in range(len(self._staging)):  # some engines may serve from either file now
+                self._forget_staging(index)
+            raise
+        self._next_slot = 1 - slot
+        await self.publish_version(version)
+        return self.report(version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
+                           started=started)  # fmt: skip
+
+    def _forget_staging(self, slot: int) -> None:
+        """Stop using a staging file without touching its contents (engines may still map it)."""
+        current = self._staging[slot]
+        if current is not None:
+            current[0].unlink(missing_ok=True)  # mapped pages stay valid for whoever maps them
+            self._staging[slot] = None
 
     def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> str:
         """Copy the bucket into staging file ``slot`` (grown when too small); returns the request's description."""

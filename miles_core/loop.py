@@ -56,27 +56,43 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
         reporter.eval(0, await _evaluate(manager, controller, executor, 0))
     next_rollout = None
     for step in range(setup.start_step, config.run.num_steps):
-        started = time.monotonic()
-        rollout = await (next_rollout or _rollout(manager, controller, executor, step))
+        phases = _Phases(manager, step)
+        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, step))
         if config.run.schedule == "one_step_off" and step + 1 < config.run.num_steps:
             next_rollout = asyncio.create_task(_rollout(manager, controller, executor, step + 1))
-        generated = time.monotonic()
-        train_metrics = await asyncio.to_thread(trainer.train_step, rollout.batch)
-        trained = time.monotonic()
-        report = await controller.update_weights(lambda: trainer.weight_iterator(bucket_bytes), version=step + 1)
+        train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
+        report = await phases.run("weight_update", controller.update_weights(
+            lambda: trainer.weight_iterator(bucket_bytes), version=step + 1))  # fmt: skip
         metrics = {**rollout.stats, **{f"train/{k}": v for k, v in train_metrics.items()},
                    "weight_transfer/gb_per_s": report.gb_per_s, "weight_transfer/seconds": report.seconds,
-                   "time/rollout": generated - started, "time/train": trained - generated,
-                   "time/weight_update": time.monotonic() - trained}  # fmt: skip
+                   **phases.seconds}  # fmt: skip
         manager.hook.on_samples(rollout_id=step, samples=rollout.samples)
         done = step + 1
         if (config.run.eval_every and done % config.run.eval_every == 0) or done == config.run.num_steps:
-            metrics.update(await _evaluate(manager, controller, executor, done))
+            metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, done)))
         if (config.run.checkpoint_every and done % config.run.checkpoint_every == 0) or done == config.run.num_steps:
-            trainer.save_checkpoint(setup.run_dir / CHECKPOINTS / f"step_{done:06d}")
-        metrics["time/step"] = time.monotonic() - started
+            await phases.run("checkpoint", asyncio.to_thread(
+                trainer.save_checkpoint, setup.run_dir / CHECKPOINTS / f"step_{done:06d}"))  # fmt: skip
+        metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=step, metrics=metrics)
         reporter.step(done, metrics)
+
+
+class _Phases:
+    """Times the phases of one step and reports each through the ``on_phase`` hook."""
+
+    def __init__(self, manager: Any, step: int) -> None:
+        self.manager, self.step = manager, step
+        self.started = time.time()
+        self.seconds: dict[str, float] = {}
+
+    async def run(self, phase: str, awaitable: Any) -> Any:
+        started = time.time()
+        result = await awaitable
+        ended = time.time()
+        self.seconds[f"time/{phase}"] = ended - started
+        self.manager.hook.on_phase(rollout_id=self.step, phase=phase, started=started, ended=ended)
+        return result
 
 
 async def _rollout(manager, controller, executor, step: int):

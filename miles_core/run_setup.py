@@ -12,6 +12,7 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
+from miles_core.models.hf_checkpoint import require_checkpoint_dir
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 
@@ -71,8 +72,7 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
 
 
 def load_tokenizer(model_path: Path) -> Any:
-    if not (model_path / "config.json").is_file():
-        raise MilesError(f"model directory {str(model_path)!r} has no config.json (expected an HF checkpoint dir)")
+    require_checkpoint_dir(model_path)
     import transformers  # deferred: heavy
 
     try:

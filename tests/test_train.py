@@ -69,9 +69,26 @@ def before_weight_update(version, protocol):
         CONTROLLER.provider.processes["engine-0"].kill()
 
 
+PHASES = {}
+REGISTRATIONS = []
+
+
+@hookimpl
+def on_phase(rollout_id, phase, started, ended):
+    assert ended >= started
+    PHASES.setdefault(rollout_id, []).append(phase)
+
+
+@hookimpl
+def register_engines(engines):
+    REGISTRATIONS.append(sorted(engine["cell_id"] for engine in engines))
+
+
 @hookimpl
 def on_metrics(rollout_id, metrics):
     print(f"SAMPLES {rollout_id} {int(metrics['rollout/samples'])}", flush=True)
+    print(f"PHASES {rollout_id} {' '.join(PHASES[rollout_id])}", flush=True)
+    print(f"REGISTRATIONS {len(REGISTRATIONS)}", flush=True)
     restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
     print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
 """
@@ -87,6 +104,10 @@ def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path:
     assert [(int(step), int(count)) for _, step, count in samples] == [(step, 16) for step in range(6)]
     restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
     assert restarts[-1] == ["5", "1", "1"]  # both engines were killed once and brought back
+    phases = [line.split()[2:] for line in result.stdout.splitlines() if line.startswith("PHASES")]
+    assert phases[0] == ["rollout", "train", "weight_update"] and phases[-1][-2:] == ["eval", "checkpoint"]
+    registrations = [line for line in result.stdout.splitlines() if line.startswith("REGISTRATIONS")]
+    assert registrations[-1] == "REGISTRATIONS 3"  # at start, then after each of the two recoveries
     assert "step    6" in result.stdout
 
 

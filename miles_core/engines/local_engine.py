@@ -35,6 +35,7 @@ from miles_core.engines.weights import (
     unique_named_tensors,
 )
 from miles_core.errors import MilesError
+from miles_core.models.hf_checkpoint import load_causal_lm
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_STAGING_FILES = 4  # a trainer double-buffers; more would be stale mappings
@@ -246,15 +247,8 @@ class LocalEngine:
 
 
 def load_model(model_path: str | Path) -> transformers.PreTrainedModel:
-    """An HF checkpoint directory as an eval-mode transformers model; a clear error when it is not one."""
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    except Exception as exc:  # transformers raises many types for corrupt checkpoints
-        raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None
-    return model.eval()
+    """An HF checkpoint directory as an eval-mode transformers model."""
+    return load_causal_lm(model_path).eval()
 
 
 def _load_tokenizer(model_path: str | Path) -> Any:

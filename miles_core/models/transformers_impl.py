@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
+from miles_core.models.hf_checkpoint import load_causal_lm
 
 
 class TransformersCausalLM(CausalLM):
@@ -20,13 +20,7 @@ class TransformersCausalLM(CausalLM):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32) -> TransformersCausalLM:
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, local_files_only=True, attn_implementation="eager"
-        )
-        return cls(model)
+        return cls(load_causal_lm(path, dtype=dtype, attn_implementation="eager"))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids).logits

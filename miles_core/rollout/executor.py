@@ -60,6 +60,7 @@ class RolloutExecutor:
         self.reward_name = reward_name
         self.controller = controller
         self._next_engine = 0
+        self._router: EngineClient | None = None
 
     # -- data order -----------------------------------------------------------------------------------------
 
@@ -126,7 +127,9 @@ class RolloutExecutor:
 
     def _clients(self) -> list[EngineClient]:
         if self.config.engine.router_url:
-            return [EngineClient(self.config.engine.router_url, name="router")]
+            if self._router is None:
+                self._router = EngineClient(self.config.engine.router_url, name="router")
+            return [self._router]
         clients = self.controller.engine_clients()
         if not clients:
             raise MilesError("no engine is running")

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from miles_core.errors import MilesError
+from miles_core.models.hf_checkpoint import load_causal_lm
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -36,14 +37,7 @@ class TorchTrainer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, settings: Any, *, seed: int = 0) -> TorchTrainer:
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        except Exception as exc:  # transformers raises many types for corrupt checkpoints
-            raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None
-        return cls(model, settings, seed=seed)
+        return cls(load_causal_lm(path), settings, seed=seed)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics."""
@@ -104,8 +98,7 @@ class TorchTrainer:
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and step from :meth:`save_checkpoint`'s directory; returns its state."""
         directory = Path(directory)
-        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
-                                                                   dtype=torch.float32)  # fmt: skip
+        loaded = load_causal_lm(directory)
         self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
         state = json.loads((directory / STATE_FILE).read_text())

@@ -1,0 +1,29 @@
+"""Loading an HF checkpoint directory (config.json + safetensors) with transformers, with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from miles_core.errors import MilesError
+
+
+def require_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` as a Path, or an error when it holds no ``config.json``."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
+    return path
+
+
+def load_causal_lm(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, **kwargs: object
+) -> transformers.PreTrainedModel:
+    """The checkpoint as a transformers causal LM (no hub access); a corrupt one is a :class:`MilesError`."""
+    path = require_checkpoint_dir(path)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+    except Exception as exc:  # transformers raises many types for corrupt checkpoints
+        raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None

@@ -50,6 +50,8 @@ def test_resume_continues_from_the_saved_step(tmp_path: Path) -> None:
 
 
 FAULTS = """\
+import contextlib
+
 from miles_core import hookimpl
 
 CONTROLLER = None
@@ -71,6 +73,23 @@ def before_weight_update(version, protocol):
 
 PHASES = {}
 REGISTRATIONS = []
+WRAPPED = []
+REPORTS = []
+
+
+@hookimpl
+def weight_update_wrapper(version, protocol):
+    @contextlib.contextmanager
+    def around():
+        yield
+        WRAPPED.append(version)  # reached only when the transfer (and its re-sync) succeeded
+
+    return around()
+
+
+@hookimpl
+def after_weight_update(version, protocol, report):
+    REPORTS.append((version, report.checksum_ok))
 
 
 @hookimpl
@@ -89,6 +108,7 @@ def on_metrics(rollout_id, metrics):
     print(f"SAMPLES {rollout_id} {int(metrics['rollout/samples'])}", flush=True)
     print(f"PHASES {rollout_id} {' '.join(PHASES[rollout_id])}", flush=True)
     print(f"REGISTRATIONS {len(REGISTRATIONS)}", flush=True)
+    print(f"UPDATES {WRAPPED} {REPORTS}", flush=True)
     restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
     print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
 """
@@ -108,6 +128,9 @@ def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path:
     assert phases[0] == ["rollout", "train", "weight_update"] and phases[-1][-2:] == ["eval", "checkpoint"]
     registrations = [line for line in result.stdout.splitlines() if line.startswith("REGISTRATIONS")]
     assert registrations[-1] == "REGISTRATIONS 3"  # at start, then after each of the two recoveries
+    updates = [line for line in result.stdout.splitlines() if line.startswith("UPDATES")][-1]
+    expected_reports = [(version, True) for version in range(1, 7)]  # checksums verified on every update
+    assert updates == f"UPDATES {list(range(1, 7))} {expected_reports}"
     assert "step    6" in result.stdout
 
 

@@ -40,9 +40,9 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
                                reward_name=setup.reward_name, controller=controller)  # fmt: skip
     reporter = RunReporter(setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step,
                            enabled=progress)  # fmt: skip
-    await controller.start()
-    controller.version = setup.start_step
     try:
+        await controller.start()  # inside the try: engines that did start are stopped if another one fails
+        controller.version = setup.start_step
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
     finally:
         reporter.close()

@@ -200,3 +200,33 @@ def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, mess
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+FAILING_ENGINE = """\
+import sys
+
+from miles_core import hookimpl
+from miles_core.workers.specs import CommandWorkerSpec
+
+
+@hookimpl(tryfirst=True)
+def launch_engines(config, cell_id, model_path):
+    if cell_id != "engine-1":
+        return None  # the core launches engine-0
+    # It fails after engine-0 is up, so engine-0 must be stopped by the run, not by a cancelled start.
+    argv = [sys.executable, "-c", "import sys, time; time.sleep(20); print('engine-1: out of memory'); sys.exit(3)"]
+    return [CommandWorkerSpec(name=cell_id, argv=argv, ports=["port"], health_url="http://{host}:{port}/health")]
+"""
+
+
+def test_an_engine_that_fails_to_start_stops_the_run_and_leaves_no_engine_behind(tmp_path: Path) -> None:
+    import psutil
+
+    plugin = tmp_path / "failing_engine.py"
+    plugin.write_text(FAILING_ENGINE)
+    run_dir = tmp_path / "run"
+    result = train(run_dir, *QUICK, "--num-steps", "2", "--engine-num-engines", "2", "--plugin", str(plugin), ok=False)
+    assert result.returncode == 2
+    assert "worker engine-1 exited while starting" in result.stderr and "engine-1: out of memory" in result.stderr
+    leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []

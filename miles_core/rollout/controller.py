@@ -54,7 +54,10 @@ class InferenceController:
     async def start(self) -> None:
         """Start every engine cell, connect the protocol, start health monitoring."""
         self.cells.add_server("engine", count=self.config.engine.num_engines, specs=self._specs)
-        await asyncio.gather(*(self.cells.start(cell_id) for cell_id in self.cells.cells))
+        started = await asyncio.gather(*(self.cells.start(c) for c in self.cells.cells), return_exceptions=True)
+        failures = [result for result in started if isinstance(result, BaseException)]
+        if failures:  # every start has settled, so stop() can reach every engine that did start
+            raise failures[0]
         self._refresh_clients()
         await self._connect()
         self.hooks.register_engines(engines=self.describe_engines())

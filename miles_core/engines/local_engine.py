@@ -25,6 +25,7 @@ from miles_core.engines.weights import (
     broadcast,
     checksum,
     decode_tensors,
+    dtype_from_name,
     load_named_tensors,
     map_staging_file,
     new_weight_update_group,
@@ -231,7 +232,7 @@ class LocalEngine:
             raise MilesError("names, dtypes and shapes must have the same length")
         received = {}
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=_dtype(dtype))
+            tensor = torch.empty(shape, dtype=dtype_from_name(dtype))
             broadcast(group, tensor, root=0)
             received[name] = tensor
         return self._load(received, weight_version)
@@ -263,10 +264,3 @@ def _eos_token_ids(model: transformers.PreTrainedModel) -> set[int]:
     if eos is None:
         return set()
     return {eos} if isinstance(eos, int) else set(eos)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise MilesError(f"unknown dtype {name!r}")
-    return dtype

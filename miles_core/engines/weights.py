@@ -153,13 +153,19 @@ def map_staging_file(path: str | Path, size: int) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
 
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` or ``"torch.float32"`` as a torch dtype; anything else is a :class:`WeightLoadError`."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightLoadError(f"unknown dtype {name!r}")
+    return dtype
+
+
 def staged_views(buffer: torch.Tensor, layout: list[list]) -> dict[str, torch.Tensor]:
     """The tensors that ``layout`` describes, as views into ``buffer``; a layout outside it is an error."""
     views = {}
     for name, dtype_name, shape, offset in layout:
-        dtype = getattr(torch, str(dtype_name), None)
-        if not isinstance(dtype, torch.dtype):
-            raise WeightLoadError(f"{name}: unknown dtype {dtype_name!r}")
+        dtype = dtype_from_name(dtype_name)
         count = 1
         for dim in shape:
             count *= int(dim)

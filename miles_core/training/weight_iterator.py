@@ -10,8 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from miles_core.engines.weights import unique_named_tensors
-
-WeightBucket = list[tuple[str, torch.Tensor]]
+from miles_core.weight_transfer.protocol import WeightBucket
 
 
 class HfWeightIterator(abc.ABC):

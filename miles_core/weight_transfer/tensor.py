@@ -81,20 +81,13 @@ class TensorProtocol(HttpEngineProtocol):
             await self.on_each_engine(lambda client: client._control(
                 "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_swap"))  # fmt: skip
         except BaseException:
-            for index in range(len(self._staging)):  # some engines may serve from either file now
-                self._forget_staging(index)
+            for index in range(len(self._staging)):  # engines may serve from either file: use new files
+                self._drop_staging(index)  # unlinking keeps the pages valid for whoever maps them
             raise
         self._next_slot = 1 - slot
         await self.publish_version(version)
         return self.report(version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
                            started=started)  # fmt: skip
-
-    def _forget_staging(self, slot: int) -> None:
-        """Stop using a staging file without touching its contents (engines may still map it)."""
-        current = self._staging[slot]
-        if current is not None:
-            current[0].unlink(missing_ok=True)  # mapped pages stay valid for whoever maps them
-            self._staging[slot] = None
 
     def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> str:
         """Copy the bucket into staging file ``slot`` (grown when too small); returns the request's description."""

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
-from miles_core.workers.cells import Cell, CellManager
+from miles_core.workers.cells import Cell, CellManager, CellState
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +110,9 @@ class HealthMonitor:
         return bool(cell.workers)
 
     async def _needs_recovery(self, cell: Cell) -> bool:
-        if cell.state.value == "failed":
+        if cell.state == CellState.FAILED:
             return True
-        if cell.state.value != "running":
+        if cell.state != CellState.RUNNING:
             return False
         if await self.is_healthy(cell):
             self.failures[cell.cell_id] = 0

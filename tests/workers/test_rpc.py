@@ -269,9 +269,6 @@ def test_unreachable_worker_fails_within_the_deadline() -> None:
 
 
 def test_non_json_result_is_a_remote_error() -> None:
-    class Odd(EchoWorker):
-        pass
-
     async def scenario() -> None:
         server = RpcServer(token=TOKEN, name="odd")
         server.register("odd", lambda: object(), group="query")

@@ -41,7 +41,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def provide_training_backends() -> list[Implementation] | None:
     """Training backends (``--trainer NAME``), such as ``torch`` or ``megatron``.
 
-    Called once when the registries are built. Each entry's target is a trainer class.
+    Called once when the registries are built. Each entry's target is a trainer class offering
+    ``for_run(config, *, model_path, initial_model_path, run_dir, token, registries)`` (a classmethod that builds
+    the trainer of a run; ``initial_model_path`` is the KL reference, which a resumed run's checkpoint is not),
+    ``train_step(batch) -> metrics`` (called in a worker thread), ``weight_iterator(bucket_bytes)`` (an
+    ``HfWeightIterator``), ``save_checkpoint(directory)``, ``load_checkpoint(directory)`` and ``close()``.
     """
 
 

@@ -25,10 +25,19 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     registries: Registries = manager.registries
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress bar
     setup = prepare_run(config, registries)
-    trainer = registries["training_backends"].get_or_raise(config.train.backend).load().from_pretrained(
-        setup.model_path, config.train, seed=config.run.seed)  # fmt: skip
-    if setup.start_step:
-        trainer.load_checkpoint(setup.model_path)
+    backend = registries["training_backends"].get_or_raise(config.train.backend).load()
+    trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
+                              run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
+    try:
+        if setup.start_step:
+            trainer.load_checkpoint(setup.model_path)
+        return await _run_with_trainer(config, manager, setup, trainer, progress=progress)
+    finally:
+        trainer.close()
+
+
+async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any, *, progress: bool) -> RunReporter:
+    registries: Registries = manager.registries
     protocol_cls = registries["weight_transfer_protocols"].get_or_raise(config.weight_transfer.mode).load()
     provider = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()(
         token=setup.token, run_dir=setup.run_dir)  # fmt: skip

@@ -23,6 +23,7 @@ CHECKPOINTS = "checkpoints"
 class RunSetup:
     run_dir: Path
     model_path: Path  # what the trainer and engines load first
+    initial_model_path: Path  # the run's starting point: the KL reference
     tokenizer: Any
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
@@ -43,7 +44,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         model_path, tokenizer = Path(config.model.path), load_tokenizer(Path(config.model.path))
     train_prompts, eval_prompts = load_prompts(config)
     reward_fn, reward_name = load_reward(config, registries)
-    setup = RunSetup(run_dir, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
+    setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
     if config.run.resume:
         latest = latest_checkpoint(run_dir)

@@ -25,19 +25,34 @@ STATE_FILE = "trainer_state.json"
 class TorchTrainer:
     """Trains ``model`` (a transformers causal LM) with the settings of a ``train`` config section."""
 
-    def __init__(self, model: transformers.PreTrainedModel, settings: Any, *, seed: int = 0) -> None:
+    def __init__(
+        self, model: transformers.PreTrainedModel, settings: Any, *, seed: int = 0,
+        reference: transformers.PreTrainedModel | None = None,
+    ) -> None:  # fmt: skip
         torch.manual_seed(seed)
         self.model = model.train()
         self.settings = settings
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
         )
-        self.reference = _frozen_copy(model) if settings.kl_coef > 0 else None
+        self.reference = _frozen_copy(reference or model) if settings.kl_coef > 0 else None
         self.step = 0
 
     @classmethod
     def from_pretrained(cls, path: str | Path, settings: Any, *, seed: int = 0) -> TorchTrainer:
         return cls(load_causal_lm(path), settings, seed=seed)
+
+    @classmethod
+    def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
+                registries: Any) -> TorchTrainer:  # fmt: skip
+        """The trainer of a ``miles train`` run (the training-backend interface every backend offers); the KL
+        reference is the run's initial model, also when ``model_path`` is a checkpoint to resume from."""
+        kl = config.train.kl_coef > 0 and Path(initial_model_path) != Path(model_path)
+        reference = load_causal_lm(initial_model_path) if kl else None
+        return cls(load_causal_lm(model_path), config.train, seed=config.run.seed, reference=reference)
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics."""

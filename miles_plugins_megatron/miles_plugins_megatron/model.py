@@ -19,28 +19,40 @@ def rope_theta(hf_config: Any) -> float:
     return float(getattr(hf_config, "rope_theta", None) or parameters.get("rope_theta") or 10000.0)
 
 
-def transformer_config(hf_config: Any, *, tensor_parallel: int = 1) -> TransformerConfig:
-    """The ``TransformerConfig`` equivalent to an HF config (float32, CPU initialisation, no dropout)."""
-    heads, groups, head_dim, hidden = attention_geometry(hf_config)
+def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
+    """A :class:`MilesError` unless ``tensor_parallel`` divides the heads, key/value heads and vocabulary."""
+    heads, groups, _, _ = attention_geometry(hf_config)
     if tensor_parallel < 1 or heads % tensor_parallel or groups % tensor_parallel:
         raise MilesError(
             f"tensor parallel size {tensor_parallel} must divide the attention heads ({heads}) and the key/value "
             f"heads ({groups}) of this {hf_config.model_type} model"
         )
+    if hf_config.vocab_size % tensor_parallel:
+        raise MilesError(f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) "
+                         f"of this model (the vocabulary is split across tensor-parallel ranks)")  # fmt: skip
+
+
+def transformer_config(
+    hf_config: Any, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32
+) -> TransformerConfig:
+    """The ``TransformerConfig`` equivalent to an HF config (CPU initialisation, no dropout)."""
+    heads, groups, head_dim, hidden = attention_geometry(hf_config)
+    check_tensor_parallel(hf_config, tensor_parallel)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hidden, num_attention_heads=heads,
         num_query_groups=groups, kv_channels=head_dim, ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2", qk_layernorm=hf_config.model_type == "qwen3",
-        tensor_model_parallel_size=tensor_parallel, use_cpu_initialization=True, params_dtype=torch.float32,
+        tensor_model_parallel_size=tensor_parallel, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         attention_dropout=0.0, hidden_dropout=0.0,
     )  # fmt: skip
 
 
-def build_gpt_model(hf_config: Any, *, tensor_parallel: int = 1) -> GPTModel:
+def build_gpt_model(hf_config: Any, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32) -> GPTModel:
     """An untrained ``GPTModel`` with the HF config's shapes (parallel state must be initialised)."""
-    config = transformer_config(hf_config, tensor_parallel=tensor_parallel)
+    config = transformer_config(hf_config, tensor_parallel=tensor_parallel, dtype=dtype)
     return GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,

@@ -1,0 +1,61 @@
+"""``MegatronCausalLM``: the ``megatron`` implementation of the Llama, Qwen2 and Qwen3 families in one process.
+
+A megatron-core ``GPTModel`` behind the core's :class:`~miles_core.models.causal_lm.CausalLM` interface: it loads an
+HF checkpoint directory and exports the same HF names as ``FAMILY/transformers``. It needs megatron-core's parallel
+state; when torch.distributed is not initialised it creates a one-rank gloo world for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles_core.models.causal_lm import CausalLM
+from miles_core.workers.process import free_ports
+from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_state
+from miles_plugins_megatron.conversion import hf_to_megatron
+from miles_plugins_megatron.cpu_compat import apply_cpu_accommodations, causal_mask
+from miles_plugins_megatron.weight_iterator import MegatronHfWeightIterator
+
+
+class MegatronCausalLM(CausalLM):
+    def __init__(self, model: torch.nn.Module, hf_config: object) -> None:
+        super().__init__()
+        self.model = model
+        self.hf_config = hf_config
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32) -> MegatronCausalLM:
+        from miles_plugins_megatron.model import build_gpt_model  # megatron-core's GPTModel
+
+        hf_config = load_hf_config(path)
+        check_checkpoint(path, hf_config)
+        ensure_single_rank_parallel_state()
+        model = build_gpt_model(hf_config, dtype=dtype)
+        missing, unexpected = model.load_state_dict(hf_to_megatron(read_hf_state(path), hf_config), strict=False)
+        missing = [name for name in missing if not name.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: Megatron weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return cls(model.eval(), hf_config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
+        return self.model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+
+
+def ensure_single_rank_parallel_state() -> None:
+    """A one-rank gloo world and megatron-core's parallel state, unless they exist already."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        (port,) = free_ports(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    apply_cpu_accommodations()

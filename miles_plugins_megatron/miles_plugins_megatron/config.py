@@ -1,0 +1,35 @@
+"""The ``megatron`` config section: how the Megatron trainer's ranks are laid out."""
+
+from __future__ import annotations
+
+import pydantic
+
+from miles_core.config.section import Section
+
+
+class MegatronSection(Section):
+    """Parallel layout of the ``megatron`` training backend (``--megatron-tensor-parallel 2`` and so on).
+
+    The trainer runs ``tensor_parallel * pipeline_parallel * data_parallel`` ranks as workers.
+    """
+
+    tensor_parallel: int = pydantic.Field(default=1, ge=1, description="Tensor-parallel size.")
+    pipeline_parallel: int = pydantic.Field(
+        default=1, ge=1, le=1, description="Pipeline-parallel size (only 1 in this version: no pipeline schedule)."
+    )
+    data_parallel: int = pydantic.Field(default=1, ge=1, description="Data-parallel size (batch split, grads summed).")
+    distributed_backend: str | None = pydantic.Field(
+        default=None,
+        pattern="^(gloo|nccl)$",
+        description="torch.distributed backend; default: nccl with CUDA, else gloo.",
+    )
+    threads_per_rank: int | None = pydantic.Field(
+        default=None, ge=1, description="torch CPU threads per rank; default: the CPUs divided among the ranks."
+    )
+    dtype: str = pydantic.Field(default="float32", pattern="^(float32|bfloat16)$", description="Parameter dtype.")
+    cpus_per_rank: float = pydantic.Field(default=1.0, ge=0, description="CPUs a worker provider reserves per rank.")
+    startup_timeout_s: float = pydantic.Field(default=300.0, gt=0, description="Time allowed for every rank to load.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.data_parallel

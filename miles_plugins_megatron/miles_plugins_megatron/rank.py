@@ -1,0 +1,300 @@
+"""``MegatronRank``: one rank of the Megatron trainer, run as a worker (one process per rank).
+
+The driver (:class:`~miles_plugins_megatron.trainer.MegatronTrainer`) calls the same method on every rank at once;
+the ranks meet in torch.distributed collectives (gloo on CPU, NCCL on GPU). Rank 0 writes what leaves the group
+(exported HF weights) to files the driver reads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_core.errors import MilesError
+from miles_core.training.batch import TrainBatch, TrainSample
+from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
+from miles_core.workers.rpc_server import rpc_method
+
+EXPORT_FILE = "weights.safetensors"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class MegatronRank:
+    """Holds one rank's model shard, its optimizer and (with a KL term) a frozen reference shard."""
+
+    def __init__(self, *, rank: int, world_size: int, init_method: str, tensor_parallel: int, model_path: str,
+                 train: dict[str, Any], seed: int, export_dir: str, backend: str, dtype: str = "float32",
+                 threads: int | None = None, reference_path: str | None = None) -> None:  # fmt: skip
+        self.rank, self.world_size, self.init_method = rank, world_size, init_method
+        self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
+        self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
+        self.train = _Settings(train)
+        self.threads = threads
+        self.reference_path = reference_path
+        self.model: torch.nn.Module | None = None
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    @rpc_method(group="train")
+    def setup(self) -> dict[str, Any]:
+        """Join the process group, build this rank's shard of the model and load the checkpoint into it."""
+        from megatron.core import parallel_state  # deferred: megatron-core takes ~10 s to import
+
+        from miles_plugins_megatron.checkpoint import load_hf_config
+        from miles_plugins_megatron.cpu_compat import apply_cpu_accommodations
+        from miles_plugins_megatron.model import build_gpt_model
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.manual_seed(self.seed)
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():  # each rank its own GPU (under Ray each actor sees only its own)
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))  # fmt: skip
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tensor_parallel)
+        apply_cpu_accommodations()
+        self.hf_config = load_hf_config(self.model_path)
+        self.model = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
+        self.model.to(self.device)
+        self.load_weights(str(self.model_path))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.train.lr,
+                                           weight_decay=self.train.weight_decay, betas=(0.9, 0.99))  # fmt: skip
+        self.reference = self._frozen_reference() if self.train.kl_coef > 0 else None
+        self.step = 0
+        return {"rank": self.rank, "tensor_parallel_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "data_parallel_rank": parallel_state.get_data_parallel_rank(), "pid": os.getpid(),
+                "parameters": sum(p.numel() for p in self.model.parameters()), "device": str(self.device)}  # fmt: skip
+
+    def _frozen_reference(self) -> torch.nn.Module:
+        """A second shard with the reference weights (the run's initial model, else the current weights) and no
+        gradients (megatron modules cannot be deep-copied)."""
+        from miles_plugins_megatron.model import build_gpt_model
+
+        reference = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
+        if self.reference_path is not None and Path(self.reference_path) != self.model_path:
+            self._load_into(reference, self.reference_path)
+        else:
+            reference.load_state_dict(self.model.state_dict())
+        for parameter in reference.parameters():
+            parameter.requires_grad_(False)
+        return reference.to(self.device).eval()
+
+    @rpc_method(group="train")
+    def load_weights(self, path: str) -> int:
+        """Load an HF checkpoint directory into this rank's shard; returns the number of tensors loaded."""
+        return self._load_into(self.model, path)
+
+    def _load_into(self, model: torch.nn.Module, path: str) -> int:
+        from megatron.core import parallel_state
+
+        from miles_plugins_megatron.checkpoint import read_hf_state
+        from miles_plugins_megatron.conversion import hf_to_megatron, shard_for_rank
+
+        full = hf_to_megatron(read_hf_state(path), self.hf_config)
+        local = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
+        missing = sorted(set(local) - set(full))
+        if missing:
+            raise MilesError(f"checkpoint {path!r} lacks Megatron weights {missing[:5]}")
+        tp_rank, tp_size = (parallel_state.get_tensor_model_parallel_rank(),
+                            parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
+        with torch.no_grad():
+            for name, tensor in local.items():
+                tensor.copy_(shard_for_rank(name, full[name], tensor.shape, tp_rank, tp_size))
+        return len(local)
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    @rpc_method(group="train")
+    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step over the whole batch: this rank's data-parallel share of ``samples`` in
+        micro-batches, gradients summed over data-parallel ranks, clipped by the global norm."""
+        from megatron.core import parallel_state
+
+        batch = TrainBatch([TrainSample(**sample) for sample in samples])
+        total_tokens = sum(len(s.response_ids) for s in batch.samples)
+        if total_tokens == 0:
+            raise MilesError("the batch has no response tokens to train on")
+        share = _data_parallel_share(batch, parallel_state.get_data_parallel_rank(),
+                                     parallel_state.get_data_parallel_world_size())  # fmt: skip
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for micro in share.micro_batches(self.train.micro_batch_size) if share.samples else []:
+            weight = sum(len(s.response_ids) for s in micro.samples) / total_tokens
+            for key, value in self._accumulate(micro, weight).items():
+                sums[key] = sums.get(key, 0.0) + value * weight
+        metrics = self._reduce_metrics(sums)
+        grad_norm = self._finish_gradients()
+        self.optimizer.step()
+        self.step += 1
+        return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
+
+    def _forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits ``[B, T, V/tp]``."""
+        from miles_plugins_megatron.cpu_compat import causal_mask
+
+        length = input_ids.shape[1]
+        positions = torch.arange(length, device=self.device).expand(input_ids.shape[0], -1)
+        return model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length).to(self.device))
+
+    def _accumulate(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+        from miles_plugins_megatron.parallel_losses import vocab_parallel_logprobs_and_entropy
+
+        tensors = {
+            k: v.to(self.device) for k, v in micro.tensors(pad_token_id=self.hf_config.pad_token_id or 0).items()
+        }
+        input_ids, mask = tensors["input_ids"], tensors["response_mask"]
+        targets = input_ids[:, 1:]
+        logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(self._forward(self.model, input_ids)[:, :-1],
+                                                                      targets)  # fmt: skip
+        loss, stats = ppo_clip_loss(logprobs, tensors["rollout_logprobs"], tensors["advantages"], mask,
+                                    clip_eps=self.train.clip_eps, clip_eps_high=self.train.clip_eps_high)  # fmt: skip
+        mean_entropy = masked_mean(token_entropy, mask)
+        kl = torch.zeros((), device=self.device)
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(self._forward(self.reference, input_ids)[:, :-1],
+                                                                      targets)  # fmt: skip
+            kl = kl_k3(logprobs, ref_logprobs, mask)
+        total = loss + self.train.kl_coef * kl - self.train.entropy_coef * mean_entropy
+        (total * weight).backward()
+        return {"loss": total.item(), "pg_loss": loss.item(), "kl": kl.item(), "entropy": mean_entropy.item(),
+                **{key: float(value) for key, value in stats.items()}}  # fmt: skip
+
+    def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Token-weighted metric sums added over data-parallel ranks (a rank with no samples adds zeros)."""
+        from megatron.core import parallel_state
+
+        keys = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl_rollout")
+        values = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64, device=self.device)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        return dict(zip(keys, values.tolist(), strict=True))
+
+    def _finish_gradients(self) -> float:
+        """Sum gradients over data-parallel ranks, then clip by the global norm (each tensor-parallel shard counted
+        once, each replicated tensor once); returns the norm before clipping."""
+        from megatron.core import parallel_state
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if parallel_state.get_data_parallel_world_size() > 1:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+            for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(reduced)
+        self._sum_replicated_partial_grads(params, grads)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        for param, grad in zip(params, grads, strict=True):
+            square = grad.double().pow(2).sum()
+            if getattr(param, "tensor_model_parallel", False):
+                sharded += square
+            else:
+                replicated += square
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float((sharded + replicated).sqrt())
+        scale = min(1.0, self.train.max_grad_norm / (norm + 1e-6))
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad.mul_(scale)
+        return norm
+
+    @rpc_method(group="train")
+    def logits(self, input_ids: list[list[int]]) -> list[list[list[float]]]:
+        """Full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (gathered over tensor-parallel ranks)."""
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        self.model.eval()
+        with torch.no_grad():
+            local = self._forward(self.model, torch.tensor(input_ids, dtype=torch.long, device=self.device))
+            return gather_from_tensor_model_parallel_region(local).float().cpu().tolist()
+
+    def _sum_replicated_partial_grads(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """qk-layernorm weights are replicated on every tensor-parallel rank but each rank normalises only its own
+        heads, so each holds part of their gradient: sum the parts (as megatron-core's finalize_model_grads does)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        partial = [grad for param, grad in zip(params, grads, strict=True)
+                   if "q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]]  # fmt: skip
+        if partial:
+            flat = torch._utils._flatten_dense_tensors(partial)
+            dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+            for grad, reduced in zip(partial, torch._utils._unflatten_dense_tensors(flat, partial), strict=True):
+                grad.copy_(reduced)
+
+    # -- export and checkpoints -------------------------------------------------------------------------------
+
+    @rpc_method(group="train")
+    def export_hf(self) -> dict[str, Any]:
+        """Gather the HF weights (every rank takes part); rank 0 writes them to ``export_dir/weights.safetensors``."""
+        from safetensors.torch import save_file
+
+        from miles_plugins_megatron.weight_iterator import MegatronHfWeightIterator
+
+        started = time.perf_counter()
+        tensors = dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+        gathered = time.perf_counter()
+        if self.rank != 0:
+            return {}
+        path = self.export_dir / EXPORT_FILE
+        partial = path.with_suffix(".partial")
+        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()}, str(partial),
+                  metadata={"format": "pt", "step": str(self.step)})  # fmt: skip
+        partial.rename(path)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"path": str(path), "bytes": nbytes, "gather_s": gathered - started,
+                "write_s": time.perf_counter() - gathered, "step": self.step}  # fmt: skip
+
+    @rpc_method(group="train")
+    def save_optimizer(self, directory: str) -> str:
+        path = Path(directory) / f"optimizer_rank{self.rank:03d}.pt"
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "world_size": self.world_size,
+                    "tensor_parallel": self.tensor_parallel}, path)  # fmt: skip
+        return str(path)
+
+    @rpc_method(group="train")
+    def load_checkpoint(self, directory: str) -> int:
+        """Weights from the HF files, optimizer state and step from this rank's optimizer file."""
+        path = Path(directory) / f"optimizer_rank{self.rank:03d}.pt"
+        if not path.is_file():
+            raise MilesError(f"{path} is missing: was the checkpoint written by {self.world_size} Megatron ranks?")
+        state = torch.load(path, weights_only=True, map_location=self.device)
+        if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tensor_parallel):
+            raise MilesError(f"checkpoint {directory} was written with world size {state['world_size']} and tensor "
+                             f"parallel {state['tensor_parallel']}; this run has {self.world_size} and "
+                             f"{self.tensor_parallel}")  # fmt: skip
+        self.load_weights(directory)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        return self.step
+
+    @rpc_method(group="control")
+    def shutdown(self) -> None:
+        """Leave the process group (the worker process is stopped by its provider afterwards)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Settings:
+    """The ``train`` section's values, as attributes (they arrive as JSON)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+
+def _data_parallel_share(batch: TrainBatch, rank: int, size: int) -> TrainBatch:
+    """Contiguous, nearly equal shares of the batch, one per data-parallel rank."""
+    bounds = [len(batch) * index // size for index in range(size + 1)]
+    return TrainBatch(batch.samples[bounds[rank] : bounds[rank + 1]])

@@ -1,0 +1,253 @@
+"""``MegatronTrainer``: the ``megatron`` training backend, a driver for ranks that run as workers.
+
+The driver checks the checkpoint and the parallel layout before any rank starts, starts
+``tensor_parallel * data_parallel`` :class:`~miles_plugins_megatron.rank.MegatronRank` workers through a worker
+provider (the run's: local processes or Ray placement groups), and calls each method on every rank at once. When a
+rank fails, the others (which may be waiting in a collective) are stopped and the failing rank's error and log tail
+are raised: nothing hangs. After each step rank 0 exports the HF weights to a file in shared memory, which the
+driver reads once and serves to every weight-transfer protocol through :meth:`MegatronTrainer.weight_iterator`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from miles_core.errors import MilesError
+from miles_core.training.batch import TrainBatch
+from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core.workers.handle import WorkerHandle
+from miles_core.workers.process import free_ports
+from miles_core.workers.specs import PythonWorkerSpec
+from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, write_hf_checkpoint
+from miles_plugins_megatron.config import MegatronSection
+from miles_plugins_megatron.model import check_tensor_parallel
+from miles_plugins_megatron.rank import MegatronRank
+
+STATE_FILE = "trainer_state.json"
+RANK_TARGET = "miles_plugins_megatron.rank:MegatronRank"
+
+
+class MegatronTrainer:
+    """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor and data parallel)."""
+
+    def __init__(self, *, model_path: Path, hf_config: Any, layout: MegatronSection, ranks: _Ranks,
+                 export_dir: Path) -> None:  # fmt: skip
+        self.model_path, self.hf_config, self.layout = model_path, hf_config, layout
+        self.ranks, self.export_dir = ranks, export_dir
+        self.step = 0
+        self.export_report: dict[str, Any] = {}
+        self._weights: list[tuple[str, torch.Tensor]] | None = None
+
+    @classmethod
+    def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
+                registries: Any) -> MegatronTrainer:  # fmt: skip
+        """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
+        provider_cls = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()
+        return cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
+                          provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
+                          reference_path=initial_model_path)  # fmt: skip
+
+    @classmethod
+    def launch(cls, model_path: str | Path, *, train: Any, layout: MegatronSection, seed: int,
+               provider_factory: Callable[[], Any],
+               reference_path: str | Path | None = None) -> MegatronTrainer:  # fmt: skip
+        """Check the checkpoint and layout, start every rank and load the checkpoint into it. The KL reference
+        is ``reference_path`` (default: the checkpoint itself)."""
+        model_path = Path(model_path)
+        hf_config = load_hf_config(model_path)
+        check_tensor_parallel(hf_config, layout.tensor_parallel)
+        check_checkpoint(model_path, hf_config)
+        export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=_shared_memory_dir()))
+        ranks = _Ranks(provider_factory)
+        try:
+            specs = _rank_specs(model_path, train=train, layout=layout, seed=seed, export_dir=export_dir,
+                                reference_path=Path(reference_path or model_path))  # fmt: skip
+            ranks.start(specs, timeout_s=layout.startup_timeout_s)
+        except BaseException:
+            ranks.close()
+            shutil.rmtree(export_dir, ignore_errors=True)
+            raise
+        return cls(model_path=model_path, hf_config=hf_config, layout=layout, ranks=ranks, export_dir=export_dir)
+
+    # -- the training-backend interface ------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
+        if not batch.samples:
+            raise MilesError("the batch has no samples to train on")
+        samples = [dataclasses.asdict(sample) for sample in batch.samples]
+        metrics = self.ranks.call("train_step", samples)[0]
+        self.step += 1
+        self._export()
+        return {**metrics, "export_seconds": self.export_report["seconds"],
+                "export_gb_per_s": self.export_report["gb_per_s"]}  # fmt: skip
+
+    def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
+        """The weights of the last step under HF names, in buckets (read from rank 0's export)."""
+        if self._weights is None:
+            self._export()
+        return _ExportedWeights(self._weights, bucket_bytes=bucket_bytes)
+
+    def save_checkpoint(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """HF checkpoint (config + safetensors), every rank's optimizer state and the step, written atomically."""
+        directory = Path(directory)
+        if directory.exists():
+            raise MilesError(f"checkpoint {directory} already exists")
+        partial = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        if self._weights is None:
+            self._export()
+        write_hf_checkpoint(partial, dict(self._weights), source=self.model_path)
+        self.ranks.call("save_optimizer", str(partial))
+        state = {"step": self.step, "tensor_parallel": self.layout.tensor_parallel,
+                 "data_parallel": self.layout.data_parallel, **(extra or {})}  # fmt: skip
+        (partial / STATE_FILE).write_text(json.dumps(state))
+        partial.rename(directory)
+        return directory
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Restore weights, optimizer state and step on every rank from :meth:`save_checkpoint`'s directory."""
+        directory = Path(directory)
+        check_checkpoint(directory, self.hf_config)
+        self.ranks.call("load_checkpoint", str(directory))
+        state = json.loads((directory / STATE_FILE).read_text())
+        self.step = state["step"]
+        self._export()
+        return state
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Megatron's full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (for checks and evaluation)."""
+        return torch.tensor(self.ranks.call("logits", input_ids.tolist())[0])
+
+    def close(self) -> None:
+        """Stop every rank and remove the export directory."""
+        self.ranks.close()
+        shutil.rmtree(self.export_dir, ignore_errors=True)
+
+    def __enter__(self) -> MegatronTrainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------------------
+
+    def _export(self) -> None:
+        started = time.perf_counter()
+        report = self.ranks.call("export_hf")[0]
+        with safe_open(report["path"], framework="pt") as exported:
+            self._weights = [(name, exported.get_tensor(name)) for name in exported.keys()]  # noqa: SIM118
+        seconds = time.perf_counter() - started
+        self.export_report = {**report, "seconds": seconds, "gb_per_s": report["bytes"] / seconds / 1e9}
+
+
+class _ExportedWeights(HfWeightIterator):
+    def __init__(self, weights: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> None:
+        super().__init__(bucket_bytes=bucket_bytes)
+        self.weights = weights
+
+    def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return iter(self.weights)
+
+
+def _rank_specs(model_path: Path, *, train: Any, layout: MegatronSection, seed: int, export_dir: Path,
+                reference_path: Path) -> list[PythonWorkerSpec]:  # fmt: skip
+    (port,) = free_ports(1)
+    backend = layout.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    threads = layout.threads_per_rank or max(1, (torch.get_num_threads() or 1) // layout.world_size)
+    common = dict(world_size=layout.world_size, init_method=f"tcp://127.0.0.1:{port}",
+                  tensor_parallel=layout.tensor_parallel, model_path=str(model_path), train=train.model_dump(),
+                  seed=seed, export_dir=str(export_dir), backend=backend, dtype=layout.dtype,
+                  threads=threads, reference_path=str(reference_path))  # fmt: skip
+    return [
+        PythonWorkerSpec(
+            name=f"megatron-rank{rank}",
+            target=RANK_TARGET,
+            kwargs={"rank": rank, **common},
+            rpc_groups={"train": 1, "control": None},
+            num_cpus=layout.cpus_per_rank,
+            num_gpus=1.0 if backend == "nccl" else 0.0,
+            startup_timeout_s=layout.startup_timeout_s,
+        )
+        for rank in range(layout.world_size)
+    ]
+
+
+def _shared_memory_dir() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None
+
+
+class _Ranks:
+    """The rank workers and the event loop (a thread of its own) their provider and clients live in, so the
+    trainer's methods are plain synchronous calls usable from any thread."""
+
+    def __init__(self, provider_factory: Callable[[], Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="megatron-driver", daemon=True)
+        self.thread.start()
+        self.provider = self._run(self._make_provider(provider_factory))
+        self.names: list[str] = []
+        self.handles: list[WorkerHandle] = []
+
+    async def _make_provider(self, provider_factory: Callable[[], Any]) -> Any:
+        return provider_factory()
+
+    def _run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def start(self, specs: list[PythonWorkerSpec], *, timeout_s: float) -> list[dict[str, Any]]:
+        self.names = [spec.name for spec in specs]
+        return self._run(self._start(specs, timeout_s))
+
+    async def _start(self, specs: list[PythonWorkerSpec], timeout_s: float) -> list[dict[str, Any]]:
+        if hasattr(self.provider, "place"):  # Ray: one placement group, ranks in placement order
+            await self.provider.place(specs)
+        await asyncio.gather(*(self.provider.start(spec) for spec in specs))
+        self.handles = [WorkerHandle(self.provider.client(name, timeout_s=timeout_s), MegatronRank)
+                        for name in self.names]  # fmt: skip
+        return await self._on_every_rank("setup")
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every rank at once; the results in rank order."""
+        return self._run(self._on_every_rank(method, *args))
+
+    async def _on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        tasks = [asyncio.ensure_future(getattr(handle, method)(*args)) for handle in self.handles]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [(rank, task.exception()) for rank, task in enumerate(tasks) if task in done and task.exception()]
+        if not failed:
+            return [task.result() for task in tasks]
+        for task in pending:  # the other ranks may wait in a collective for the failed one: stop them all
+            task.cancel()
+        rank, error = failed[0]
+        tail = self.provider.logs(self.names[rank], tail_bytes=2000).strip()
+        await self._stop_all()
+        raise MilesError(f"Megatron rank {rank} failed in {method}: {error}; every rank was stopped"
+                         + (f"\n--- {self.names[rank]} log tail ---\n{tail}" if tail else ""))  # fmt: skip
+
+    async def _stop_all(self) -> None:
+        for handle in self.handles:
+            await handle.client.aclose()
+        self.handles = []
+        await self.provider.shutdown()
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            try:
+                self._run(self._stop_all())
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join(timeout=10)

@@ -1,0 +1,200 @@
+"""The Megatron trainer against the core torch trainer: the same step, the same exported weights, at TP=1, TP=2
+and DP=2, with ranks running as local worker processes; and bad input refused before any rank starts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from miles_core.config.sections import TrainSection
+from miles_core.errors import MilesError
+from miles_core.training.batch import TrainBatch, TrainSample
+from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.workers.local_provider import LocalWorkerProvider
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = TrainSection(backend="megatron", lr=1e-3, micro_batch_size=3, kl_coef=0.05, entropy_coef=0.01,
+                        max_grad_norm=0.5)  # fmt: skip
+VOCAB = 96
+
+
+def perturbed_checkpoint(directory: Path, model_type: str, **overrides) -> Path:
+    """An HF checkpoint whose every weight (norms included) is perturbed, so a swapped tensor cannot hide."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    model.save_pretrained(directory)
+    return directory
+
+
+def training_batch() -> TrainBatch:
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for index in range(8):  # micro-batches of 3: 3 + 3 + 2, uneven lengths, both advantage signs
+        prompt = torch.randint(0, VOCAB, (2 + index % 3,), generator=generator).tolist()
+        response = torch.randint(0, VOCAB, (3 + index % 2,), generator=generator).tolist()
+        rollout_logprobs = (-torch.rand(len(response), generator=generator) * 4 - 2).tolist()
+        samples.append(TrainSample(prompt, response, rollout_logprobs, float(index % 3 - 1) or 0.5, 0.0))
+    return TrainBatch(samples)
+
+
+def launch(path: Path, tmp_path: Path, reference_path: Path | None = None, **layout):
+    from miles_plugins_megatron.config import MegatronSection
+    from miles_plugins_megatron.trainer import MegatronTrainer
+
+    def provider() -> LocalWorkerProvider:
+        return LocalWorkerProvider(token="t", run_dir=tmp_path)
+
+    return MegatronTrainer.launch(path, train=SETTINGS, layout=MegatronSection(**layout), seed=0,
+                                  provider_factory=provider, reference_path=reference_path)  # fmt: skip
+
+
+def hf_weights(trainer) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket}
+
+
+MODELS = {"llama": ("llama", {"tie_word_embeddings": False}),
+          "qwen3": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24})}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference_steps(tmp_path_factory):
+    """Per model: the checkpoint, and the torch trainer's step on it (metrics and updated HF weights)."""
+    cache = {}
+
+    def step(name: str):
+        if name not in cache:
+            model_type, overrides = MODELS[name]
+            path = perturbed_checkpoint(tmp_path_factory.mktemp(name), model_type, **overrides)
+            torch_trainer = TorchTrainer.from_pretrained(path, SETTINGS)
+            metrics = torch_trainer.train_step(training_batch())
+            cache[name] = path, metrics, hf_weights(torch_trainer)
+        return cache[name]
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def reference_step(reference_steps):
+    return reference_steps("llama")
+
+
+def assert_same_step(megatron_metrics, megatron_weights, metrics, weights) -> None:
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):
+        assert megatron_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    assert sorted(megatron_weights) == sorted(weights)
+    for name, tensor in weights.items():
+        assert (megatron_weights[name] - tensor).abs().max().item() < 2e-5, name
+
+
+@pytest.mark.parametrize("model,layout", [("llama", {"tensor_parallel": 1}), ("llama", {"tensor_parallel": 2}),
+                                          ("llama", {"data_parallel": 2}), ("qwen3", {"tensor_parallel": 2})],
+                         ids=["llama-tp1", "llama-tp2", "llama-dp2", "qwen3-qk-norm-tp2"])  # fmt: skip
+def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, model: str, layout: dict) -> None:
+    path, metrics, weights = reference_steps(model)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    with launch(path, tmp_path, **layout) as trainer:
+        exported = hf_weights(trainer)  # before training: the checkpoint, exactly
+        assert all(torch.equal(exported[name], initial[name]) for name in exported) and len(exported) == len(initial)
+        step_metrics = trainer.train_step(training_batch())
+        assert_same_step(step_metrics, hf_weights(trainer), metrics, weights)
+        assert step_metrics["export_gb_per_s"] > 0
+
+
+@pytest.mark.parametrize("model_type,overrides", [("llama", {"tie_word_embeddings": True}),
+                                                  ("qwen2", {"tie_word_embeddings": False}),
+                                                  ("qwen3", {"tie_word_embeddings": False, "head_dim": 24})],
+                         ids=["llama-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])  # fmt: skip
+def test_tp2_export_loads_into_transformers_with_equal_logits(tmp_path: Path, model_type: str, overrides) -> None:
+    path = perturbed_checkpoint(tmp_path / "model", model_type, **overrides)
+    input_ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    with launch(path, tmp_path, tensor_parallel=2) as trainer:
+        trainer.train_step(training_batch())  # weights no longer those of the file
+        megatron_logits = trainer.logits(input_ids)
+        exported = hf_weights(trainer)
+        saved = trainer.save_checkpoint(tmp_path / "checkpoint")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    hf.load_state_dict(exported, strict=not hf.config.tie_word_embeddings)
+    with torch.no_grad():
+        assert (hf(input_ids).logits - megatron_logits).abs().max().item() < 1e-5
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+        assert torch.equal(reloaded(input_ids).logits, hf(input_ids).logits)
+    assert sorted(p.name for p in saved.glob("optimizer_rank*.pt")) == ["optimizer_rank000.pt", "optimizer_rank001.pt"]
+
+
+def test_checkpoint_resume_continues_identically(reference_step, tmp_path: Path) -> None:
+    path, _, _ = reference_step
+    with launch(path, tmp_path, tensor_parallel=2) as trainer:
+        trainer.train_step(training_batch())
+        checkpoint = trainer.save_checkpoint(tmp_path / "step_1")
+        expected = trainer.train_step(training_batch())
+        expected_weights = hf_weights(trainer)
+    with launch(checkpoint, tmp_path, reference_path=path, tensor_parallel=2) as resumed:  # KL to the initial model
+        assert resumed.load_checkpoint(checkpoint)["step"] == 1
+        again = resumed.train_step(training_batch())
+        assert again["loss"] == expected["loss"] and again["grad_norm"] == expected["grad_norm"]
+        assert all(torch.equal(t, expected_weights[n]) for n, t in hf_weights(resumed).items())
+
+
+def test_a_killed_rank_fails_the_step_quickly_and_stops_the_others(reference_step, tmp_path: Path) -> None:
+    path, _, _ = reference_step
+    trainer = launch(path, tmp_path, tensor_parallel=2)
+    try:
+        pids = [trainer.ranks.provider.workers[name].pid for name in trainer.ranks.names]
+        os.kill(pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(MilesError, match=r"Megatron rank 1 failed in train_step.*every rank was stopped"):
+            trainer.train_step(training_batch())
+        assert time.monotonic() - started < 60
+        assert not asyncio.run(_any_alive(pids))
+    finally:
+        trainer.close()
+
+
+async def _any_alive(pids: list[int]) -> bool:
+    import psutil
+
+    await asyncio.sleep(0.5)
+    return any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
+class _NeverCalled:
+    def __call__(self):
+        raise AssertionError("a rank was about to start")
+
+
+@pytest.mark.parametrize("case", ["shapes", "architecture", "tensor_parallel"])
+def test_bad_input_is_refused_before_any_rank_starts(tmp_path: Path, case: str) -> None:
+    from miles_plugins_megatron.config import MegatronSection
+    from miles_plugins_megatron.trainer import MegatronTrainer
+
+    path = perturbed_checkpoint(tmp_path / "model", "llama", tie_word_embeddings=False)
+    layout = MegatronSection()
+    if case == "shapes":  # config.json says 128, the tensors were made for 112
+        text = (path / "config.json").read_text().replace('"intermediate_size": 112', '"intermediate_size": 128')
+        (path / "config.json").write_text(text)
+        expected = (
+            r"does not match its config.json .*mlp.gate_proj.weight: shape \(112, 64\), the config needs \(128, 64\)"
+        )
+    elif case == "architecture":
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2)).save_pretrained(path)
+        expected = "unsupported architecture 'gpt2'"
+    else:
+        layout = MegatronSection(tensor_parallel=4)
+        expected = r"tensor parallel size 4 must divide .* key/value heads \(2\)"
+    with pytest.raises(MilesError, match=expected):
+        MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=_NeverCalled())

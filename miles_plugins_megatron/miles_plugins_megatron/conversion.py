@@ -34,6 +34,19 @@ def attention_geometry(hf_config: Any) -> tuple[int, int, int, int]:
     return heads, groups, head_dim, hf_config.hidden_size
 
 
+def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
+    """A :class:`MilesError` unless ``tensor_parallel`` divides the heads, key/value heads and vocabulary."""
+    heads, groups, _, _ = attention_geometry(hf_config)
+    if tensor_parallel < 1 or heads % tensor_parallel or groups % tensor_parallel:
+        raise MilesError(
+            f"tensor parallel size {tensor_parallel} must divide the attention heads ({heads}) and the key/value "
+            f"heads ({groups}) of this {hf_config.model_type} model"
+        )
+    if hf_config.vocab_size % tensor_parallel:
+        raise MilesError(f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) "
+                         f"of this model (the vocabulary is split across tensor-parallel ranks)")  # fmt: skip
+
+
 def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
     """Megatron ``GPTModel`` parameters from an HF state dict."""
     heads, groups, head_dim, _ = attention_geometry(hf_config)

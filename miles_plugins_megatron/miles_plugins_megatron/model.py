@@ -10,26 +10,12 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 
-from miles_core.errors import MilesError
-from miles_plugins_megatron.conversion import attention_geometry
+from miles_plugins_megatron.conversion import attention_geometry, check_tensor_parallel
 
 
 def rope_theta(hf_config: Any) -> float:
     parameters = getattr(hf_config, "rope_parameters", None) or {}
     return float(getattr(hf_config, "rope_theta", None) or parameters.get("rope_theta") or 10000.0)
-
-
-def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
-    """A :class:`MilesError` unless ``tensor_parallel`` divides the heads, key/value heads and vocabulary."""
-    heads, groups, _, _ = attention_geometry(hf_config)
-    if tensor_parallel < 1 or heads % tensor_parallel or groups % tensor_parallel:
-        raise MilesError(
-            f"tensor parallel size {tensor_parallel} must divide the attention heads ({heads}) and the key/value "
-            f"heads ({groups}) of this {hf_config.model_type} model"
-        )
-    if hf_config.vocab_size % tensor_parallel:
-        raise MilesError(f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) "
-                         f"of this model (the vocabulary is split across tensor-parallel ranks)")  # fmt: skip
 
 
 def transformer_config(

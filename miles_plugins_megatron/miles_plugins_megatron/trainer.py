@@ -32,7 +32,7 @@ from miles_core.workers.process import free_ports
 from miles_core.workers.specs import PythonWorkerSpec
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, write_hf_checkpoint
 from miles_plugins_megatron.config import MegatronSection
-from miles_plugins_megatron.model import check_tensor_parallel
+from miles_plugins_megatron.conversion import check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
 
 STATE_FILE = "trainer_state.json"

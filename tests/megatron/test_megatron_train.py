@@ -1,0 +1,62 @@
+"""``miles train --trainer megatron`` as a user runs it: the embedded default learns at TP=1 and TP=2 (ranks as
+worker processes), a run resumes from its checkpoint, and a wrong model implementation is refused up front."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_miles
+
+pytestmark = pytest.mark.slow
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run_dir: Path, *args: str):
+    result = run_miles("train", "--trainer", "megatron", "--output-dir", str(run_dir), "--no-progress", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("tensor_parallel", ["1", "2"])
+def test_default_run_learns_with_megatron(tmp_path: Path, tensor_parallel: str) -> None:
+    train(tmp_path, "--megatron-tensor-parallel", tensor_parallel, "--num-steps", "110", "--run-eval-every", "0",
+          "--run-checkpoint-every", "0")  # fmt: skip
+    rows = metrics(tmp_path)
+    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
+    assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals
+    assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
+    assert all(row["train/export_gb_per_s"] > 0 and row["weight_transfer/gb_per_s"] > 0 for row in rows
+               if "train/loss" in row)  # fmt: skip
+    final = tmp_path / "checkpoints" / "step_000110"
+    assert (final / "model.safetensors").is_file()
+    ranks = int(tensor_parallel)
+    assert sorted(p.name for p in final.glob("optimizer_rank*.pt")) == [
+        f"optimizer_rank{r:03d}.pt" for r in range(ranks)
+    ]
+    assert all((tmp_path / "logs" / f"megatron-rank{r}.log").is_file() for r in range(ranks))
+
+
+def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    quick = ["--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0",
+             "--run-checkpoint-every", "2", "--megatron-tensor-parallel", "2", "--train-kl-coef", "0.01"]  # fmt: skip
+    train(tmp_path, *quick, "--num-steps", "2")
+    train(tmp_path, *quick, "--num-steps", "4", "--run-resume", "true")
+    assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3, 4]
+    state = json.loads((tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["tensor_parallel"] == 2
+
+
+def test_megatron_trainer_refuses_other_model_implementations(tmp_path: Path) -> None:
+    result = run_miles("train", "--trainer", "megatron", "--model-impl", "llama=transformers",
+                       "--output-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode != 0
+    assert "model.implementations.llama = 'transformers': the megatron trainer trains megatron-core" in result.stderr
+    result = run_miles("train", "--trainer", "megatron", "--megatron-pipeline-parallel", "2",
+                       "--output-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode != 0 and "megatron.pipeline_parallel" in result.stderr

@@ -28,6 +28,7 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     backend = registries["training_backends"].get_or_raise(config.train.backend).load()
     trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
                               run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
+    print(f"miles: {config.train.backend} trainer, model {getattr(trainer, 'implementation', '?')}", flush=True)
     try:
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)

@@ -28,7 +28,9 @@ def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True):
 
 def test_default_run_learns(tmp_path: Path) -> None:
     """A shortened embedded default run (the full one is `miles train`): held-out reward rises."""
-    train(tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0", "--run-checkpoint-every", "0")
+    result = train(tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0",
+                   "--run-checkpoint-every", "0")  # fmt: skip
+    assert "miles: torch trainer, model llama/transformers" in result.stdout
     rows = metrics(tmp_path)
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     assert len(evals) == 2  # at the start and at the end
@@ -36,6 +38,12 @@ def test_default_run_learns(tmp_path: Path) -> None:
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
     assert (tmp_path / "checkpoints" / "step_000110" / "model.safetensors").is_file()
     assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row)
+
+
+def test_model_impl_chooses_what_the_torch_trainer_trains(tmp_path: Path) -> None:
+    result = train(tmp_path, *QUICK, "--num-steps", "2", "--model-impl", "llama=minimal")
+    assert "miles: torch trainer, model llama/minimal" in result.stdout
+    assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2]
 
 
 def test_resume_continues_from_the_saved_step(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""``TorchTrainer``: the built-in training backend. An HF transformers model trained with the PPO-clip loss on
-GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and an
-entropy bonus; micro-batches, AdamW and gradient clipping; checkpoints in HF format plus optimizer state."""
+"""``TorchTrainer``: the built-in training backend. A model implementation of the checkpoint's family (by default
+``FAMILY/transformers``; ``--model-impl FAMILY=NAME`` chooses another) trained in this process with the PPO-clip
+loss on GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and
+an entropy bonus; micro-batches, AdamW and gradient clipping; checkpoints in HF format plus optimizer state."""
 
 from __future__ import annotations
 
@@ -11,31 +12,43 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors.torch import save_file
 
+from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import load_causal_lm
+from miles_core.models.causal_lm import CausalLM
+from miles_core.models.hf_checkpoint import load_causal_lm, require_checkpoint_dir
+from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
-from miles_core.training.weight_iterator import ModuleHfWeightIterator
+from miles_core.training.weight_iterator import HfWeightIterator
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+DEFAULT_IMPLEMENTATION = "transformers"
 
 
 class TorchTrainer:
-    """Trains ``model`` (a transformers causal LM) with the settings of a ``train`` config section."""
+    """Trains ``model`` (a :class:`CausalLM`, or a transformers causal LM) with a ``train`` config section's
+    settings. ``hf_config`` (the checkpoint's config) is written into checkpoints; a transformers model brings its
+    own."""
 
-    def __init__(
-        self, model: transformers.PreTrainedModel, settings: Any, *, seed: int = 0,
-        reference: transformers.PreTrainedModel | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, model: CausalLM | transformers.PreTrainedModel, settings: Any, *, seed: int = 0,
+                 reference: CausalLM | None = None, hf_config: Any = None) -> None:  # fmt: skip
         torch.manual_seed(seed)
+        if isinstance(model, transformers.PreTrainedModel):
+            hf_config = hf_config or model.config
+            model = TransformersCausalLM(model)
+        if hf_config is None:
+            raise MilesError("TorchTrainer needs the checkpoint's hf_config for a non-transformers model")
         self.model = model.train()
+        self.hf_config = hf_config
+        self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
         )
-        self.reference = _frozen_copy(reference or model) if settings.kl_coef > 0 else None
+        self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
         self.step = 0
 
     @classmethod
@@ -45,11 +58,16 @@ class TorchTrainer:
     @classmethod
     def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
                 registries: Any) -> TorchTrainer:  # fmt: skip
-        """The trainer of a ``miles train`` run (the training-backend interface every backend offers); the KL
-        reference is the run's initial model, also when ``model_path`` is a checkpoint to resume from."""
-        kl = config.train.kl_coef > 0 and Path(initial_model_path) != Path(model_path)
-        reference = load_causal_lm(initial_model_path) if kl else None
-        return cls(load_causal_lm(model_path), config.train, seed=config.run.seed, reference=reference)
+        """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
+        implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
+        ``model_path`` is a checkpoint to resume from."""
+        hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)
+        name = config.model.implementations.get(hf_config.model_type, DEFAULT_IMPLEMENTATION)
+        load = _loader(registries, hf_config.model_type, name)
+        reference = load(initial_model_path) if config.train.kl_coef > 0 else None
+        trainer = cls(load(model_path), config.train, seed=config.run.seed, reference=reference, hf_config=hf_config)
+        trainer.implementation = f"{hf_config.model_type}/{name}"
+        return trainer
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
@@ -73,9 +91,9 @@ class TorchTrainer:
         return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
 
     def _accumulate(self, micro: TrainBatch, weight: float) -> dict[str, float]:
-        tensors = micro.tensors(pad_token_id=self.model.config.pad_token_id or 0)
+        tensors = micro.tensors(pad_token_id=self.pad_token_id)
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
-        logits = self.model(input_ids=input_ids).logits[:, :-1]
+        logits = self.model(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets)
         loss, stats = ppo_clip_loss(
@@ -86,23 +104,26 @@ class TorchTrainer:
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self.reference(input_ids=input_ids).logits[:, :-1], targets)
+                ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets)
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy
         (total * weight).backward()
         return {"loss": total.item(), "pg_loss": loss.item(), "kl": kl.item(), "entropy": token_entropy.item(),
                 **{key: float(value) for key, value in stats.items()}}  # fmt: skip
 
-    def weight_iterator(self, bucket_bytes: int) -> ModuleHfWeightIterator:
-        """The HF-named weights, in buckets (the names are the transformers module's own)."""
-        return ModuleHfWeightIterator(self.model, bucket_bytes=bucket_bytes)
+    def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
+        """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them)."""
+        return CausalLMWeightIterator(self.model, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
         """HF checkpoint (config + safetensors) plus optimizer state and the trainer's step, written atomically."""
         directory = Path(directory)
         partial = directory.with_name(directory.name + ".partial")
         partial.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(partial)
+        self.hf_config.save_pretrained(partial)
+        tensors = {name: tensor.detach().contiguous() for bucket in self.weight_iterator(1 << 62)
+                   for name, tensor in bucket}  # fmt: skip
+        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
         (partial / STATE_FILE).write_text(json.dumps({"step": self.step, **(extra or {})}))
         if directory.exists():
@@ -113,7 +134,7 @@ class TorchTrainer:
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and step from :meth:`save_checkpoint`'s directory; returns its state."""
         directory = Path(directory)
-        loaded = load_causal_lm(directory)
+        loaded = type(self.model).from_pretrained(directory)
         self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
         state = json.loads((directory / STATE_FILE).read_text())
@@ -121,8 +142,30 @@ class TorchTrainer:
         return state
 
 
-def _frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    reference = copy.deepcopy(model).eval()
-    for parameter in reference.parameters():
+class CausalLMWeightIterator(HfWeightIterator):
+    """A :class:`CausalLM`'s :meth:`~CausalLM.hf_state_dict`, tied tensors once (under their first name)."""
+
+    def __init__(self, model: CausalLM, *, bucket_bytes: int) -> None:
+        super().__init__(bucket_bytes=bucket_bytes)
+        self.model = model
+
+    def named_tensors(self):
+        for name, tensor in unique_named_tensors(self.model.hf_state_dict().items()):
+            yield name, tensor.detach()
+
+
+def _loader(registries: Any, family: str, name: str):
+    """A function loading a checkpoint with implementation ``FAMILY/NAME`` (the transformers one with the model's
+    default attention, which is what the engines use too)."""
+    if name == DEFAULT_IMPLEMENTATION:
+        return lambda path: TransformersCausalLM(load_causal_lm(path))
+    from miles_core.builtin.core_plugin import check_model_implementation  # deferred: avoids an import cycle
+
+    return check_model_implementation(registries, family, name).load().from_pretrained
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    for parameter in model.parameters():
         parameter.requires_grad_(False)
-    return reference
+    return model

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
 from miles_core.workers.process import free_ports
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_state
@@ -37,7 +38,7 @@ class MegatronCausalLM(CausalLM):
         missing, unexpected = model.load_state_dict(hf_to_megatron(read_hf_state(path), hf_config), strict=False)
         missing = [name for name in missing if not name.endswith("_extra_state")]
         if missing or unexpected:
-            raise ValueError(f"{path}: Megatron weights missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise MilesError(f"{path}: Megatron weights missing {missing[:5]}, unexpected {unexpected[:5]}")
         return cls(model.eval(), hf_config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,11 @@ class MegatronCausalLM(CausalLM):
         return self.model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+        """HF names, as transformers' ``state_dict()`` has them (a tied ``lm_head.weight`` is the embedding)."""
+        state = dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+        if self.hf_config.tie_word_embeddings:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        return state
 
 
 def ensure_single_rank_parallel_state() -> None:

@@ -47,6 +47,7 @@ class MegatronTrainer:
         self.model_path, self.hf_config, self.layout = model_path, hf_config, layout
         self.ranks, self.export_dir = ranks, export_dir
         self.step = 0
+        self.implementation = f"{hf_config.model_type}/megatron"
         self.export_report: dict[str, Any] = {}
         self._weights: list[tuple[str, torch.Tensor]] | None = None
 

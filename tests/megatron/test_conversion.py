@@ -4,30 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 from miles_core.errors import MilesError
-from miles_core.workers.process import free_ports
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def megatron():
-    """A one-rank gloo world with megatron-core's parallel state (torn down after the module)."""
-    from megatron.core import parallel_state
-    from miles_plugins_megatron.cpu_compat import apply_cpu_accommodations, causal_mask
+    """A one-rank gloo world with megatron-core's parallel state (shared with the other in-process tests)."""
+    from miles_plugins_megatron.causal_lm import ensure_single_rank_parallel_state
+    from miles_plugins_megatron.cpu_compat import causal_mask
 
     from miles_plugins_megatron import conversion, model
 
-    (port,) = free_ports(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_accommodations()
-    yield conversion, model, causal_mask
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    ensure_single_rank_parallel_state()
+    return conversion, model, causal_mask
 
 
 CONFIGS = {

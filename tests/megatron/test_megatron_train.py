@@ -60,3 +60,13 @@ def test_megatron_trainer_refuses_other_model_implementations(tmp_path: Path) ->
     result = run_miles("train", "--trainer", "megatron", "--megatron-pipeline-parallel", "2",
                        "--output-dir", str(tmp_path))  # fmt: skip
     assert result.returncode != 0 and "megatron.pipeline_parallel" in result.stderr
+
+
+def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path) -> None:
+    result = run_miles("train", "--model-impl", "llama=megatron", "--output-dir", str(tmp_path), "--no-progress",
+                       "--num-steps", "3", "--rollout-batch-size", "4", "--rollout-group-size", "4",
+                       "--run-eval-every", "0")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "miles: torch trainer, model llama/megatron" in result.stdout
+    assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors").is_file()

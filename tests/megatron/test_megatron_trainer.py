@@ -98,7 +98,8 @@ def assert_same_step(megatron_metrics, megatron_weights, metrics, weights) -> No
         assert megatron_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
     assert sorted(megatron_weights) == sorted(weights)
     for name, tensor in weights.items():
-        assert (megatron_weights[name] - tensor).abs().max().item() < 2e-5, name
+        # Adam's first step moves each element by about lr; an element with a near-zero gradient amplifies rounding
+        assert (megatron_weights[name] - tensor).abs().max().item() < 0.05 * SETTINGS.lr, name
 
 
 @pytest.mark.parametrize("model,layout", [("llama", {"tensor_parallel": 1}), ("llama", {"tensor_parallel": 2}),

@@ -1,0 +1,87 @@
+"""``FAMILY/megatron`` (megatron-core GPTModel) and ``FAMILY/transformers``: the same checkpoint, the same HF names
+and tensors, the same logits, and the same training step under the torch trainer; ``--dsv4-impl`` resolves in the
+same registry and, with no DeepSeek-V4 implementation installed, is an error listing what is installed."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_core.builtin.core_plugin import check_model_implementation
+from miles_core.config.sections import TrainSection
+from miles_core.errors import ConfigError
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.training.torch_trainer import TorchTrainer
+from tests.conftest import run_miles
+from tests.megatron.test_megatron_trainer import VOCAB, perturbed_checkpoint, training_batch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return MilesPluginManager.load().registries
+
+
+CHECKPOINTS = {"qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+               "llama-tied": ("llama", {"tie_word_embeddings": True}),
+               "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False})}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_megatron_and_transformers_implementations_agree(tmp_path: Path, registries, name: str) -> None:
+    family, overrides = CHECKPOINTS[name]
+    checkpoint = perturbed_checkpoint(tmp_path / name, family, **overrides)
+    reference = check_model_implementation(registries, family, "transformers").load().from_pretrained(checkpoint)
+    megatron = check_model_implementation(registries, family, "megatron").load().from_pretrained(checkpoint)
+    assert type(megatron).__name__ == "MegatronCausalLM"
+    expected, actual = reference.hf_state_dict(), megatron.hf_state_dict()
+    assert sorted(actual) == sorted(expected)  # the checkpoint naming contract
+    for key, tensor in expected.items():
+        assert torch.equal(actual[key], tensor), key
+    input_ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (megatron(input_ids) - reference(input_ids)).abs().max().item() < 1e-5
+
+
+def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, registries) -> None:
+    checkpoint = perturbed_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, head_dim=24)
+    settings = TrainSection(lr=1e-3, micro_batch_size=3, kl_coef=0.05)
+    config = types.SimpleNamespace(train=settings, run=types.SimpleNamespace(seed=0),
+                                   model=types.SimpleNamespace(implementations={}))  # fmt: skip
+    results = {}
+    for impl in ("transformers", "megatron"):
+        config.model.implementations = {"qwen3": impl}
+        trainer = TorchTrainer.for_run(config, model_path=checkpoint, initial_model_path=checkpoint, run_dir=tmp_path,
+                                       token="", registries=registries)  # fmt: skip
+        assert trainer.implementation == f"qwen3/{impl}"
+        metrics = trainer.train_step(training_batch())
+        weights = {n: t.clone() for bucket in trainer.weight_iterator(1 << 20) for n, t in bucket}
+        results[impl] = metrics, weights
+    (metrics, weights), (other_metrics, other_weights) = results["transformers"], results["megatron"]
+    assert other_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)
+    assert sorted(other_weights) == sorted(weights)
+    diffs = {n: (other_weights[n] - t).abs().max().item() for n, t in weights.items()}
+    assert max(diffs.values()) < 0.05 * settings.lr, diffs  # Adam's first step is ~lr per element: 5% of it
+
+
+def test_dsv4_impl_is_an_explicit_error_listing_what_is_installed(registries) -> None:
+    with pytest.raises(ConfigError) as error:
+        check_model_implementation(registries, "deepseek_v4", "megatron")
+    message = str(error.value)
+    assert "(--dsv4-impl megatron)" in message and "installed for deepseek_v4: (none)" in message
+    assert "qwen3/megatron" in message and "qwen3/transformers" in message
+    result = run_miles("config", "show", "--dsv4-impl", "megatron")
+    assert result.returncode != 0 and "qwen3/megatron" in result.stderr
+
+
+def test_miles_plugins_lists_the_megatron_plugin() -> None:
+    result = run_miles("plugins")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "megatron" in line]
+    assert any("miles-plugins-megatron" in line for line in lines), result.stdout
+    for provided in ("qwen3/megatron", "llama/megatron", "qwen2/megatron"):
+        assert provided in result.stdout

@@ -30,8 +30,10 @@ SETTINGS = TrainSection(lr=1e-4, micro_batch_size=8)
 
 
 def save_model(path: Path) -> int:
-    config = transformers.LlamaConfig(vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
@@ -40,9 +42,12 @@ def save_model(path: Path) -> int:
 
 def batch(samples: int = 16, prompt: int = 16, response: int = 16) -> TrainBatch:
     generator = torch.Generator().manual_seed(0)
-    return TrainBatch([TrainSample(torch.randint(0, 16000, (prompt,), generator=generator).tolist(),
-                                   torch.randint(0, 16000, (response,), generator=generator).tolist(),
-                                   [-9.0] * response, 1.0 if i % 2 else -1.0, 0.0) for i in range(samples)])  # fmt: skip
+
+    def ids(length: int) -> list[int]:
+        return torch.randint(0, 16000, (length,), generator=generator).tolist()
+
+    return TrainBatch([TrainSample(ids(prompt), ids(response), [-9.0] * response, 1.0 if i % 2 else -1.0, 0.0)
+                       for i in range(samples)])  # fmt: skip
 
 
 def median_step(trainer, steps: int) -> tuple[float, float]:
@@ -84,8 +89,11 @@ def main() -> None:
         rows = []
         for tp in [int(value) for value in args.tensor_parallel.split(",")]:
             layout = MegatronSection(tensor_parallel=tp)
-            with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0,
-                                        provider_factory=lambda: LocalWorkerProvider(token="b", run_dir=tmp)) as mt:  # fmt: skip
+
+            def provider() -> LocalWorkerProvider:
+                return LocalWorkerProvider(token="bench", run_dir=tmp)
+
+            with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider) as mt:
                 step, export = median_step(mt, args.steps)
             rows.append((tp, step, export))
             print(f"megatron trainer TP={tp} (ranks)     step {step * 1e3:8.1f} ms   export {export * 1e3:7.1f} ms "

@@ -40,11 +40,13 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
     if tensor_parallel < 1 or heads % tensor_parallel or groups % tensor_parallel:
         raise MilesError(
             f"tensor parallel size {tensor_parallel} must divide the attention heads ({heads}) and the key/value "
-            f"heads ({groups}) of this {hf_config.model_type} model"
+            f"heads ({groups}) of this {hf_config.model_type} model (--megatron-tensor-parallel)"
         )
     if hf_config.vocab_size % tensor_parallel:
-        raise MilesError(f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) "
-                         f"of this model (the vocabulary is split across tensor-parallel ranks)")  # fmt: skip
+        raise MilesError(
+            f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) of this "
+            f"model: the vocabulary is split across tensor-parallel ranks (--megatron-tensor-parallel)"
+        )
 
 
 def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:

@@ -33,8 +33,8 @@ CONFIGS = {
 
 def hf_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
     config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides,
+        model_type, **{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides},
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
@@ -78,3 +78,6 @@ def test_unsupported_architecture_and_bad_tensor_parallel(megatron) -> None:
     llama = hf_model("llama").config
     with pytest.raises(MilesError, match=r"tensor parallel size 4 must divide .* key/value heads \(2\)"):
         model_builder.transformer_config(llama, tensor_parallel=4)
+    odd_vocabulary = hf_model("llama", vocab_size=97).config
+    with pytest.raises(MilesError, match=r"tensor parallel size 2 must divide the vocabulary \(97\)"):
+        conversion.check_tensor_parallel(odd_vocabulary, 2)

@@ -124,7 +124,7 @@ def test_first_party_protocol_name_says_which_package(tmp_path: Path) -> None:
 def test_unknown_model_implementation_lists_installed_ones() -> None:
     stderr = show_error("--model-impl", "llama=fast")
     assert "model.implementations.llama = 'fast' (--model-impl llama=fast)" in stderr
-    assert "installed for llama: minimal, transformers" in stderr
+    assert "installed for llama: megatron, minimal, transformers" in stderr
 
 
 def test_dsv4_impl_without_any_deepseek_v4_implementation() -> None:

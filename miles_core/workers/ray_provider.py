@@ -29,6 +29,9 @@ from miles_core.workers.python_worker import build_target, make_server
 from miles_core.workers.rpc_wire import HEALTH_PATH, TOKEN_ENV
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
+ZERO_CPU_BUNDLE = 0.01
+"""The CPU share of a bundle for workers that reserve no CPU (Ray refuses bundles of zeros)."""
+
 
 @ray.remote(max_restarts=0)
 class WorkerActor:
@@ -140,9 +143,19 @@ class RayWorkerProvider(BaseWorkerProvider):
         if len(shapes) > 1:
             raise WorkerError(f"workers placed together need the same resources; got {sorted(shapes)}")
         num_cpus, num_gpus = shapes.pop()
-        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        # Ray refuses an all-zero bundle; a worker that reserves nothing (a CPU engine sharing cores) gets a token
+        bundle = {"CPU": num_cpus or ZERO_CPU_BUNDLE, **({"GPU": num_gpus} if num_gpus else {})}
         group = placement_group([dict(bundle) for _ in specs], strategy=strategy)
-        await group.ready()
+        timeout_s = max(spec.startup_timeout_s for spec in specs)
+        try:
+            await asyncio.wait_for(group.ready(), timeout=timeout_s)
+        except TimeoutError:
+            remove_placement_group(group)
+            raise WorkerStartError(
+                f"cannot place {len(specs)} workers ({', '.join(spec.name for spec in specs)}) of {bundle} each "
+                f"within {timeout_s:.0f} s; the cluster has {ray.available_resources()} free of "
+                f"{ray.cluster_resources()}"
+            ) from None
         self.groups.append(group)
         actors = [self._new_actor(group, index, num_cpus, num_gpus) for index in range(len(specs))]
         locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))

@@ -56,9 +56,12 @@ class MegatronTrainer:
                 registries: Any) -> MegatronTrainer:  # fmt: skip
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
         provider_cls = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()
-        return cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
+        trainer = cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
                           provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
                           reference_path=initial_model_path)  # fmt: skip
+        print(f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
+              f"{trainer.ranks.describe()}", flush=True)  # fmt: skip
+        return trainer
 
     @classmethod
     def launch(cls, model_path: str | Path, *, train: Any, layout: MegatronSection, seed: int,
@@ -215,11 +218,20 @@ class _Ranks:
 
     async def _start(self, specs: list[PythonWorkerSpec], timeout_s: float) -> list[dict[str, Any]]:
         if hasattr(self.provider, "place"):  # Ray: one placement group, ranks in placement order
-            await self.provider.place(specs)
+            await self.provider.place(specs)  # bounded by the specs' start-up timeout
         await asyncio.gather(*(self.provider.start(spec) for spec in specs))
         self.handles = [WorkerHandle(self.provider.client(name, timeout_s=timeout_s), MegatronRank)
                         for name in self.names]  # fmt: skip
         return await self._on_every_rank("setup")
+
+    def describe(self) -> str:
+        """Where each rank runs: ``name pid N [node ADDRESS bundle I]``."""
+        parts = []
+        for name in self.names:
+            info = self.provider.workers[name]
+            where = f" node {info.node} bundle {info.placement['bundle_index']}" if info.placement else ""
+            parts.append(f"{name} pid {info.pid}{where}")
+        return ", ".join(parts)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """``method`` on every rank at once; the results in rank order."""

@@ -70,3 +70,12 @@ def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path)
     assert "miles: torch trainer, model llama/megatron" in result.stdout
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors").is_file()
+
+
+def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:
+    result = train(tmp_path, "--run-worker-provider", "ray", "--megatron-tensor-parallel", "2",
+                   "--megatron-cpus-per-rank", "0.5", "--num-steps", "2", "--rollout-batch-size", "4",
+                   "--rollout-group-size", "4", "--run-eval-every", "0")  # fmt: skip
+    assert "miles: 2 megatron ranks by the ray provider: megatron-rank0 pid" in result.stdout
+    assert "megatron-rank0 pid" in result.stdout and "bundle 0" in result.stdout and "bundle 1" in result.stdout
+    assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2]

@@ -132,3 +132,17 @@ def test_command_that_fails_under_ray_reports_its_log(provider: RayWorkerProvide
         loop.run_until_complete(provider.start(spec))
     assert "worker ray-bad exited while starting" in str(caught.value)
     assert "no such model" in str(caught.value)
+
+
+def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(provider: RayWorkerProvider,
+                                                                              loop) -> None:  # fmt: skip
+    async def scenario() -> None:
+        free = echo_spec("no-cpu").model_copy(update={"num_cpus": 0.0})  # like a CPU engine sharing the cores
+        info = await provider.start(free)
+        assert info.placement["bundle_index"] == 0
+        await provider.stop("no-cpu")
+        too_big = echo_spec("too-big").model_copy(update={"num_cpus": 64.0, "startup_timeout_s": 2.0})
+        with pytest.raises(WorkerStartError, match=r"cannot place 1 workers \(too-big\) of \{'CPU': 64.0\}"):
+            await provider.place([too_big])
+
+    loop.run_until_complete(scenario())

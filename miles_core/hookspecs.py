@@ -163,6 +163,16 @@ def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | No
     """
 
 
+@hookspec(firstresult=True)
+def launch_router(config: Any) -> Any | None:
+    """The worker spec of a router in front of the engines (a ``CommandWorkerSpec``), or ``None`` for none.
+
+    Called once by the ``InferenceController`` before the engines start. When a spec is returned the controller
+    starts it through the worker provider, calls :func:`register_router`, and the rollout sends generation through
+    the router's URL; :func:`register_engines` tells the router plugin which engines to route to. ``firstresult``.
+    """
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Rollout preparation
 # --------------------------------------------------------------------------------------------------------------
@@ -189,15 +199,17 @@ def prepare_eval(rollout_id: int, controller: Any) -> None:
 
 @hookspec
 def register_engines(engines: list[Any]) -> None:
-    """Engines are up: called with one description per engine (cell id, address, weight version, state).
+    """The engines now running: one description per engine (cell id, state, workers with their URLs, weight
+    version).
 
-    Called after engines start and after a cell is restarted.
+    Called after engines start, after a cell is restarted (its URL may have changed), and with ``[]`` before the
+    engines stop. A router plugin keeps its router's worker list equal to this list.
     """
 
 
 @hookspec
 def register_router(router: Any) -> None:
-    """A router is up: called with its description (address, registered engines). Called after it starts."""
+    """A router is up: called with its description (``name``, ``url``, ``pid``). Called after it starts."""
 
 
 @hookspec

@@ -18,11 +18,14 @@ class EngineError(MilesError):
 
 
 class EngineClient:
-    """Talks to one engine at ``url``; control routes carry ``admin_key``."""
+    """Talks to one engine at ``url`` (or a router in front of engines: ``is_router``); control routes carry
+    ``admin_key``."""
 
-    def __init__(self, url: str, *, admin_key: str | None = None, name: str = "engine", timeout_s: float = 600) -> None:
+    def __init__(self, url: str, *, admin_key: str | None = None, name: str = "engine", timeout_s: float = 600,
+                 is_router: bool = False) -> None:  # fmt: skip
         self.url = url.rstrip("/")
         self.name = name
+        self.is_router = is_router
         headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
 

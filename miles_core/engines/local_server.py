@@ -49,6 +49,7 @@ class LocalEngineServer:
         self.admin_key = admin_key
         self.host, self.port = host, port
         self.in_flight = 0
+        self.generate_requests = 0  # /generate calls served (a batch counts once)
 
     def app(self) -> Starlette:
         public = {"/generate": self.generate, "/health": self.health, "/health_generate": self.health_generate,
@@ -105,6 +106,7 @@ class LocalEngineServer:
         params = _sampling_params(body.get("sampling_params"), len(batch))
         requests = [GenerationRequest(ids, p) for ids, p in zip(batch, params, strict=True)]
         self.in_flight += len(requests)
+        self.generate_requests += 1
         try:
             results = await self.engine.generate(requests)
         finally:
@@ -154,7 +156,8 @@ class LocalEngineServer:
                 "version": f"miles-local-engine {__version__}", "weight_version": self.engine.weight_version,
                 "internal_states": [{"queued": self.engine.queued, "in_flight": self.in_flight,
                                      "paused": self.engine.paused,
-                                     "generated_tokens": self.engine.generated_tokens}]}  # fmt: skip
+                                     "generated_tokens": self.engine.generated_tokens,
+                                     "generate_requests": self.generate_requests}]}  # fmt: skip
 
     # -- control plane --------------------------------------------------------------------------------------
 
@@ -300,7 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--admin-api-key", default=os.environ.get(TOKEN_ENV))
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
+    for flag in ("--tp-size", "--dp-size", "--ep-size"):  # SGLang's parallel flags: the local engine is one process
+        parser.add_argument(flag, type=int, default=1, choices=[1], help="SGLang's flag; only 1 (one process)")
     parser.add_argument("--random-seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:

@@ -22,7 +22,7 @@ from miles_core.training.weight_iterator import bucketize
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
-from miles_core.workers.provider import BaseWorkerProvider
+from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +48,48 @@ class InferenceController:
         self._connected: list[EngineEndpoint] = []
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
+        self.router: WorkerInfo | None = None  # a router a plugin launched (``launch_router``)
+        self.router_client: EngineClient | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start every engine cell, connect the protocol, start health monitoring."""
+        """Start the router (when a plugin launches one), every engine cell, connect the protocol, start health
+        monitoring."""
+        await self._start_router()
         self.cells.add_server("engine", count=self.config.engine.num_engines, specs=self._specs)
         started = await asyncio.gather(*(self.cells.start(c) for c in self.cells.cells), return_exceptions=True)
         failures = [result for result in started if isinstance(result, BaseException)]
         if failures:  # every start has settled, so stop() can reach every engine that did start
             raise failures[0]
         self._refresh_clients()
+        await asyncio.gather(*(client.flush_cache() for client in self.engine_clients()))  # drop warm-up state
         await self._connect()
         self.hooks.register_engines(engines=self.describe_engines())
         self.monitor.start()
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        if self.cells.running():
+            self.hooks.register_engines(engines=[])  # routers stop sending to engines that are going away
         with contextlib.suppress(Exception):  # engines may already be gone
             await self.protocol.close()
         for client in self.clients.values():
             await client.aclose()
         await self.cells.stop_all()
+        if self.router is not None:
+            await self.router_client.aclose()
+            await self.provider.stop(self.router.name)
+            self.router = None
+
+    async def _start_router(self) -> None:
+        spec = self.hooks.launch_router(config=self.config)
+        if spec is None:
+            return
+        self.router = await self.provider.start(spec)
+        self.router_client = EngineClient(self.router.url, name=self.router.name, admin_key=self.provider.token,
+                                          is_router=True)  # fmt: skip
+        self.hooks.register_router(router={"name": self.router.name, "url": self.router.url, "pid": self.router.pid})
 
     def _specs(self, cell_id: str) -> list:
         specs = self.hooks.launch_engines(config=self.config, cell_id=cell_id, model_path=self.model_path)
@@ -111,6 +131,7 @@ class InferenceController:
         """A restarted engine: reconnect the protocol and load the last published weights (during an update, the
         update's own retry does that)."""
         self._refresh_clients()
+        await self.clients[cell.cell_id].flush_cache()
         if self.published and not self._updating:
             published = self.published
             await self._connect(force=True)

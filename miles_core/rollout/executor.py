@@ -126,9 +126,11 @@ class RolloutExecutor:
             await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
 
     def _clients(self) -> list[EngineClient]:
+        if self.controller.router_client is not None:
+            return [self.controller.router_client]
         if self.config.engine.router_url:
             if self._router is None:
-                self._router = EngineClient(self.config.engine.router_url, name="router")
+                self._router = EngineClient(self.config.engine.router_url, name="router", is_router=True)
             return [self._router]
         clients = self.controller.engine_clients()
         if not clients:
@@ -138,8 +140,15 @@ class RolloutExecutor:
 
     async def _generate_on(self, client: EngineClient, share: list[Sample], params: dict, seed_base: int) -> None:
         per_sample = [{**params, "sampling_seed": seed_base + s.index} for s in share]
-        outputs = await client.generate([s.prompt_ids for s in share], per_sample, return_logprob=True)
+        if client.is_router:  # one request per sample, so that the router can spread them over its engines
+            outputs = await asyncio.gather(*(client.generate(s.prompt_ids, p, return_logprob=True)
+                                             for s, p in zip(share, per_sample, strict=True)),
+                                           return_exceptions=True)  # fmt: skip
+        else:
+            outputs = await client.generate([s.prompt_ids for s in share], per_sample, return_logprob=True)
         for sample, output in zip(share, outputs, strict=True):
+            if isinstance(output, BaseException):
+                continue  # generated again in the next wave
             meta = output["meta_info"]
             if meta["finish_reason"]["type"] == "abort":
                 continue  # generated again in the next wave
@@ -149,6 +158,9 @@ class RolloutExecutor:
             sample.weight_version = meta["weight_version"]
             sample.engine = client.name
             sample.response = self.tokenizer.decode(sample.response_ids)
+        failed = [output for output in outputs if isinstance(output, BaseException)]
+        if failed:
+            raise failed[0]
 
     # -- rewards --------------------------------------------------------------------------------------------
 

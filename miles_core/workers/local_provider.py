@@ -66,7 +66,7 @@ class LocalWorkerProvider(BaseWorkerProvider):
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        command = spec.resolve(ports)
+        command = spec.resolve(ports, token=self.token)
         env = {**os.environ, TOKEN_ENV: self.token, **command.env}
         process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         self.processes[spec.name] = process

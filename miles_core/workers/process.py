@@ -89,7 +89,15 @@ class SupervisedProcess:
             self.popen.wait(timeout=grace_s)
 
     def describe(self) -> str:
-        return f"pid {self.pid}, command {' '.join(self.argv)!r}, log {self.log_file}"
+        return f"pid {self.pid}, command {' '.join(redacted(self.argv))!r}, log {self.log_file}"
+
+
+def redacted(argv: list[str]) -> list[str]:
+    """``argv`` with the value after a flag naming a key, token or password replaced by ``***`` (for messages)."""
+    secret_flag = ("key", "token", "password", "secret")
+    return ["***" if index and argv[index - 1].startswith("--") and any(word in argv[index - 1].lower()
+                                                                          for word in secret_flag) else arg
+            for index, arg in enumerate(argv)]  # fmt: skip
 
 
 def kill_tree(pids: Iterable[int], *, grace_s: float = 5.0) -> None:

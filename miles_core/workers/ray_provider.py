@@ -71,7 +71,7 @@ class WorkerActor:
 
     def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str) -> dict[str, Any]:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        command = spec.resolve(ports)
+        command = spec.resolve(ports, token=token)
         env = {**os.environ, TOKEN_ENV: token, **command.env}
         self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         if command.health_url is not None and not self._wait_healthy(command.health_url, spec.startup_timeout_s):

@@ -49,9 +49,10 @@ class CommandWorkerSpec(_Spec):
     )
     host: str = "127.0.0.1"
 
-    def resolve(self, ports: dict[str, int]) -> ResolvedCommand:
-        """Fill ``{host}`` and the port placeholders in with the allocated ``ports``."""
-        fill = {"host": self.host, **{name: str(port) for name, port in ports.items()}}
+    def resolve(self, ports: dict[str, int], *, token: str = "") -> ResolvedCommand:
+        """Fill ``{host}``, ``{token}`` (the run's token, for servers that take their admin key as a flag) and the
+        port placeholders in with the allocated ``ports``."""
+        fill = {"host": self.host, "token": token, **{name: str(port) for name, port in ports.items()}}
         try:
             return ResolvedCommand(
                 argv=[arg.format(**fill) for arg in self.argv],
@@ -61,7 +62,7 @@ class CommandWorkerSpec(_Spec):
             )
         except (KeyError, IndexError) as exc:
             raise ValueError(
-                f"worker {self.name}: placeholder {exc} is not host or one of ports {self.ports}"
+                f"worker {self.name}: placeholder {exc} is not host, token or one of ports {self.ports}"
             ) from None
 
 

@@ -1,6 +1,80 @@
 """The Miles plugin module of miles-plugins-sglang, registered through the entry-point group ``miles.plugins``.
 
-It will provide the engine backend ``sglang``, the router worker and the SGLang weight-update paths (issue 6).
-In this version it registers no implementations yet: ``miles plugins`` lists it with nothing provided.
-This module is imported by every ``miles`` command, so it imports nothing heavy at the top.
+Provides the engine backend ``sglang`` (servers started from ``sglang.launch_command``, by default
+``python -m sglang.launch_server``), the ``sglang`` config section, and the sglang-router as a worker in front of
+the engines (``--sglang-router true``), kept in step with the engines through ``register_engines``. Every ``miles``
+command imports this module, so it imports nothing heavy at the top.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_core.errors import ConfigError
+from miles_core.hookspecs import hookimpl
+from miles_core.registry import Implementation
+
+_ROUTERS: dict[str, Any] = {}  # the run's router registrar, by router name ("router")
+
+
+@hookimpl
+def config_sections() -> dict[str, type]:
+    from miles_plugins_sglang.config import SglangSection  # deferred: pydantic
+
+    return {"sglang": SglangSection}
+
+
+@hookimpl
+def provide_engine_backends() -> list[Implementation]:
+    return [Implementation("sglang", "miles_plugins_sglang.launch:sglang_engine_spec",
+                           "servers speaking SGLang's HTTP API, from sglang.launch_command")]  # fmt: skip
+
+
+@hookimpl
+def validate_config(config: Any) -> None:
+    if config.sglang.router and config.engine.backend != "sglang":
+        raise ConfigError(f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), "
+                          f"not {config.engine.backend!r}")  # fmt: skip
+    if config.sglang.router and config.engine.router_url:
+        raise ConfigError("sglang.router = true starts a router; engine.router_url names an external one: "
+                          "set only one")  # fmt: skip
+
+
+@hookimpl
+def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
+    if config.engine.backend != "sglang":
+        return None
+    from miles_plugins_sglang.launch import sglang_engine_spec
+
+    return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
+
+
+@hookimpl
+def launch_router(config: Any) -> Any | None:
+    if config.engine.backend != "sglang" or not config.sglang.router:
+        return None
+    from miles_plugins_sglang.launch import router_spec
+
+    return router_spec(config)
+
+
+@hookimpl
+def register_router(router: dict) -> None:
+    from miles_plugins_sglang.router import RouterRegistrar
+
+    previous = _ROUTERS.pop(router["name"], None)
+    if previous is not None:
+        previous.close()
+    _ROUTERS[router["name"]] = RouterRegistrar(router["url"])
+
+
+@hookimpl
+def register_engines(engines: list[dict]) -> None:
+    """Route to exactly the running engines (the controller calls this once they serve the current weights)."""
+    urls = [worker["url"] for engine in engines if engine["state"] == "running" for worker in engine["workers"]]
+    for registrar in _ROUTERS.values():
+        registrar.sync(urls)
+        if not engines:  # the run is stopping: forget the router with its engines
+            registrar.close()
+    if not engines:
+        _ROUTERS.clear()

@@ -1,0 +1,164 @@
+"""miles-plugins-sglang: config validated against SGLang's server settings, engines launched through the worker
+provider (failures with their log tails), and the real sglang-router in front of local-engine servers that speak
+SGLang's API: a full ``miles train --engine sglang`` run learns, requests spread, a killed engine comes back
+registered and no sample is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from miles_plugins_sglang.config import server_arg_fields, server_flags
+from miles_plugins_sglang.launch import sglang_engine_spec
+
+from miles_core.config.build import build_config
+from miles_core.errors import ConfigError
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.workers.errors import WorkerStartError
+from miles_core.workers.local_provider import LocalWorkerProvider
+from tests.conftest import run_miles
+
+LOCAL_ENGINE = ["{python}", "-m", "miles_core.engines.local_server"]
+
+
+@pytest.fixture(scope="module")
+def manager():
+    return MilesPluginManager.load()
+
+
+def sglang_config(manager, **overrides):
+    return build_config(manager, overrides={"engine.backend": "sglang", **overrides})
+
+
+def test_server_args_are_checked_against_sglang_fields(manager) -> None:
+    fields, source = server_arg_fields()
+    assert len(fields) > 500 and {"mem_fraction_static", "tp_size", "chunked_prefill_size"} <= fields
+    assert "shipped with miles-plugins-sglang" in source  # sglang itself is not installed on CPU machines
+    config = sglang_config(manager, **{"sglang.server_args": {"mem_fraction_static": 0.8, "enable_metrics": True}})
+    assert config.sglang.server_args["mem_fraction_static"] == 0.8
+    with pytest.raises(ConfigError, match=r"'mem_fraction_statc' is not an SGLang server setting \(did you mean "
+                                          r"'mem_fraction_static'"):  # fmt: skip
+        sglang_config(manager, **{"sglang.server_args": {"mem_fraction_statc": 0.8}})
+    with pytest.raises(ConfigError, match=r"'tp_size' is set by Miles from sglang.tp_size"):
+        sglang_config(manager, **{"sglang.server_args": {"tp_size": 2}})
+    with pytest.raises(ConfigError, match=r"sglang.router = true needs engine.backend = 'sglang'"):
+        build_config(manager, overrides={"sglang.router": True})
+    result = run_miles("config", "show", "--engine", "sglang", "--sglang-server-args", '{"max_running_request": 8}')
+    assert result.returncode != 0 and "did you mean 'max_running_requests'" in result.stderr
+
+
+def test_engine_command_line(manager) -> None:
+    config = sglang_config(manager, **{
+        "sglang.server_args": {"enable_metrics": True, "disable_radix_cache": False, "cuda_graph_bs_decode": [1, 2],
+                               "json_model_override_args": {"rope": 1}},
+        "sglang.extra_args": ["--custom-flag", "{not-a-placeholder}"], "sglang.tp_size": 2})  # fmt: skip
+    assert server_flags({"a_b": True, "c": False, "d": [1, 2]}) == ["--a-b", "--d", "1", "2"]
+    spec = sglang_engine_spec(config, cell_id="engine-0", model_path="/models/{odd}")
+    resolved = spec.resolve({"port": 31000}, token="secret")
+    argv = resolved.argv
+    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[argv.index("--model-path") + 1] == "/models/{odd}"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "31000"
+    assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--admin-api-key") + 1] == "secret"
+    assert "--enable-metrics" in argv and "--disable-radix-cache" not in argv
+    assert argv[argv.index("--json-model-override-args") + 1] == '{"rope": 1}'
+    assert argv[-2:] == ["--custom-flag", "{not-a-placeholder}"]
+    assert resolved.health_url == "http://127.0.0.1:31000/health_generate"
+
+
+def start_engine(manager, tmp_path: Path, **overrides) -> None:
+    config = sglang_config(manager, **overrides)
+    spec = sglang_engine_spec(config, cell_id="engine-0", model_path=str(tmp_path / "model"))
+    provider = LocalWorkerProvider(token="t", run_dir=tmp_path)
+
+    async def scenario() -> None:
+        try:
+            await provider.start(spec)
+        finally:
+            await provider.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_launch_command_that_exits_at_once_reports_its_log(manager, tmp_path: Path) -> None:
+    failing = ["{python}", "-c", "import sys; print('server: error: no GPU found', file=sys.stderr); sys.exit(3)"]
+    with pytest.raises(WorkerStartError, match=r"(?s)engine-0.*server: error: no GPU found"):
+        start_engine(manager, tmp_path, **{"sglang.launch_command": failing})
+
+
+def test_a_server_that_never_becomes_healthy_times_out_naming_the_worker(manager, tmp_path: Path) -> None:
+    silent = ["{python}", "-c", "import time; time.sleep(120)"]
+    with pytest.raises(WorkerStartError, match=r"worker engine-0 did not become healthy at .*/health_generate in time"
+                       ) as error:  # fmt: skip
+        start_engine(manager, tmp_path, **{"sglang.launch_command": silent, "engine.startup_timeout_s": 3})
+    assert "--admin-api-key ***" in str(error.value) and "--admin-api-key t " not in str(error.value)
+
+
+def test_a_port_already_in_use_is_a_clear_error(manager, tmp_path: Path) -> None:
+    from miles_core.run_setup import default_model
+
+    default_model(tmp_path, seed=0).rename(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(WorkerStartError, match=rf"(?s)engine-0.*cannot listen on 127.0.0.1:{port}: Address "
+                                                   r"already in use"):  # fmt: skip
+            start_engine(manager, tmp_path, **{"sglang.launch_command": LOCAL_ENGINE,
+                                               "sglang.extra_args": ["--port", str(port)]})  # fmt: skip
+
+
+ROUTER_PROBE = """\
+import json
+import httpx
+from miles_core import hookimpl
+
+CONTROLLER = None
+ROUTERS = []
+
+
+@hookimpl
+def register_router(router):
+    ROUTERS.append(router["url"])
+
+
+@hookimpl
+def prepare_rollout(rollout_id, controller):
+    global CONTROLLER
+    CONTROLLER = controller
+    if rollout_id == 3:  # engine-1 dies as a rollout starts: its requests fail mid-rollout
+        controller.provider.processes["engine-1"].kill()
+
+
+@hookimpl
+def on_metrics(rollout_id, metrics):
+    listed = sorted(w["url"] for w in httpx.get(ROUTERS[0] + "/workers").json()["workers"])
+    engines = {cell_id: cell.workers[0].url for cell_id, cell in CONTROLLER.cells.cells.items()}
+    served = {cell_id: httpx.get(url + "/server_info").json()["internal_states"][0]["generate_requests"]
+              for cell_id, url in engines.items()}
+    restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
+    print("PROBE " + json.dumps({"step": rollout_id, "samples": metrics["rollout/samples"], "router": listed,
+                                 "engines": engines, "served": served, "restarts": restarts}), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_death(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(ROUTER_PROBE)
+    result = run_miles("train", "--engine", "sglang", "--sglang-launch-command", json.dumps(LOCAL_ENGINE),
+                       "--sglang-router", "true", "--engine-num-engines", "2", "--num-steps", "40",
+                       "--rollout-batch-size", "8", "--run-eval-every", "0", "--train-lr", "0.006",
+                       "--no-progress", "--output-dir", str(tmp_path / "run"), "--plugin", str(probe))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    assert [p["step"] for p in probes] == list(range(40)) and all(p["samples"] == 64 for p in probes)
+    assert all(p["router"] == sorted(p["engines"].values()) for p in probes)  # routes to exactly the engines
+    assert probes[-1]["restarts"] == {"engine-0": 0, "engine-1": 1}
+    assert probes[2]["engines"]["engine-1"] != probes[-1]["engines"]["engine-1"]  # came back on a new port
+    assert all(count > 0 for count in probes[-1]["served"].values())  # both engines serve through the router
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
+    assert evals[-1] >= evals[0] + 0.2, evals

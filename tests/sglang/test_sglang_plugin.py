@@ -149,12 +149,12 @@ def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_dea
     probe = tmp_path / "probe.py"
     probe.write_text(ROUTER_PROBE)
     result = run_miles("train", "--engine", "sglang", "--sglang-launch-command", json.dumps(LOCAL_ENGINE),
-                       "--sglang-router", "true", "--engine-num-engines", "2", "--num-steps", "40",
-                       "--rollout-batch-size", "8", "--run-eval-every", "0", "--train-lr", "0.006",
-                       "--no-progress", "--output-dir", str(tmp_path / "run"), "--plugin", str(probe))  # fmt: skip
+                       "--sglang-router", "true", "--engine-num-engines", "2", "--num-steps", "110",
+                       "--run-eval-every", "0", "--run-checkpoint-every", "0", "--no-progress",
+                       "--output-dir", str(tmp_path / "run"), "--plugin", str(probe))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
-    assert [p["step"] for p in probes] == list(range(40)) and all(p["samples"] == 64 for p in probes)
+    assert [p["step"] for p in probes] == list(range(110)) and all(p["samples"] == 128 for p in probes)
     assert all(p["router"] == sorted(p["engines"].values()) for p in probes)  # routes to exactly the engines
     assert probes[-1]["restarts"] == {"engine-0": 0, "engine-1": 1}
     assert probes[2]["engines"]["engine-1"] != probes[-1]["engines"]["engine-1"]  # came back on a new port

@@ -4,7 +4,7 @@ from miles_core.errors import ConfigError, MilesError, PluginLoadError, Registry
 from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ConfigError",

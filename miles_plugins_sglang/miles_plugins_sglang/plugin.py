@@ -35,6 +35,12 @@ def validate_config(config: Any) -> None:
     if config.sglang.router and config.engine.backend != "sglang":
         raise ConfigError(f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), "
                           f"not {config.engine.backend!r}")  # fmt: skip
+    stock_sglang = any("sglang.launch_server" in part for part in config.sglang.launch_command)
+    if config.engine.backend == "sglang" and stock_sglang and config.weight_transfer.mode == "tensor":
+        raise ConfigError("weight_transfer.mode = 'tensor' sends safetensors buffers (or shared-memory staging), which "
+                          "stock SGLang's /update_weights_from_tensor does not read (it takes pickled tensors, which "
+                          "Miles never sends); with sglang.launch_server use --update-weight-transfer-mode disk or "
+                          "broadcast")  # fmt: skip
     if config.sglang.router and config.engine.router_url:
         raise ConfigError("sglang.router = true starts a router; engine.router_url names an external one: "
                           "set only one")  # fmt: skip

@@ -30,7 +30,7 @@ def manager():
 
 
 def sglang_config(manager, **overrides):
-    return build_config(manager, overrides={"engine.backend": "sglang", **overrides})
+    return build_config(manager, overrides={"engine.backend": "sglang", "weight_transfer.mode": "disk", **overrides})
 
 
 def test_server_args_are_checked_against_sglang_fields(manager) -> None:
@@ -46,7 +46,10 @@ def test_server_args_are_checked_against_sglang_fields(manager) -> None:
         sglang_config(manager, **{"sglang.server_args": {"tp_size": 2}})
     with pytest.raises(ConfigError, match=r"sglang.router = true needs engine.backend = 'sglang'"):
         build_config(manager, overrides={"sglang.router": True})
-    result = run_miles("config", "show", "--engine", "sglang", "--sglang-server-args", '{"max_running_request": 8}')
+    with pytest.raises(ConfigError, match=r"stock SGLang's /update_weights_from_tensor does not read"):
+        sglang_config(manager, **{"weight_transfer.mode": "tensor"})  # with the default sglang.launch_server
+    result = run_miles("config", "show", "--engine", "sglang", "--update-weight-transfer-mode", "disk",
+                       "--sglang-server-args", '{"max_running_request": 8}')  # fmt: skip
     assert result.returncode != 0 and "did you mean 'max_running_requests'" in result.stderr
 
 

@@ -195,8 +195,10 @@ def test_worker_spec_validation() -> None:
     with pytest.raises(WorkerError, match="WORKER@EVENT"):
         Fault.parse("engine-0")
     typo = CommandWorkerSpec(name="w", argv=["serve", "--port", "{prot}"], ports=["port"])
-    with pytest.raises(ValueError, match="placeholder 'prot' is not host or one of ports"):
+    with pytest.raises(ValueError, match="placeholder 'prot' is not host, token or one of ports"):
         typo.resolve({"port": 8000})
+    with_token = CommandWorkerSpec(name="w", argv=["serve", "--admin-api-key", "{token}", "--json", "{{}}"])
+    assert with_token.resolve({}, token="secret").argv == ["serve", "--admin-api-key", "secret", "--json", "{}"]
     resolved = http_server_spec("w").resolve({"port": 8000})
     assert resolved.health_url == "http://127.0.0.1:8000/" and resolved.url == "http://127.0.0.1:8000"
     assert "8000 --bind 127.0.0.1" in resolved.argv[2]

@@ -1,8 +1,11 @@
-"""Loading an HF checkpoint directory (config.json + safetensors) with transformers, with clear errors."""
+"""HF checkpoint directories (config.json + safetensors): loaded with transformers with clear errors, and written
+by trainers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -27,3 +30,14 @@ def load_causal_lm(
         return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     except Exception as exc:  # transformers raises many types for corrupt checkpoints
         raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+def save_hf_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (HF names; a tied head left out, as transformers does)."""
+    from safetensors.torch import save_file  # deferred: only trainers write checkpoints
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(directory)
+    save_file({name: tensor.detach().contiguous() for name, tensor in tensors.items()},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip

@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 import transformers
-from safetensors.torch import save_file
 
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
-from miles_core.models.hf_checkpoint import load_causal_lm, require_checkpoint_dir
+from miles_core.models.hf_checkpoint import load_causal_lm, require_checkpoint_dir, save_hf_checkpoint
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
@@ -119,11 +118,7 @@ class TorchTrainer:
         """HF checkpoint (config + safetensors) plus optimizer state and the trainer's step, written atomically."""
         directory = Path(directory)
         partial = directory.with_name(directory.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)
-        self.hf_config.save_pretrained(partial)
-        tensors = {name: tensor.detach().contiguous() for bucket in self.weight_iterator(1 << 62)
-                   for name, tensor in bucket}  # fmt: skip
-        save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        save_hf_checkpoint(partial, dict(self.weight_iterator(1 << 62).named_tensors()), self.hf_config)
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
         (partial / STATE_FILE).write_text(json.dumps({"step": self.step, **(extra or {})}))
         if directory.exists():

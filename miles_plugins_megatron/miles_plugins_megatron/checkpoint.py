@@ -1,23 +1,19 @@
-"""HF checkpoint directories for the Megatron backend: checked against their config before any rank starts, read
-into one state dict, written back (config + safetensors) atomically."""
+"""HF checkpoint directories for the Megatron backend: checked against their config before any rank starts and read
+into one state dict (trainers write them with :func:`miles_core.models.hf_checkpoint.save_hf_checkpoint`)."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import require_checkpoint_dir
 from miles_plugins_megatron.conversion import attention_geometry
-
-COPIED_FILES = ("config.json", "generation_config.json")
 
 
 def load_hf_config(path: str | Path) -> Any:
@@ -71,13 +67,3 @@ def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     for file in safetensors_files(Path(path)):
         state.update(load_file(str(file)))
     return state
-
-
-def write_hf_checkpoint(directory: Path, tensors: Mapping[str, torch.Tensor], source: Path) -> None:
-    """``config.json`` (and ``generation_config.json``) copied from ``source`` plus ``model.safetensors``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for name in COPIED_FILES:
-        if (source / name).is_file():
-            shutil.copyfile(source / name, directory / name)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip

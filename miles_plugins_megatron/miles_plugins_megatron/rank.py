@@ -187,10 +187,7 @@ class MegatronRank:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if parallel_state.get_data_parallel_world_size() > 1:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-            for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(reduced)
+            _all_reduce_in_place(grads, parallel_state.get_data_parallel_group())
         self._sum_replicated_partial_grads(params, grads)
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
         replicated = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -229,10 +226,7 @@ class MegatronRank:
         partial = [grad for param, grad in zip(params, grads, strict=True)
                    if "q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]]  # fmt: skip
         if partial:
-            flat = torch._utils._flatten_dense_tensors(partial)
-            dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-            for grad, reduced in zip(partial, torch._utils._unflatten_dense_tensors(flat, partial), strict=True):
-                grad.copy_(reduced)
+            _all_reduce_in_place(partial, parallel_state.get_tensor_model_parallel_group())
 
     # -- export and checkpoints -------------------------------------------------------------------------------
 
@@ -292,6 +286,14 @@ class _Settings:
 
     def __init__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
+
+
+def _all_reduce_in_place(tensors: list[torch.Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in one collective (flattened into one buffer), in place."""
+    flat = torch._utils._flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for tensor, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
+        tensor.copy_(reduced)
 
 
 def _data_parallel_share(batch: TrainBatch, rank: int, size: int) -> TrainBatch:

@@ -25,12 +25,13 @@ import torch
 from safetensors import safe_open
 
 from miles_core.errors import MilesError
+from miles_core.models.hf_checkpoint import save_hf_checkpoint
 from miles_core.training.batch import TrainBatch
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.process import free_ports
 from miles_core.workers.specs import PythonWorkerSpec
-from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, write_hf_checkpoint
+from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
@@ -113,7 +114,7 @@ class MegatronTrainer:
         shutil.rmtree(partial, ignore_errors=True)
         if self._weights is None:
             self._export()
-        write_hf_checkpoint(partial, dict(self._weights), source=self.model_path)
+        save_hf_checkpoint(partial, dict(self._weights), self.hf_config)
         self.ranks.call("save_optimizer", str(partial))
         state = {"step": self.step, "tensor_parallel": self.layout.tensor_parallel,
                  "data_parallel": self.layout.data_parallel, **(extra or {})}  # fmt: skip

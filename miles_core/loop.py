@@ -13,11 +13,13 @@ from typing import Any
 
 import transformers
 
+from miles_core.errors import ConfigError
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
+from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
 async def run_training(config: Any, manager: Any, *, progress: bool = True) -> RunReporter:
@@ -25,6 +27,7 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     registries: Registries = manager.registries
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress bar
     setup = prepare_run(config, registries)
+    protocol = make_protocol(config, registries)  # bad protocol settings fail before any worker starts
     backend = registries["training_backends"].get_or_raise(config.train.backend).load()
     trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
                               run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
@@ -32,18 +35,28 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     try:
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)
-        return await _run_with_trainer(config, manager, setup, trainer, progress=progress)
+        return await _run_with_trainer(config, manager, setup, trainer, protocol, progress=progress)
     finally:
         trainer.close()
 
 
-async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any, *, progress: bool) -> RunReporter:
-    registries: Registries = manager.registries
+def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:
+    """The configured weight-transfer protocol, built from ``weight_transfer.settings``."""
     protocol_cls = registries["weight_transfer_protocols"].get_or_raise(config.weight_transfer.mode).load()
+    try:
+        return protocol_cls(**config.weight_transfer.settings)
+    except TypeError as exc:  # an unknown or missing keyword argument
+        raise ConfigError(f"weight_transfer.settings {config.weight_transfer.settings} do not fit the protocol "
+                          f"{config.weight_transfer.mode!r}: {exc}") from None  # fmt: skip
+
+
+async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any,
+                            protocol: WeightTransferProtocol, *, progress: bool) -> RunReporter:  # fmt: skip
+    registries: Registries = manager.registries
     provider = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()(
         token=setup.token, run_dir=setup.run_dir)  # fmt: skip
     controller = InferenceController(config=config, hooks=manager.hook, provider=provider,
-                                     protocol=protocol_cls(**config.weight_transfer.settings),
+                                     protocol=protocol,
                                      model_path=str(setup.model_path))  # fmt: skip
     executor = RolloutExecutor(config=config, tokenizer=setup.tokenizer, train_prompts=setup.train_prompts,
                                eval_prompts=setup.eval_prompts, reward_fn=setup.reward_fn,

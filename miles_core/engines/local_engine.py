@@ -21,11 +21,13 @@ import transformers
 
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, generate_batch
 from miles_core.engines.weights import (
+    GROUP_BACKENDS,
     WeightLoadError,
     broadcast,
     checksum,
     decode_tensors,
     dtype_from_name,
+    group_device,
     load_named_tensors,
     map_staging_file,
     new_weight_update_group,
@@ -214,25 +216,26 @@ class LocalEngine:
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str) -> None:  # fmt: skip
-        if backend not in ("gloo", "nccl"):
-            raise MilesError(f"backend must be gloo or nccl, got {backend!r}")
+        if backend not in GROUP_BACKENDS:
+            raise MilesError(f"backend must be one of {', '.join(GROUP_BACKENDS)}, got {backend!r}")
         if group_name in self.groups:
             raise MilesError(f"weight update group {group_name!r} already exists; destroy it first")
-        self.groups[group_name] = new_weight_update_group(
+        group = new_weight_update_group(
             master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
-            group_name=group_name,
+            group_name=group_name, backend=backend,
         )  # fmt: skip
+        self.groups[group_name] = (group, group_device(backend))
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str, weight_version: str | None) -> int:  # fmt: skip
-        group = self.groups.get(group_name)
-        if group is None:
+        if group_name not in self.groups:
             raise MilesError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise MilesError("names, dtypes and shapes must have the same length")
+        group, device = self.groups[group_name]
         received = {}
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=dtype_from_name(dtype))
+            tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
             broadcast(group, tensor, root=0)
             received[name] = tensor
         return self._load(received, weight_version)

@@ -119,13 +119,41 @@ def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
+GROUP_BACKENDS = ("gloo", "nccl")
+
+
+def resolve_group_backend(backend: str) -> str:
+    """``"auto"`` as NCCL where this process has a CUDA device, else gloo; ``"nccl"`` checked to be usable here."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in GROUP_BACKENDS:
+        raise MilesError(f"weight-update group backend {backend!r}: use auto, gloo or nccl")
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise MilesError("weight-update group backend 'nccl' needs a CUDA device and a torch built with NCCL, and "
+                         "this process has none: use 'gloo' (CPU tensors) or run it on a GPU machine")  # fmt: skip
+    return backend
+
+
+def group_device(backend: str) -> torch.device:
+    """Where a group's tensors must live: the current CUDA device for NCCL, the CPU for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def new_weight_update_group(
-    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 120.0
-) -> dist.ProcessGroup:
-    """A gloo process group of its own (rank 0 hosts the store), for broadcasting weights to engines."""
+    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> dist.ProcessGroup:  # fmt: skip
+    """A process group of its own (rank 0 hosts the store) for broadcasting weights to engines: gloo over CPU
+    tensors, or NCCL over CUDA tensors (every rank on a GPU of its own)."""
+    backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:

@@ -1,6 +1,10 @@
-"""``broadcast``: a process group of its own between the trainer (rank 0) and every engine (ranks 1..N), gloo on
-CPU, with SGLang's handshake: ``/init_weights_update_group`` once, then per bucket
-``/update_weights_from_distributed`` (names, dtypes, shapes) while the trainer broadcasts the tensors."""
+"""``broadcast``: a process group of its own between the trainer (rank 0) and every engine (ranks 1..N), with
+SGLang's handshake: ``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed``
+(names, dtypes, shapes) while the trainer broadcasts the tensors.
+
+The group's backend is the setting ``backend``: ``auto`` (the default) is NCCL where the trainer process has a CUDA
+device and gloo otherwise; ``nccl`` and ``gloo`` force one. NCCL needs every rank (trainer and each engine) on a
+GPU of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Iterable, Sequence
 
-from miles_core.engines.weights import broadcast, new_weight_update_group
+from miles_core.engines.weights import broadcast, group_device, new_weight_update_group, resolve_group_backend
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
 from miles_core.workers.process import free_ports
@@ -19,10 +23,12 @@ GROUP_NAME = "miles_weight_update"
 class BroadcastProtocol(HttpEngineProtocol):
     name = "broadcast"
 
-    def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
-        super().__init__(master_address=master_address, timeout_s=timeout_s)
+    def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0, backend: str = "auto") -> None:
+        super().__init__(master_address=master_address, timeout_s=timeout_s, backend=backend)
         self.master_address = master_address
         self.timeout_s = timeout_s
+        self.backend = resolve_group_backend(backend)  # a bad value fails here, before any engine is contacted
+        self.device = group_device(self.backend)
         self.group = None
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
@@ -31,17 +37,19 @@ class BroadcastProtocol(HttpEngineProtocol):
         (port,) = free_ports(1, self.master_address)
         world_size = len(engines) + 1
         joins = [client.init_weights_update_group(master_address=self.master_address, master_port=port,
-                                                  rank_offset=rank + 1, world_size=world_size, group_name=GROUP_NAME)
+                                                  rank_offset=rank + 1, world_size=world_size, group_name=GROUP_NAME,
+                                                  backend=self.backend)
                  for rank, client in enumerate(self.clients)]  # fmt: skip
         self.group, *_ = await asyncio.gather(asyncio.to_thread(
             new_weight_update_group, master_address=self.master_address, master_port=port, rank=0,
-            world_size=world_size, group_name=GROUP_NAME, timeout_s=self.timeout_s), *joins)  # fmt: skip
+            world_size=world_size, group_name=GROUP_NAME, timeout_s=self.timeout_s, backend=self.backend),
+            *joins)  # fmt: skip
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()
         num_bytes = 0
         for bucket in buckets:
-            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+            tensors = [(name, tensor.detach().to(self.device).contiguous()) for name, tensor in bucket]
             num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
             receive = self.on_each_engine(lambda client, tensors=tensors: client.update_weights_from_distributed(
                 names=[n for n, _ in tensors], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in tensors],

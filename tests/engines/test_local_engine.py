@@ -200,6 +200,26 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("mpi", "backend must be one of gloo, nccl"),
+        pytest.param("nccl", "needs a CUDA device", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="this machine has CUDA, so the engine can join an NCCL group")),
+    ],
+)  # fmt: skip
+def test_a_group_backend_the_engine_cannot_use_is_refused_and_leaves_no_group(engine, backend, message) -> None:
+    async def scenario() -> None:
+        async with EngineClient(engine.url, admin_key=ADMIN) as client:
+            with pytest.raises(EngineError, match=message):
+                await client.init_weights_update_group(master_address="127.0.0.1", master_port=free_ports(1)[0],
+                                                       rank_offset=1, world_size=2, backend=backend)  # fmt: skip
+            with pytest.raises(EngineError, match="no weight update group"):
+                await client.destroy_weights_update_group()
+
+    run(scenario())
+
+
 def test_pause_abort_ends_running_requests_and_continue_resumes(engine) -> None:
     async def scenario() -> None:
         async with EngineClient(engine.url, admin_key=ADMIN) as client:

@@ -17,14 +17,17 @@ from miles_core.models.causal_lm import CausalLM
 from miles_core.workers.process import free_ports
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_state
 from miles_plugins_megatron.conversion import hf_to_megatron
-from miles_plugins_megatron.cpu_compat import apply_cpu_accommodations, causal_mask
+from miles_plugins_megatron.cpu_compat import causal_mask, seed_model_parallel_rng
 from miles_plugins_megatron.weight_iterator import MegatronHfWeightIterator
 
 
 class MegatronCausalLM(CausalLM):
     def __init__(self, model: torch.nn.Module, hf_config: object) -> None:
         super().__init__()
-        self.model = model
+        # megatron-core computes RoPE on the current CUDA device whenever one exists, so the model lives there; the
+        # interface stays on the caller's device (inputs, logits and exported weights), the CPU for the torch trainer.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.model = model.to(self.device) if self.device else model
         self.hf_config = hf_config
 
     @classmethod
@@ -42,13 +45,17 @@ class MegatronCausalLM(CausalLM):
         return cls(model.eval(), hf_config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        device = self.device or input_ids.device
         length = input_ids.shape[1]
-        positions = torch.arange(length, device=input_ids.device).expand(input_ids.shape[0], -1)
-        return self.model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length))
+        positions = torch.arange(length, device=device).expand(input_ids.shape[0], -1)
+        logits = self.model(input_ids=input_ids.to(device), position_ids=positions,
+                            attention_mask=causal_mask(length).to(device))  # fmt: skip
+        return logits.to(input_ids.device)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """HF names, as transformers' ``state_dict()`` has them (a tied ``lm_head.weight`` is the embedding)."""
-        state = dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+        named = MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors()
+        state = {name: tensor.cpu() for name, tensor in named}  # no copy when the model is on the CPU
         if self.hf_config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         return state
@@ -63,4 +70,4 @@ def ensure_single_rank_parallel_state() -> None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    apply_cpu_accommodations()
+    seed_model_parallel_rng(0)

@@ -25,3 +25,13 @@ def apply_cpu_accommodations() -> bool:
 def causal_mask(sequence_length: int) -> torch.Tensor:
     """Megatron's boolean mask, ``True`` where attention is blocked, shaped ``[1, 1, S, S]``."""
     return torch.triu(torch.ones(1, 1, sequence_length, sequence_length, dtype=torch.bool), diagonal=1)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed megatron-core's RNG tracker (dropout and initialisation draw from it): per tensor-parallel rank with
+    ``model_parallel_cuda_manual_seed`` on CUDA; on a CPU, through the accommodations above."""
+    if apply_cpu_accommodations():
+        return
+    from megatron.core import tensor_parallel  # deferred: megatron-core takes ~10 s to import
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

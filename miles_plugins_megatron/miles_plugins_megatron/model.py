@@ -39,9 +39,12 @@ def transformer_config(
 def build_gpt_model(hf_config: Any, *, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32) -> GPTModel:
     """An untrained ``GPTModel`` with the HF config's shapes (parallel state must be initialised)."""
     config = transformer_config(hf_config, tensor_parallel=tensor_parallel, dtype=dtype)
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm),
         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
         position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
     )  # fmt: skip
+    # Every weight in ``dtype``, as megatron's Float16Module does: without Apex or TransformerEngine the norms come
+    # from torch and ignore params_dtype (seen on an H200: float32 norms in a bfloat16 model).
+    return model.to(dtype)

@@ -47,7 +47,7 @@ class MegatronRank:
         from megatron.core import parallel_state  # deferred: megatron-core takes ~10 s to import
 
         from miles_plugins_megatron.checkpoint import load_hf_config
-        from miles_plugins_megatron.cpu_compat import apply_cpu_accommodations
+        from miles_plugins_megatron.cpu_compat import seed_model_parallel_rng
         from miles_plugins_megatron.model import build_gpt_model
 
         if self.threads:
@@ -60,7 +60,7 @@ class MegatronRank:
         dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(minutes=10))  # fmt: skip
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tensor_parallel)
-        apply_cpu_accommodations()
+        seed_model_parallel_rng(self.seed)
         self.hf_config = load_hf_config(self.model_path)
         self.model = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
         self.model.to(self.device)

@@ -73,7 +73,7 @@ class RdtProtocol(HttpEngineProtocol):
         self.routes = plan_routes(1, [engine.name for engine in engines])
         stale = [name for name, (endpoint, _) in self.receivers.items() if endpoint not in engines]
         for name in stale:
-            self._drop_receiver(name)
+            await self._drop_receiver(name)
         new = [endpoint for endpoint in engines if endpoint.name not in self.receivers]
         for endpoint in new:
             self.receivers[endpoint.name] = (endpoint, self._start_receiver(endpoint))
@@ -81,7 +81,7 @@ class RdtProtocol(HttpEngineProtocol):
             await asyncio.gather(*(self._check_receiver(endpoint) for endpoint in new))
         except BaseException:
             for endpoint in new:
-                self._drop_receiver(endpoint.name)
+                await self._drop_receiver(endpoint.name)
             raise
         if self.transport == "gloo" and (new or stale or self.group is None):
             await self._form_gloo_group()
@@ -155,8 +155,11 @@ class RdtProtocol(HttpEngineProtocol):
 
     # -- release --------------------------------------------------------------------------------------------
 
-    def _drop_receiver(self, name: str) -> None:
+    async def _drop_receiver(self, name: str) -> None:
+        """Stop a receiver; it removes its staging file first (ray.kill alone would leave it in /dev/shm)."""
         _, receiver = self.receivers.pop(name)
+        with contextlib.suppress(Exception):  # a dead receiver has nothing left to close
+            await asyncio.wait_for(_as_future(receiver.close.remote()), timeout=10)
         ray.kill(receiver, no_restart=True)
 
     def _drop_gloo_group(self) -> None:
@@ -176,10 +179,8 @@ class RdtProtocol(HttpEngineProtocol):
     async def close(self) -> None:
         if ray.is_initialized():
             self._drop_gloo_group()
-            for name, (_, receiver) in list(self.receivers.items()):
-                with contextlib.suppress(Exception):  # a dead receiver has nothing left to close
-                    await asyncio.wait_for(_as_future(receiver.close.remote()), timeout=10)
-                self._drop_receiver(name)
+            for name in list(self.receivers):
+                await self._drop_receiver(name)
         await super().close()
 
 

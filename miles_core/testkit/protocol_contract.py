@@ -31,6 +31,7 @@ from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint, WeightTransferProtocol
 from miles_core.workers.local_provider import LocalWorkerProvider
+from miles_core.workers.provider import BaseWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
 
 CONTRACT_TOKEN = "contract-admin-key"
@@ -38,18 +39,20 @@ SMALL_BUCKET_BYTES = 16 << 10  # several buckets even for the tiny model
 
 
 class ContractEngines:
-    """Local engines serving one tiny checkpoint, shared by every protocol under test in a session."""
+    """Engines serving one tiny checkpoint, shared by every protocol under test in a session: local processes, or
+    the workers of ``provider`` (a protocol that needs engines hosted in Ray actors passes a Ray provider)."""
 
-    def __init__(self, root: Path, count: int) -> None:
+    def __init__(self, root: Path, count: int, provider: BaseWorkerProvider | None = None) -> None:
         self.model_dir = save_tiny_llama(root / "model", seed=11)
-        self.provider = LocalWorkerProvider(token=CONTRACT_TOKEN, run_dir=root / "run")
+        self.provider = provider or LocalWorkerProvider(token=CONTRACT_TOKEN, run_dir=root / "run")
         self.count = count
         self.infos: list[Any] = []
 
     def spec(self, name: str) -> CommandWorkerSpec:
         argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(self.model_dir),
                 "--host", "{host}", "--port", "{port}"]  # fmt: skip
-        return CommandWorkerSpec(name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health")
+        return CommandWorkerSpec(name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health",
+                                 num_cpus=0)  # fmt: skip
 
     async def start(self) -> None:
         self.infos = list(await asyncio.gather(*(self.provider.start(self.spec(f"contract-{i}"))

@@ -1,6 +1,44 @@
 """The Miles plugin module of miles-plugins-rdt, registered through the entry-point group ``miles.plugins``.
 
-It will provide the weight-transfer protocol ``rdt`` (issue 7). In this version it registers no implementations
-yet: ``miles plugins`` lists it with nothing provided, and selecting ``rdt`` is an error that says so.
-This module is imported by every ``miles`` command, so it imports nothing heavy at the top.
+Provides the weight-transfer protocol ``rdt`` (``--update-weight-transfer-mode rdt``) and checks, when the config is
+built, that a run selecting it hosts its engines in Ray actors. Every ``miles`` command imports this module, so it
+imports nothing heavy at the top (the protocol is named by an import string).
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles_core.errors import ConfigError
+from miles_core.hookspecs import hookimpl
+from miles_core.registry import Implementation
+
+TRANSPORTS = ("nixl", "gloo")
+
+
+@hookimpl
+def provide_weight_transfer_protocols() -> list[Implementation]:
+    return [Implementation("rdt", "miles_plugins_rdt.protocol:RdtProtocol",
+                           "Ray Direct Transport P2P into engine staging buckets (nixl, gloo)")]  # fmt: skip
+
+
+@hookimpl
+def validate_config(config: Any) -> None:
+    if config.weight_transfer.mode != "rdt":
+        return
+    if config.run.worker_provider != "ray":
+        raise ConfigError(
+            f"weight_transfer.mode (--update-weight-transfer-mode) = 'rdt' needs engines hosted in Ray actors, but "
+            f"run.worker_provider (--run-worker-provider) = {config.run.worker_provider!r}; add "
+            f"--run-worker-provider ray, or pick another protocol (tensor, broadcast, disk)"
+        )
+    if config.engine.backend != "local":
+        raise ConfigError(
+            f"weight_transfer.mode = 'rdt' loads through the local engine's shared-memory staging route; "
+            f"engine.backend (--engine) = {config.engine.backend!r} does not offer it: use --engine local"
+        )
+    transport = config.weight_transfer.settings.get("transport", "nixl")
+    if transport not in TRANSPORTS:
+        raise ConfigError(
+            f"weight_transfer.settings.transport = {transport!r}: the rdt protocol offers {', '.join(TRANSPORTS)}"
+        )

@@ -1,0 +1,120 @@
+"""``rdt`` (NIXL and gloo) against ``broadcast``, ``tensor`` (shared memory) and ``disk``, and a same-size memory
+copy, at 256 MiB and 1 GiB, in one run. The engine is a local engine hosted by the Ray provider (rdt needs that;
+the other protocols do not care), in another process than the trainer: every protocol crosses processes.
+
+Usage: ``python benchmarks/weight_transfer_rdt.py [--repeats 3] [--sizes 256,1024]``. Prints GB/s per protocol
+(median of the repeats after one warm-up transfer, each including the engine's load into its model) and, last, the
+ratios to memcpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+import transformers
+
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.training.weight_iterator import ModuleHfWeightIterator
+from miles_core.weight_transfer.protocol import EngineEndpoint
+from miles_core.workers.ray_provider import RayWorkerProvider
+from miles_core.workers.specs import CommandWorkerSpec
+
+TOKEN = "bench-admin"
+BUCKET = 256 << 20
+PROTOCOLS = {"rdt-nixl": ("rdt", {"transport": "nixl", "staging_bucket_mb": 256}),
+             "rdt-gloo": ("rdt", {"transport": "gloo", "staging_bucket_mb": 256}),
+             "broadcast": ("broadcast", {}), "tensor": ("tensor", {"shared_memory": True}),
+             "disk": ("disk", {})}  # fmt: skip
+SHAPES = {256: dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
+                    num_attention_heads=16, num_key_value_heads=16),
+          1024: dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=3,
+                     num_attention_heads=16, num_key_value_heads=16)}  # fmt: skip
+
+
+def make_model(path: Path, size_mb: int) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(tie_word_embeddings=False, **SHAPES[size_mb])
+    )
+    model.save_pretrained(path)
+    return model
+
+
+def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
+    sources = [t.detach() for t in model.state_dict().values()]
+    targets = [torch.empty_like(t) for t in sources]
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+        seconds.append(time.perf_counter() - start)
+    return sum(t.numel() * t.element_size() for t in sources) / statistics.median(seconds) / 1e9
+
+
+async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int) -> float:
+    registry_name, settings = PROTOCOLS[name]
+    registries = MilesPluginManager.load().registries
+    protocol = registries["weight_transfer_protocols"].get_or_raise(registry_name).load()(**settings)
+    await protocol.connect([endpoint])
+    rates = []
+    try:
+        for version in range(1, repeats + 2):
+            report = await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=BUCKET)), version=version)
+            rates.append(report.gb_per_s)
+    finally:
+        await protocol.close()
+    return statistics.median(rates[1:])
+
+
+async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, args: argparse.Namespace) -> dict:
+    model = make_model(workdir / f"model-{size_mb}", size_mb)
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(workdir / f"model-{size_mb}"),
+            "--host", "{host}", "--port", "{port}"]  # fmt: skip
+    spec = CommandWorkerSpec(name=f"bench-engine-{size_mb}", argv=argv, ports=["port"], num_cpus=0,
+                             health_url="http://{host}:{port}/health", startup_timeout_s=300)  # fmt: skip
+    info = await provider.start(spec)
+    endpoint = EngineEndpoint(name=spec.name, url=info.url, admin_key=TOKEN)
+    print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after one warm-up", flush=True)
+    results = {"memcpy": memcpy_rate(model, args.repeats)}
+    try:
+        for name in args.protocols.split(","):
+            results[name] = await protocol_rate(name, endpoint, model, args.repeats)
+            print(f"{name:10s} {results[name]:6.2f} GB/s", flush=True)
+    finally:
+        await provider.stop(spec.name)
+    print(f"{'memcpy':10s} {results['memcpy']:6.2f} GB/s", flush=True)
+    return results
+
+
+async def main(args: argparse.Namespace) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="miles-bench-rdt-"))
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    provider = RayWorkerProvider(token=TOKEN, run_dir=workdir)
+    table = {}
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            table[size] = await one_size(size, provider, workdir, args)
+    finally:
+        await provider.shutdown()
+        ray.shutdown()
+    for size, results in table.items():
+        base = results["memcpy"]
+        ratios = ", ".join(f"{n} {r / base:.2f}" for n, r in results.items() if n != "memcpy")
+        print(f"{size} MiB, ratios to memcpy ({base:.2f} GB/s): {ratios}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sizes", default="256,1024")
+    parser.add_argument("--protocols", default="rdt-nixl,rdt-gloo,broadcast,tensor,disk")
+    asyncio.run(main(parser.parse_args()))

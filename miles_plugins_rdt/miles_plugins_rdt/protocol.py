@@ -1,0 +1,207 @@
+"""``rdt``: P2P weight transfer over Ray Direct Transport, into a staging bucket per engine rank.
+
+Connect (once, and again for engines that changed): plan which trainer rank feeds which engine rank, start a
+:class:`~miles_plugins_rdt.receiver.StagingReceiver` on each engine's Ray node, which maps its fixed-size staging
+bucket and registers it once with the transport, and check that a Ray actor hosts each engine. For gloo, add the
+trainer's send actor and form one collective group with the receivers.
+
+Transfer (every step): each bucket of HF-named tensors from the ``HfWeightIterator`` is split into chunks that fit
+the staging bucket, laid out at dtype-aligned offsets; each chunk moves P2P into every engine rank's staging bucket
+(NIXL: the receiver reads the trainer's memory straight into its registered bucket; gloo: the send actor sends to
+each receiver), and the engine loads it from there. The weight version is published on the engines only after every
+engine rank has loaded every chunk; any failure raises before that, naming the engine, so no engine is told it
+serves a version it does not fully hold.
+
+The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
+reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
+spreads engines over however many sending ranks there are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from miles_core.errors import MilesError
+from miles_core.weight_transfer.http_engines import HttpEngineProtocol
+from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_plugins_rdt.receiver import StagingReceiver
+from miles_plugins_rdt.sender import GlooSender, new_send_bucket
+from miles_plugins_rdt.staging import Slot, chunks_that_fit, plan_routes, views
+
+TRANSPORTS = ("nixl", "gloo")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+NOT_IN_RAY = ("the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with "
+              "--run-worker-provider ray)")  # fmt: skip
+
+
+class RdtTransferError(MilesError):
+    """A transfer that did not reach every engine rank; no engine was given the new version."""
+
+
+class RdtProtocol(HttpEngineProtocol):
+    name = "rdt"
+
+    def __init__(self, *, transport: str = "nixl", staging_bucket_mb: float = 256, timeout_s: float = 300.0) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"rdt setting transport = {transport!r}: use one of {', '.join(TRANSPORTS)}")
+        if not staging_bucket_mb > 0:
+            raise ValueError(f"rdt setting staging_bucket_mb must be positive, got {staging_bucket_mb!r}")
+        super().__init__(transport=transport, staging_bucket_mb=staging_bucket_mb, timeout_s=timeout_s)
+        self.transport, self.timeout_s = transport, timeout_s
+        self.capacity = int(staging_bucket_mb * (1 << 20))
+        self.receivers: dict[str, tuple[EngineEndpoint, Any]] = {}  # engine name -> (endpoint, receiver actor)
+        self.routes: dict[str, int] = {}
+        self.sender: Any = None
+        self.send_bucket: tuple[Any, torch.Tensor] | None = None
+        self.group: str | None = None
+
+    # -- connect --------------------------------------------------------------------------------------------
+
+    async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
+        if not ray.is_initialized():
+            raise MilesError(f"{NOT_IN_RAY}; this process has not joined a Ray cluster")
+        await super().connect(engines)
+        self.routes = plan_routes(1, [engine.name for engine in engines])
+        stale = [name for name, (endpoint, _) in self.receivers.items() if endpoint not in engines]
+        for name in stale:
+            await self._drop_receiver(name)
+        new = [endpoint for endpoint in engines if endpoint.name not in self.receivers]
+        for endpoint in new:
+            self.receivers[endpoint.name] = (endpoint, self._start_receiver(endpoint))
+        try:
+            await asyncio.gather(*(self._check_receiver(endpoint) for endpoint in new))
+        except BaseException:
+            for endpoint in new:
+                await self._drop_receiver(endpoint.name)
+            raise
+        if self.transport == "gloo" and (new or stale or self.group is None):
+            await self._form_gloo_group()
+
+    def _start_receiver(self, endpoint: EngineEndpoint) -> Any:
+        return StagingReceiver.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node_id=_node_of(endpoint.url), soft=False)).remote(
+            engine_name=endpoint.name, engine_url=endpoint.url, admin_key=endpoint.admin_key,
+            capacity=self.capacity, transport=self.transport)  # fmt: skip
+
+    async def _check_receiver(self, endpoint: EngineEndpoint) -> None:
+        _, receiver = self.receivers[endpoint.name]
+        try:
+            await asyncio.wait_for(receiver.check_engine.remote(), timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            raise MilesError(f"rdt: engine {endpoint.name}: {exc.cause}") from None
+        except (ray.exceptions.RayActorError, TimeoutError) as exc:
+            raise MilesError(f"rdt: the staging receiver of engine {endpoint.name} did not start: {exc}") from None
+
+    async def _form_gloo_group(self) -> None:
+        from ray.experimental.collective import create_collective_group  # deferred: Ray's collective library
+
+        self._drop_gloo_group()
+        path, bucket = new_send_bucket(self.capacity)
+        self.send_bucket = (path, bucket)
+        self.sender = GlooSender.remote(path=str(path), capacity=self.capacity)
+        actors = [self.sender, *(receiver for _, receiver in self.receivers.values())]
+        self.group = f"miles-rdt-{id(self)}-{time.monotonic_ns()}"
+        await asyncio.to_thread(create_collective_group, actors, backend="torch_gloo", name=self.group)
+
+    # -- transfer -------------------------------------------------------------------------------------------
+
+    async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        if not self.receivers:
+            raise MilesError("rdt: call connect() before transfer()")
+        started = time.perf_counter()
+        num_bytes = 0
+        for bucket in buckets:
+            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+            for chunk, slots in chunks_that_fit(tensors, capacity=self.capacity):
+                await self._send_chunk(chunk, slots)
+                num_bytes += sum(slot.nbytes for slot in slots)
+        await self.publish_version(version)  # only now: every engine rank holds every chunk
+        return self.report(version=version, num_bytes=num_bytes, started=started)
+
+    async def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], slots: list[Slot]) -> None:
+        rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots]
+        if self.transport == "nixl":
+            ref = ray.put([tensor for _, tensor in chunk], _tensor_transport="nixl")
+            calls = {name: receiver.receive_nixl.remote([ref], rows) for name, (_, receiver) in self.receivers.items()}
+        else:
+            for target, (_, tensor) in zip(views(self.send_bucket[1], slots), chunk, strict=True):
+                target.copy_(tensor)
+            ref = self.sender.chunk.remote(rows)
+            calls = {name: receiver.receive_gloo.remote(ref, rows) for name, (_, receiver) in self.receivers.items()}
+        try:
+            await self._wait_all(calls)
+        finally:
+            del ref
+
+    async def _wait_all(self, calls: dict[str, Any]) -> None:
+        names = list(calls)
+        results = await asyncio.gather(*(asyncio.wait_for(_as_future(calls[n]), self.timeout_s) for n in names),
+                                       return_exceptions=True)  # fmt: skip
+        failures = [(name, result) for name, result in zip(names, results, strict=True)
+                    if isinstance(result, BaseException)]  # fmt: skip
+        if failures:
+            detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures)
+            raise RdtTransferError(f"rdt ({self.transport}) transfer failed, the new version was not published: "
+                                   f"{detail}")  # fmt: skip
+
+    # -- release --------------------------------------------------------------------------------------------
+
+    async def _drop_receiver(self, name: str) -> None:
+        """Stop a receiver; it removes its staging file first (ray.kill alone would leave it in /dev/shm)."""
+        _, receiver = self.receivers.pop(name)
+        with contextlib.suppress(Exception):  # a dead receiver has nothing left to close
+            await asyncio.wait_for(_as_future(receiver.close.remote()), timeout=10)
+        ray.kill(receiver, no_restart=True)
+
+    def _drop_gloo_group(self) -> None:
+        if self.group is not None:
+            from ray.experimental.collective import destroy_collective_group  # deferred, as above
+
+            with contextlib.suppress(Exception):  # a member died: the group went with it
+                destroy_collective_group(self.group)
+            self.group = None
+        if self.sender is not None:
+            ray.kill(self.sender, no_restart=True)
+            self.sender = None
+        if self.send_bucket is not None:
+            self.send_bucket[0].unlink(missing_ok=True)
+            self.send_bucket = None
+
+    async def close(self) -> None:
+        if ray.is_initialized():
+            self._drop_gloo_group()
+            for name in list(self.receivers):
+                await self._drop_receiver(name)
+        await super().close()
+
+
+def _as_future(ref: Any) -> asyncio.Future:
+    return asyncio.wrap_future(ref.future())
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return str(error.cause)
+    if isinstance(error, TimeoutError):
+        return "timed out"
+    return f"{type(error).__name__}: {error}"
+
+
+def _node_of(url: str) -> str:
+    """The id of the Ray node whose address is the engine's host (loopback: this process's node)."""
+    host = urlparse(url).hostname
+    if host in LOOPBACK:
+        return ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("Alive") and node.get("NodeManagerAddress") == host:
+            return node["NodeID"]
+    raise MilesError(f"{NOT_IN_RAY}; no Ray node has the address {host} of engine {url}")

@@ -1,0 +1,103 @@
+"""``StagingReceiver``: the Ray actor that receives weights for one engine rank, next to that engine.
+
+Why a Ray actor beside the engine rather than the engine itself: engines are command workers (an SGLang-API server
+process) that the Ray provider's actor starts and supervises, so Ray Direct Transport cannot reach into their
+memory. The receiver runs on the engine's node and owns the engine rank's staging bucket: a uint8 buffer backed by a
+shared-memory file, registered once with NIXL. Tensors move P2P from the trainer straight into that buffer (NIXL
+reads into it; gloo receives and copies into it), and the engine then loads them from the same pages with its
+``/update_weights_from_tensor`` ``shm_staging`` route (the pages are mapped by both processes: no copy through a
+socket, nothing pickled). The receiver also checks, once, that its engine really is hosted by a Ray actor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+import psutil
+import ray
+import torch
+
+from miles_core.engines.weights import map_staging_file
+from miles_plugins_rdt.staging import Slot, views
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+
+@ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)
+class StagingReceiver:
+    """Owns one engine rank's staging bucket; receives chunks into it and has the engine load them."""
+
+    def __init__(self, *, engine_name: str, engine_url: str, admin_key: str | None, capacity: int,
+                 transport: str) -> None:  # fmt: skip
+        self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.path = SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}"
+        with open(self.path, "wb") as staging_file:
+            staging_file.truncate(capacity)
+        self.bucket = map_staging_file(self.path, capacity)
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers)
+        if transport == "nixl":
+            from ray.experimental import register_nixl_memory  # deferred: imports nixl
+
+            register_nixl_memory(self.bucket)  # once: every chunk lands in this registered memory
+
+    def check_engine(self) -> dict[str, Any]:
+        """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""
+        port = urlparse(self.engine_url).port
+        listening = [c.pid for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid]  # fmt: skip
+        if not listening:
+            raise RuntimeError(f"no process on this Ray node ({ray.util.get_node_ip_address()}) listens on port "
+                               f"{port} of engine {self.engine_name} ({self.engine_url})")  # fmt: skip
+        process = psutil.Process(listening[0])
+        for ancestor in [process, *process.parents()]:
+            title = " ".join(ancestor.cmdline()[:1])
+            if title.startswith("ray::"):
+                return {"engine_pid": process.pid, "host_pid": ancestor.pid, "host": title}
+        raise RuntimeError(
+            f"engine {self.engine_name} ({self.engine_url}, pid {process.pid}) is not hosted by a Ray actor: the rdt "
+            f"protocol needs engines started by the Ray worker provider (--run-worker-provider ray)"
+        )
+
+    def receive_nixl(self, boxed_ref: list, rows: list[list]) -> int:
+        """Pull one chunk (an RDT object of tensors, wrapped in a list so Ray does not fetch it into fresh memory)
+        straight into the staging bucket, then have the engine load it."""
+        from ray.experimental import set_target_for_ref  # deferred: RDT internals
+
+        slots = [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]
+        targets = views(self.bucket, slots)  # Ray keeps only weak references to the targets: hold them here
+        set_target_for_ref(boxed_ref[0], targets)
+        received = ray.get(boxed_ref[0])
+        if any(got.data_ptr() != want.data_ptr() for got, want in zip(received, targets, strict=True)):
+            raise RuntimeError(f"engine {self.engine_name}: Ray received the chunk outside the staging bucket")
+        return self._load(slots)
+
+    def receive_gloo(self, tensors: list[torch.Tensor], rows: list[list]) -> int:
+        """A chunk that Ray received over gloo before this call; lay it into the staging bucket, load it."""
+        slots = [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]
+        for target, tensor in zip(views(self.bucket, slots), tensors, strict=True):
+            target.copy_(tensor)
+        return self._load(slots)
+
+    def _load(self, slots: list[Slot]) -> int:
+        staged = json.dumps({"path": str(self.path), "size": self.capacity, "tensors": [s.as_row() for s in slots]})
+        request = {"serialized_named_tensors": [staged], "load_format": "shm_staging"}
+        response = self.http.post(f"{self.engine_url}/update_weights_from_tensor", json=request)
+        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+        if response.status_code != 200 or not body.get("success", False):
+            raise RuntimeError(f"engine {self.engine_name} refused the chunk ({response.status_code}): "
+                               f"{body.get('message') or body.get('error') or response.text[:500]}")  # fmt: skip
+        return sum(slot.nbytes for slot in slots)
+
+    def close(self) -> None:
+        self.http.close()
+        self.path.unlink(missing_ok=True)
+
+    def __del__(self) -> None:
+        Path(self.path).unlink(missing_ok=True)

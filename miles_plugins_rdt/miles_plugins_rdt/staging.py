@@ -1,0 +1,99 @@
+"""The staging bucket of an engine rank, and how tensors are laid into it.
+
+Each engine rank owns one fixed-size uint8 buffer, registered once with the transport. A chunk of HF-named tensors
+is laid into it at offsets aligned to each tensor's dtype (a view of a uint8 buffer as ``float32`` needs an offset
+that is a multiple of 4); a tensor that cannot fit is an error that names it. The trainer side splits every bucket
+from the ``HfWeightIterator`` into chunks that fit, so the staging size bounds the engine's memory, not the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from miles_core.errors import MilesError
+
+
+class StagingOverflowError(MilesError):
+    """A tensor that does not fit into the staging bucket."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where one tensor lies in a staging bucket."""
+
+    name: str
+    dtype: str  # "float32", "bfloat16", ...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    def as_row(self) -> list:
+        """The ``[name, dtype, shape, offset]`` row of the local engine's shared-memory staging format."""
+        return [self.name, self.dtype, list(self.shape), self.offset]
+
+
+def nbytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def align_up(offset: int, alignment: int) -> int:
+    return -(-offset // alignment) * alignment
+
+
+def lay_out(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start: int = 0) -> list[Slot]:
+    """Offsets for ``tensors`` in a bucket of ``capacity`` bytes, each aligned to its dtype's element size."""
+    slots, offset = [], start
+    for name, tensor in tensors:
+        offset = align_up(offset, tensor.element_size())
+        size = nbytes_of(tensor)
+        if offset + size > capacity:
+            raise StagingOverflowError(
+                f"{name} ({str(tensor.dtype).removeprefix('torch.')}, shape {tuple(tensor.shape)}, {size} bytes) "
+                f"does not fit the {capacity}-byte staging bucket at offset {offset}; raise the rdt setting "
+                f"staging_bucket_mb (--weight-transfer-settings) above {align_up(size, 1 << 20) >> 20} MiB"
+            )
+        slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, size))
+        offset += size
+    return slots
+
+
+def chunks_that_fit(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, capacity: int
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], list[Slot]]]:
+    """Consecutive chunks of ``tensors`` with their layouts, each as large as the staging bucket allows."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    end = 0
+    for name, tensor in tensors:
+        offset = align_up(end, tensor.element_size())
+        if chunk and offset + nbytes_of(tensor) > capacity:
+            yield chunk, lay_out(chunk, capacity=capacity)
+            chunk, offset = [], 0
+        lay_out([(name, tensor)], capacity=capacity, start=offset)  # raises, naming it, if it can never fit
+        chunk.append((name, tensor))
+        end = offset + nbytes_of(tensor)
+    if chunk:
+        yield chunk, lay_out(chunk, capacity=capacity)
+
+
+def views(bucket: torch.Tensor, slots: Sequence[Slot]) -> list[torch.Tensor]:
+    """The tensors that ``slots`` describe, as views into the uint8 ``bucket`` (no copy)."""
+    out = []
+    for slot in slots:
+        if slot.offset < 0 or slot.offset + slot.nbytes > bucket.numel():
+            raise StagingOverflowError(
+                f"{slot.name}: bytes {slot.offset}..{slot.offset + slot.nbytes} lie outside the "
+                f"{bucket.numel()}-byte staging bucket"
+            )
+        dtype = getattr(torch, slot.dtype)
+        out.append(bucket[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape))
+    return out
+
+
+def plan_routes(num_sources: int, engines: Sequence[str]) -> dict[str, int]:
+    """Which trainer rank feeds which engine rank: engines spread round-robin over the sending ranks."""
+    if num_sources < 1:
+        raise MilesError(f"rdt needs at least one sending trainer rank, got {num_sources}")
+    return {engine: index % num_sources for index, engine in enumerate(engines)}

@@ -1,0 +1,36 @@
+"""One local Ray cluster for every rdt test (started once: a Ray start costs seconds on these machines)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import ray
+
+from miles_core.testkit.protocol_contract import CONTRACT_TOKEN, ContractEngines
+from miles_core.workers.ray_provider import RayWorkerProvider
+
+
+@pytest.fixture(scope="package")
+def ray_cluster():
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started_here:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def ray_engines(ray_cluster, tmp_path_factory: pytest.TempPathFactory):
+    """Two local engines started by the Ray provider (each supervised by a Ray actor), as the contract needs them."""
+    root = tmp_path_factory.mktemp("rdt-engines")
+    engines = ContractEngines(root, count=2, provider=RayWorkerProvider(token=CONTRACT_TOKEN, run_dir=root / "run"))
+    asyncio.run(engines.start())
+    yield engines
+    asyncio.run(engines.provider.shutdown())
+
+
+def shm_files() -> set[Path]:
+    return set(Path("/dev/shm").glob("miles-rdt-*")) if Path("/dev/shm").is_dir() else set()

@@ -1,0 +1,127 @@
+"""Round trips with checksums from the torch trainer and the Megatron trainer (TP=2) into one and two
+Ray-hosted engines, over NIXL; a dtype change between steps; an engine killed in the middle of a transfer."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import torch
+from miles_plugins_rdt.protocol import RdtProtocol, RdtTransferError
+
+from miles_core.config.sections import TrainSection
+from miles_core.engines.client import EngineClient
+from miles_core.engines.weights import checksum
+from miles_core.testkit.protocol_contract import ContractEngines
+from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.workers.local_provider import LocalWorkerProvider
+from tests.rdt.conftest import shm_files
+
+pytestmark = pytest.mark.slow
+
+BUCKET = 24 << 10  # several iterator buckets, each split over a 32 KiB staging bucket
+SETTINGS = {"transport": "nixl", "staging_bucket_mb": 1 / 32, "timeout_s": 60.0}
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def protocol(ray_engines: ContractEngines, loop):
+    """One protocol for the module: receivers start once per engine, as in a run."""
+    protocol = RdtProtocol(**SETTINGS)
+    yield protocol
+    loop.run_until_complete(protocol.close())
+    assert not shm_files(), "staging buckets left in /dev/shm"
+
+
+def served(engines: ContractEngines, loop, count: int) -> list[tuple[str, str]]:
+    """(weight version, checksum) of the first ``count`` engines."""
+
+    async def ask() -> list[tuple[str, str]]:
+        results = []
+        for endpoint in engines.endpoints()[:count]:
+            async with EngineClient(endpoint.url, admin_key=endpoint.admin_key) as client:
+                results.append((await client.weight_version(), await client.weights_checksum()))
+        return results
+
+    return loop.run_until_complete(ask())
+
+
+def tensors_of(buckets) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor.detach().clone()) for bucket in buckets for name, tensor in bucket]
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_torch_trainer_round_trip(ray_engines, protocol, loop, count: int) -> None:
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.01 * count)
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()[:count]))
+    report = loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(BUCKET)), version=10 + count))
+    expected = checksum(tensors_of(trainer.weight_iterator(BUCKET)))
+    assert served(ray_engines, loop, count) == [(str(10 + count), expected)] * count
+    assert report.num_engines == count and report.num_bytes > 3 * (32 << 10) and report.gb_per_s > 0
+
+
+def test_megatron_tp2_round_trip(ray_engines, protocol, loop, tmp_path) -> None:
+    from miles_plugins_megatron.config import MegatronSection  # deferred: megatron-core imports slowly
+    from miles_plugins_megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.launch(
+        ray_engines.model_dir, train=TrainSection(backend="megatron"), seed=0,
+        layout=MegatronSection(tensor_parallel=2),
+        provider_factory=lambda: LocalWorkerProvider(token="megatron", run_dir=tmp_path))  # fmt: skip
+    try:
+        assert len(trainer.ranks.names) == 2
+        weights = tensors_of(trainer.weight_iterator(BUCKET))
+    finally:
+        trainer.close()
+    perturbed = [(name, tensor + 0.02) for name, tensor in weights]  # differ from what the engines serve
+    for count in (1, 2):
+        loop.run_until_complete(protocol.connect(ray_engines.endpoints()[:count]))
+        buckets = [perturbed[i : i + 3] for i in range(0, len(perturbed), 3)]
+        loop.run_until_complete(protocol.transfer(iter(buckets), version=20 + count))
+        assert served(ray_engines, loop, count) == [(str(20 + count), checksum(perturbed))] * count
+
+
+def test_a_dtype_change_between_steps(ray_engines, protocol, loop) -> None:
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    weights = tensors_of(trainer.weight_iterator(BUCKET))
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    for version, dtype in ((31, torch.float32), (32, torch.bfloat16), (33, torch.float16)):
+        sent = [(name, (tensor + 0.001 * version).to(dtype)) for name, tensor in weights]
+        loop.run_until_complete(protocol.transfer(iter([sent[:5], sent[5:]]), version=version))
+        # the engines keep their float32 weights: what they serve is the sent values, converted
+        expected = checksum((name, tensor.float()) for name, tensor in sent)
+        assert served(ray_engines, loop, 2) == [(str(version), expected)] * 2
+
+
+def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop) -> None:
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    weights = tensors_of(trainer.weight_iterator(BUCKET))
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    before = [version for version, _ in served(ray_engines, loop, 2)]
+    victim = ray_engines.infos[-1]
+
+    def buckets_with_a_kill():
+        yield [(name, tensor + 0.25) for name, tensor in weights[:4]]
+        os.kill(victim.pid, signal.SIGKILL)  # the first chunks reached both engines; now one dies
+        yield [(name, tensor + 0.25) for name, tensor in weights[4:]]
+
+    with pytest.raises(RdtTransferError, match=rf"the new version was not published: engine {victim.name}: "):
+        loop.run_until_complete(protocol.transfer(buckets_with_a_kill(), version=42))
+    survivor = served(ray_engines, loop, 1)[0][0]
+    assert survivor == before[0] != "42"  # the survivor was not told it serves v42 (the loop re-sends everything)
+    loop.run_until_complete(ray_engines.restart_dead())
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    retried = [(name, tensor + 0.5) for name, tensor in weights]
+    loop.run_until_complete(protocol.transfer(iter([retried[:6], retried[6:]]), version=43))
+    assert served(ray_engines, loop, 2) == [("43", checksum(retried))] * 2

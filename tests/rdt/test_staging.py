@@ -1,0 +1,78 @@
+"""The staging bucket's layout: offsets aligned to each dtype, chunks that fit, an overflow that names the tensor;
+and the config check that refuses rdt without Ray-hosted engines. No Ray needed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import miles_plugins_rdt.protocol as protocol_module
+import pytest
+import torch
+from miles_plugins_rdt.protocol import RdtProtocol
+from miles_plugins_rdt.staging import StagingOverflowError, chunks_that_fit, lay_out, plan_routes, views
+
+from miles_core.errors import MilesError
+from tests.conftest import run_miles
+
+
+def test_offsets_are_aligned_to_each_dtype_and_views_round_trip() -> None:
+    tensors = [("a.bf16", torch.randn(3).to(torch.bfloat16)), ("b.f32", torch.randn(2, 3)),
+               ("c.i8", torch.tensor([1, 2, 3], dtype=torch.int8)), ("d.i64", torch.arange(5)),
+               ("e.f64", torch.randn(2, dtype=torch.float64))]  # fmt: skip
+    slots = lay_out(tensors, capacity=1024)
+    assert [s.offset for s in slots] == [0, 8, 32, 40, 80]  # 6 -> 8 (f32), 35 -> 40 (i64), 80 (f64)
+    assert all(s.offset % t.element_size() == 0 for s, (_, t) in zip(slots, tensors, strict=True))
+    bucket = torch.zeros(1024, dtype=torch.uint8)
+    for target, (_, tensor) in zip(views(bucket, slots), tensors, strict=True):
+        target.copy_(tensor)
+    for view, (_, tensor) in zip(views(bucket, slots), tensors, strict=True):
+        assert view.dtype == tensor.dtype and torch.equal(view, tensor)
+
+
+def test_a_tensor_larger_than_the_bucket_is_an_error_naming_it() -> None:
+    big = [("model.small", torch.zeros(4)), ("model.layers.0.mlp.up_proj.weight", torch.zeros(300))]
+    with pytest.raises(StagingOverflowError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"):
+        list(chunks_that_fit(big, capacity=1024))
+    with pytest.raises(StagingOverflowError, match="staging_bucket_mb"):
+        lay_out(big, capacity=1024)
+
+
+def test_buckets_are_split_into_chunks_that_fit_exactly() -> None:
+    tensors = [(f"w{i}", torch.zeros(60)) for i in range(5)] + [("h", torch.zeros(3, dtype=torch.float16))]
+    chunks = list(chunks_that_fit(tensors, capacity=512))  # 240 bytes each: two per chunk
+    assert [[name for name, _ in chunk] for chunk, _ in chunks] == [["w0", "w1"], ["w2", "w3"], ["w4", "h"]]
+    assert all(s.offset + s.nbytes <= 512 for _, slots in chunks for s in slots)
+
+
+def test_views_refuse_a_layout_outside_the_bucket() -> None:
+    slots = lay_out([("x", torch.zeros(8))], capacity=64)
+    with pytest.raises(StagingOverflowError, match="outside the 16-byte staging bucket"):
+        views(torch.zeros(16, dtype=torch.uint8), slots)
+
+
+def test_routes_spread_engines_over_sending_ranks() -> None:
+    assert plan_routes(2, ["engine-0", "engine-1", "engine-2"]) == {"engine-0": 0, "engine-1": 1, "engine-2": 0}
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="transport = 'tcp': use one of nixl, gloo"):
+        RdtProtocol(transport="tcp")
+    with pytest.raises(ValueError, match="staging_bucket_mb must be positive"):
+        RdtProtocol(staging_bucket_mb=0)
+
+
+def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None:
+    result = run_miles("config", "show", "--update-weight-transfer-mode", "rdt")
+    assert result.returncode != 0
+    assert "needs engines hosted in Ray actors" in result.stderr and "--run-worker-provider ray" in result.stderr
+    result = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray",
+                       "--weight-transfer-settings", '{"transport": "tcp"}')  # fmt: skip
+    assert result.returncode != 0 and "offers nixl, gloo" in result.stderr
+    accepted = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray")
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def test_connect_from_a_process_outside_ray_is_an_explicit_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol_module.ray, "is_initialized", lambda: False)  # as in a process that never joined
+    with pytest.raises(MilesError, match="needs engines hosted in Ray actors"):
+        asyncio.run(RdtProtocol().connect([]))

@@ -165,7 +165,11 @@ class _Transaction:
 
     def __enter__(self) -> sqlite3.Connection:
         self.lock.acquire()
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.lock.release()
+            raise
         return self.db
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:

@@ -73,6 +73,7 @@ function parseRoute(path) {
 async function render(refresh) {
   const token = ++renderToken;
   const route = parseRoute(location.pathname);
+  if (!refresh) document.getElementById("view").dataset.ready = "false";
   document.querySelectorAll("nav a").forEach((a) => {
     const view = route.view === "sample" ? "samples" : route.view;
     a.classList.toggle("active", a.dataset.view === view);
@@ -214,7 +215,7 @@ async function samplesView(step) {
   }
   const rows = page.samples.map((s) => {
     const href = `/samples/${n}/${s.sample_index}/${s.occurrence}`;
-    return h("tr", { class: "sample-row", dataset: { key: `${s.sample_index}.${s.occurrence}` }, onclick: () => navigate(href) },
+    return h("tr", { class: "sample-row", dataset: { key: `${s.sample_index}.${s.occurrence}` }, onclick: (event) => { if (!event.target.closest("a")) navigate(href); } },
       h("td", {}, h("a", { href, "data-link": "" }, `${s.sample_index}.${s.occurrence}`)),
       h("td", {}, fmt(s.reward)), h("td", { class: "text" }, s.prompt), h("td", { class: "text" }, s.response));
   });

@@ -11,11 +11,13 @@ function svgEl(tag, attrs) {
   return el;
 }
 
-function niceNumber(value) {
+function niceNumber(value, span) {
+  // Enough digits to tell ticks ``span`` apart (the entropy of a run moves in its third decimal).
   if (!isFinite(value)) return "";
   const abs = Math.abs(value);
-  if (abs !== 0 && (abs >= 1e4 || abs < 1e-3)) return value.toExponential(1);
-  return String(Number(value.toPrecision(3)));
+  if (abs !== 0 && (abs >= 1e5 || abs < 1e-4)) return value.toExponential(2);
+  const digits = span ? Math.min(8, Math.max(3, Math.ceil(Math.log10(Math.max(abs, span) / span)) + 2)) : 3;
+  return String(Number(value.toPrecision(digits)));
 }
 
 function lineChart(id, title, series, options) {
@@ -52,14 +54,14 @@ function lineChart(id, title, series, options) {
     const y = y0 + ((y1 - y0) * i) / 4;
     svg.appendChild(svgEl("line", { class: "grid-line", x1: m.left, x2: w - m.right, y1: sy(y), y2: sy(y) }));
     const label = svgEl("text", { x: m.left - 4, y: sy(y) + 3, "text-anchor": "end" });
-    label.textContent = niceNumber(y);
+    label.textContent = niceNumber(y, (y1 - y0) / 4);
     svg.appendChild(label);
   }
   svg.appendChild(svgEl("line", { class: "axis", x1: m.left, x2: w - m.right, y1: h - m.bottom, y2: h - m.bottom }));
   svg.appendChild(svgEl("line", { class: "axis", x1: m.left, x2: m.left, y1: m.top, y2: h - m.bottom }));
-  for (const x of [x0, (x0 + x1) / 2, x1]) {
+  for (const x of new Set([x0, (x0 + x1) / 2, x1].map(Math.round))) { // steps are integers
     const label = svgEl("text", { x: sx(x), y: h - 8, "text-anchor": "middle" });
-    label.textContent = niceNumber(Math.round(x * 10) / 10);
+    label.textContent = String(x);
     svg.appendChild(label);
   }
   const legend = document.createElement("div");

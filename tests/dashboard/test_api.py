@@ -91,6 +91,7 @@ def test_running_run(recording_run, serve) -> None:
     assert [e["state"] for e in get_json(url + "api/topology")[1]["engines"]] == ["stopped", "stopped"]
 
 
+@pytest.mark.slow
 def test_finished_run(finished_run: FinishedRun, serve) -> None:
     assert finished_run.live_run["status"] == "running"  # what `miles train --dashboard` served during the run
     assert finished_run.live_url.startswith("http://127.0.0.1:")
@@ -121,6 +122,7 @@ def test_finished_run(finished_run: FinishedRun, serve) -> None:
     assert one["data"]["engine"] == "engine-0" and len(one["data"]["response_ids"]) == len(one["data"]["logprobs"])
 
 
+@pytest.mark.slow
 def test_unknown_steps_and_samples_are_404(finished_run: FinishedRun, serve) -> None:
     url = serve(finished_run.run_dir)
     last = RUN_STEPS - 1

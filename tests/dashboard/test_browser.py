@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from miles_core.dashboard.store import DashboardStore
 from tests.conftest import REPO
@@ -13,6 +14,7 @@ from tests.dashboard.browser import browser_page, wait_for_view
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun
 
 ARTIFACTS = REPO / "tests" / "artifacts"
+pytestmark = pytest.mark.slow  # a short real run, then Chromium
 CHARTS = ("reward", "loss", "kl", "entropy", "step-time", "transfer")
 
 

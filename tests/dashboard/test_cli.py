@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from miles_core.dashboard.store import DashboardStore
-from tests.conftest import MILES, run_miles
+from tests.conftest import MILES, config_json, run_miles
 from tests.dashboard.conftest import FinishedRun, get_json
 
 
+@pytest.mark.slow
 def test_serves_a_finished_run(finished_run: FinishedRun) -> None:
     process = subprocess.Popen([str(MILES), "dashboard", str(finished_run.run_dir), "--port", "0"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -80,3 +81,12 @@ def test_port_in_use(tmp_path: Path) -> None:
 
 def test_bad_port_flag(tmp_path: Path) -> None:
     assert "'70000' is not a port (0..65535; 0 picks a free one)" in error_of(str(tmp_path), "--port", "70000")
+
+
+def test_the_dashboard_flag() -> None:
+    assert config_json("--dashboard")["dashboard"] == {"record": True, "serve": True, "host": "127.0.0.1",
+                                                       "port": 0, "warn_interval_s": 60.0}  # fmt: skip
+    assert config_json("--dashboard", "false", "--dashboard-port", "8123")["dashboard"]["serve"] is False
+    result = run_miles("config", "show", "--dashboard", "--dashboard-record", "false")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "dashboard.serve (--dashboard) = True needs dashboard.record = True" in result.stderr

@@ -7,7 +7,7 @@ DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sgl
 	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup browser run test lint bench clean
 
 setup: $(STAMP)
 
@@ -18,10 +18,19 @@ $(STAMP): $(PYPROJECTS)
 	$(BIN)/pip install --quiet -c constraints.txt $(DISTRIBUTIONS)
 	touch $(STAMP)
 
+# Debian's Chromium for the dashboard's browser test (Playwright drives it; it downloads no browser).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser: $(CHROMIUM)
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium
+
 run: setup
 	$(BIN)/miles train
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
 
 lint: setup

@@ -18,6 +18,7 @@ None of the hooks is historic: plugins register before any hook is called.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -195,6 +196,25 @@ def prepare_eval(rollout_id: int, controller: Any) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Dashboard registration and events
 # --------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def on_run_start(config: Any, run_dir: Path, start_step: int) -> None:
+    """A run begins: called once by the RL loop after the run directory is prepared (an earlier run moved aside)
+    and before the trainer and the engines start, with the config, the run directory and the first step (``0``,
+    or the step a resumed run continues at). A dashboard opens its store in ``run_dir`` here."""
+
+
+@hookspec
+def on_run_end(status: str, error: str | None) -> None:
+    """A run ends: called once by the RL loop after the engines stopped, with ``status`` ``"finished"`` or
+    ``"failed"`` and, for a failure, the error's type and message. Not called when the process is killed."""
+
+
+@hookspec
+def register_trainer(trainer: dict[str, Any]) -> None:
+    """The trainer of the run: ``backend``, ``implementation`` and ``ranks`` (one name per trainer rank). Called
+    once, after the trainer is built."""
 
 
 @hookspec

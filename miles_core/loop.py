@@ -27,17 +27,38 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     registries: Registries = manager.registries
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress bar
     setup = prepare_run(config, registries)
+    manager.hook.on_run_start(config=config, run_dir=setup.run_dir, start_step=setup.start_step)
+    try:
+        reporter = await _run_with_setup(config, manager, setup, progress=progress)
+    except BaseException as exc:
+        manager.hook.on_run_end(status="failed", error=f"{type(exc).__name__}: {exc}")
+        raise
+    manager.hook.on_run_end(status="finished", error=None)
+    return reporter
+
+
+async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:
+    registries: Registries = manager.registries
     protocol = make_protocol(config, registries)  # bad protocol settings fail before any worker starts
     backend = registries["training_backends"].get_or_raise(config.train.backend).load()
     trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
                               run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
-    print(f"miles: {config.train.backend} trainer, model {getattr(trainer, 'implementation', '?')}", flush=True)
+    implementation = getattr(trainer, "implementation", "?")
+    print(f"miles: {config.train.backend} trainer, model {implementation}", flush=True)
     try:
+        manager.hook.register_trainer(trainer={"backend": config.train.backend, "implementation": implementation,
+                                               "ranks": _rank_names(trainer)})  # fmt: skip
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)
         return await _run_with_trainer(config, manager, setup, trainer, protocol, progress=progress)
     finally:
         trainer.close()
+
+
+def _rank_names(trainer: Any) -> list[str]:
+    """The trainer's ranks (``rank_names()``, optional for third-party trainers: one rank in the driver)."""
+    rank_names = getattr(trainer, "rank_names", None)
+    return list(rank_names()) if callable(rank_names) else ["driver"]
 
 
 def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:

@@ -35,8 +35,11 @@ PLUGIN_GROUP = "miles.plugins"
 WEIGHT_TRANSFER_GROUP = "miles.weight_transfer"
 AUTOLOAD_ENV = "MILES_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "MILES_PLUGINS"
-BUILTIN_PLUGINS: dict[str, str] = {"core": "miles_core.builtin.core_plugin"}
-"""Built-in plugin name -> module."""
+BUILTIN_PLUGINS: dict[str, str] = {
+    "core": "miles_core.builtin.core_plugin",
+    "dashboard": "miles_core.dashboard.plugin:DashboardPlugin",
+}
+"""Built-in plugin name -> module, or ``module:Class`` for a plugin with state (one instance per manager)."""
 CORE_DISTRIBUTION = "miles-core"
 
 
@@ -72,8 +75,8 @@ class MilesPluginManager:
         manager.blocked = {arg[3:] for arg in plugin_args if arg.startswith("no:")}
         for name in manager.blocked:
             manager.pm.set_blocked(name)
-        for name, module_name in BUILTIN_PLUGINS.items():
-            manager._register_module(importlib.import_module(module_name), name=name, source="builtin")
+        for name, target in BUILTIN_PLUGINS.items():
+            manager._register_module(_builtin_plugin(target), name=name, source="builtin")
         if environ.get(AUTOLOAD_ENV, "") not in ("1", "true", "yes"):
             manager._load_entry_point_plugins()
             manager._register_weight_transfer_entry_points()
@@ -195,6 +198,13 @@ class MilesPluginManager:
                 f"plugin module {spec!r} (from {source}) failed to import: {type(exc).__name__}: {exc}"
             ) from exc
         self._register_module(module, name=spec, source=source)
+
+
+def _builtin_plugin(target: str) -> Any:
+    """A built-in plugin: the module ``target``, or a new instance of the class ``module:Class``."""
+    module_name, _, class_name = target.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, class_name)() if class_name else module
 
 
 class EntryPointProtocols:

@@ -25,6 +25,7 @@ class _Binding:
     structured: bool = False  # parse the value as YAML (lists, mappings)
     nullable: bool = False  # "none" / "null" mean None
     mapping: bool = False  # repeatable KEY=VALUE
+    const: str | None = None  # the value of the flag given alone
 
 
 class ConfigArguments:
@@ -54,7 +55,7 @@ class ConfigArguments:
                 )
                 self._add(group, binding, help=field.description or "", metavar=field_name.upper())
         for named in self._named:
-            binding = _Binding(flag=named.flag, path=named.path, mapping=named.mapping)
+            binding = _Binding(flag=named.flag, path=named.path, mapping=named.mapping, const=named.const)
             self._add(group, binding, help=named.help, metavar=named.metavar)
 
     def overrides(self, namespace: argparse.Namespace) -> dict[str, Any]:
@@ -77,6 +78,7 @@ class ConfigArguments:
     def _add(self, group: Any, binding: _Binding, *, help: str, metavar: str | None) -> None:
         dest = f"config_flag_{len(self._bindings)}"
         self._bindings[dest] = binding
+        optional_value = {} if binding.const is None else {"nargs": "?", "const": binding.const}
         group.add_argument(
             binding.flag,
             dest=dest,
@@ -84,6 +86,7 @@ class ConfigArguments:
             action="append" if binding.mapping else "store",
             help=help,
             metavar=metavar,
+            **optional_value,
         )
 
     @staticmethod

@@ -61,6 +61,11 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
     train = commands.add_parser("train", help="run RL post-training (no arguments: the embedded default on CPU)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (the per-step lines remain)")
 
+    dashboard = commands.add_parser("dashboard", help="serve the dashboard of a run directory (127.0.0.1 by default)")
+    dashboard.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (its --output-dir)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    dashboard.add_argument("--port", type=_port, default=0, help="port to bind (default: 0, a free port)")
+
     finish = None
     if command in ("config", "train"):
         from miles_core.cli import config_command  # deferred: needs the plugins, pydantic and the config model
@@ -96,8 +101,18 @@ def _run(argv: list[str]) -> int:
         from miles_core.cli.plugins_command import list_plugins
 
         return list_plugins(plugin_args, as_json=args.json)
+    if args.command == "dashboard":
+        from miles_core.cli.dashboard_command import serve_dashboard  # deferred: http.server, sqlite3
+
+        return serve_dashboard(args.run_dir, host=args.host, port=args.port)
     assert finish is not None
     return finish(args)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0 picks a free one)")
+    return int(text)
 
 
 def _unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:

@@ -11,7 +11,8 @@ class ConfigFlag:
 
     ``path`` is dotted: ``"weight_transfer.mode"``, or a key inside a mapping field such as
     ``"model.implementations.deepseek_v4"``. With ``mapping=True`` the flag is repeatable and each value is
-    ``KEY=VALUE``, setting ``path.KEY`` (this is how ``--model-impl FAMILY=NAME`` works).
+    ``KEY=VALUE``, setting ``path.KEY`` (this is how ``--model-impl FAMILY=NAME`` works). With ``const`` the value
+    may be left out: ``--dashboard`` alone sets ``const`` (``--dashboard false`` still works).
     """
 
     flag: str
@@ -19,3 +20,4 @@ class ConfigFlag:
     help: str = ""
     metavar: str | None = None
     mapping: bool = False
+    const: str | None = None

@@ -136,6 +136,10 @@ class MegatronTrainer:
         """Megatron's full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (for checks and evaluation)."""
         return torch.tensor(self.ranks.call("logits", input_ids.tolist())[0])
 
+    def rank_names(self) -> list[str]:
+        """The rank workers' names, in rank order (the dashboard's topology shows them)."""
+        return list(self.ranks.names)
+
     def close(self) -> None:
         """Stop every rank and remove the export directory."""
         self.ranks.close()

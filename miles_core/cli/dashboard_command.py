@@ -1,0 +1,26 @@
+"""``miles dashboard RUN_DIR``: serve the dashboard of a run (finished, or still running in another process)."""
+
+from __future__ import annotations
+
+import sys
+
+from miles_core.dashboard.server import DashboardServer
+from miles_core.dashboard.store import check_run_dir
+from miles_core.errors import MilesError
+
+
+def serve_dashboard(run_dir: str, *, host: str, port: int) -> int:
+    """Check the run directory and its database (a clear :class:`MilesError` otherwise), then serve until
+    interrupted."""
+    check_run_dir(run_dir)
+    try:
+        server = DashboardServer(run_dir, host=host, port=port)
+    except OSError as exc:
+        raise MilesError(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc} "
+                         "(choose another --port, or --port 0 for a free one)") from None  # fmt: skip
+    print(f"miles: dashboard of {run_dir} at {server.url} (Ctrl-C stops it)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("miles: dashboard stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,214 @@
+"""The dashboard's JSON API over real HTTP: an empty run, a running run, a finished run, unknown steps, repeated
+sample indices, bad input; and the recording side: a failing dashboard never stops training, a killed run keeps
+what it recorded."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_core.dashboard.plugin import DashboardPlugin
+from miles_core.dashboard.store import DashboardStore
+from miles_core.weight_transfer.protocol import TransferReport
+from tests.dashboard.conftest import RUN_STEPS, FinishedRun, get_json
+
+ENGINE = {"cell_id": "engine-0", "server_id": "engine", "index": 0, "state": "running", "restarts": 0,
+          "workers": [{"name": "engine-0", "url": "http://127.0.0.1:1", "pid": 1}], "weight_version": 0}  # fmt: skip
+
+
+def sample(index: int, response: str, reward: float = 0.5) -> dict:
+    return {"index": index, "prompt": {"text": f"prompt {index}", "label": "7", "metadata": {}}, "response": response,
+            "reward": reward, "response_ids": [1, 2]}  # fmt: skip
+
+
+def test_empty_run(tmp_path: Path, serve) -> None:
+    DashboardStore(tmp_path).close()  # the database exists; nothing recorded yet
+    url = serve(tmp_path)
+    assert get_json(url + "api/run")[1] | {"config": None} == {
+        "status": "empty", "run_dir": None, "started": None, "ended": None, "error": None, "num_steps": None,
+        "start_step": None, "steps_recorded": 0, "last_step": None, "config": None}  # fmt: skip
+    assert get_json(url + "api/topology") == (200, {"engines": [], "routers": [], "trainer": None})
+    assert get_json(url + "api/metrics") == (200, {"series": {}})
+    assert get_json(url + "api/phases") == (200, {"phases": []})
+    assert get_json(url + "api/steps") == (200, {"steps": []})
+    assert get_json(url + "api/weight_updates") == (200, {"weight_updates": []})
+    assert get_json(url + "api/steps/0") == (404, {"error": "step 0 is not recorded (steps recorded: none yet)"})
+
+
+def test_running_run(recording_run, serve) -> None:
+    run_dir, hooks = recording_run
+    hooks.register_trainer(trainer={"backend": "torch", "implementation": "llama/transformers", "ranks": ["driver"]})
+    hooks.register_router(router={"name": "router", "url": "http://127.0.0.1:2", "pid": 2})
+    hooks.register_engines(engines=[ENGINE, {**ENGINE, "cell_id": "engine-1", "state": "failed"}])
+    hooks.on_phase(rollout_id=0, phase="rollout", started=100.0, ended=101.5)
+    hooks.on_samples(rollout_id=0, samples=[sample(0, "77"), sample(1, "12", reward=0.0)])
+    hooks.on_phase(rollout_id=0, phase="train", started=101.5, ended=102.0)
+    hooks.before_weight_update(version=1, protocol=None)
+    hooks.after_weight_update(version=1, protocol=None, report=TransferReport("tensor", 1, 2_000_000, 0.001, 1))
+    hooks.on_metrics(rollout_id=0, metrics={"rollout/reward_mean": 0.25, "train/loss": float("nan"), "bad": "x"})
+    hooks.on_phase(rollout_id=1, phase="rollout", started=102.0, ended=103.0)  # step 1: no samples yet
+    url = serve(run_dir)
+
+    status, run = get_json(url + "api/run")
+    assert (status, run["status"], run["steps_recorded"], run["last_step"], run["num_steps"]) == (200, "running", 2,
+                                                                                                    1, 4)  # fmt: skip
+    assert run["config"]["run"]["output_dir"] == str(run_dir)
+    topology = get_json(url + "api/topology")[1]
+    assert [(e["cell_id"], e["state"], e["weight_version"]) for e in topology["engines"]] == [
+        ("engine-0", "running", 1),
+        ("engine-1", "failed", 0),
+    ]  # the failed engine did not get version 1
+    assert topology["routers"] == [{"name": "router", "url": "http://127.0.0.1:2", "pid": 2}]
+    assert topology["trainer"]["ranks"] == ["driver"]
+    assert get_json(url + "api/metrics")[1]["series"] == {"bad": [[0, None]], "rollout/reward_mean": [[0, 0.25]],
+                                                          "train/loss": [[0, None]]}  # fmt: skip
+    assert [(p["step"], p["phase"], p["seconds"]) for p in get_json(url + "api/phases")[1]["phases"]] == [
+        (0, "rollout", 1.5),
+        (0, "train", 0.5),
+        (1, "rollout", 1.0),
+    ]
+    update = get_json(url + "api/weight_updates")[1]["weight_updates"][0]
+    assert (update["version"], update["gb_per_s"], update["num_bytes"]) == (1, 2.0, 2_000_000)
+    assert get_json(url + "api/steps")[1]["steps"] == [
+        {"step": 0, "num_samples": 2, "reward_mean": 0.25},
+        {"step": 1, "num_samples": 0, "reward_mean": None},
+    ]
+    # A step with no samples yet: an empty list, not an error.
+    assert get_json(url + "api/steps/1/samples")[1] | {"samples": None} == {
+        "step": 1,
+        "total": 0,
+        "offset": 0,
+        "limit": 100,
+        "samples": None,
+    }
+    assert get_json(url + "api/steps/1/samples")[1]["samples"] == []
+    hooks.register_engines(engines=[])  # the engines stop: they keep their description, marked stopped
+    assert [e["state"] for e in get_json(url + "api/topology")[1]["engines"]] == ["stopped", "stopped"]
+
+
+@pytest.mark.slow
+def test_finished_run(finished_run: FinishedRun, serve) -> None:
+    assert finished_run.live_run["status"] == "running"  # what `miles train --dashboard` served during the run
+    assert finished_run.live_url.startswith("http://127.0.0.1:")
+    assert "serves it again" in finished_run.stdout  # the live server stopped with the run, saying how to reopen
+    url = serve(finished_run.run_dir)
+    run = get_json(url + "api/run")[1]
+    assert (run["status"], run["steps_recorded"], run["last_step"], run["error"]) == ("finished", RUN_STEPS,
+                                                                                      RUN_STEPS - 1, None)  # fmt: skip
+    assert run["ended"] > run["started"]
+    series = get_json(url + "api/metrics")[1]["series"]
+    for name in ("rollout/reward_mean", "train/loss", "train/kl", "train/entropy", "time/step", "time/rollout",
+                 "weight_transfer/gb_per_s"):  # fmt: skip
+        assert [step for step, _ in series[name]] == list(range(RUN_STEPS)), name
+    assert all(value > 0 for _, value in series["weight_transfer/gb_per_s"])
+    topology = get_json(url + "api/topology")[1]
+    assert [(e["cell_id"], e["state"], e["weight_version"]) for e in topology["engines"]] == [
+        ("engine-0", "stopped", RUN_STEPS)
+    ]
+    assert topology["trainer"] == {"backend": "torch", "implementation": "llama/transformers", "ranks": ["driver"]}
+    phases = get_json(url + "api/phases")[1]["phases"]
+    assert [p["phase"] for p in phases if p["step"] == 0] == ["rollout", "train", "weight_update"]
+    assert [u["version"] for u in get_json(url + "api/weight_updates")[1]["weight_updates"]] == [1, 2, 3]
+    samples = get_json(url + "api/steps/0/samples")[1]
+    assert samples["total"] == 16  # 4 prompts x 4 samples
+    assert [(s["sample_index"], s["occurrence"]) for s in samples["samples"]] == [(i, 0) for i in range(16)]
+    one = get_json(url + "api/steps/0/samples/5/0")[1]
+    assert one["response"] == samples["samples"][5]["response"]
+    assert one["data"]["engine"] == "engine-0" and len(one["data"]["response_ids"]) == len(one["data"]["logprobs"])
+
+
+@pytest.mark.slow
+def test_unknown_steps_and_samples_are_404(finished_run: FinishedRun, serve) -> None:
+    url = serve(finished_run.run_dir)
+    last = RUN_STEPS - 1
+    for path in (f"api/steps/{RUN_STEPS}", f"api/steps/{RUN_STEPS}/samples", "api/steps/999999/samples/0/0"):
+        assert get_json(url + path) == (404, {"error": f"step {path.split('/')[2]} is not recorded (steps "
+                                                       f"recorded: 0..{last})"})  # fmt: skip
+    assert get_json(url + "api/steps/0/samples/16/0") == (
+        404,
+        {"error": "step 0 has no sample (16, 0) (sample_index, occurrence)"},
+    )
+    assert get_json(url + "api/steps/0/samples/0/1")[0] == 404
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "message"),
+    [
+        ("api/steps/-1", 400, "step must be a non-negative integer, got '-1'"),
+        ("api/steps/abc/samples", 400, "step must be a non-negative integer, got 'abc'"),
+        ("api/steps/1e3", 400, "step must be a non-negative integer"),
+        ("api/steps/" + "9" * 5000, 400, "step must be a non-negative integer"),
+        ("api/steps/0/samples?limit=0", 400, "query parameter limit must be an integer >= 1 and <= 1000, got '0'"),
+        ("api/steps/0/samples?limit=100000", 400, "query parameter limit must be an integer >= 1 and <= 1000"),
+        ("api/steps/0/samples?offset=-3", 400, "query parameter offset must be an integer >= 0, got '-3'"),
+        ("api/steps/0/samples?offset=%00", 400, "query parameter offset must be an integer >= 0"),
+        ("api/steps/0/samples/x/0", 400, "sample index must be a non-negative integer, got 'x'"),
+        ("api/steps/0/samples/0/-1", 400, "occurrence must be a non-negative integer, got '-1'"),
+        ("api/nothing", 404, "no API route '/api/nothing'"),
+        ("static/../store.py", 404, "no such page"),
+        ("static/%2e%2e/store.py", 404, "no such page"),
+        ("samples/0/1", 404, "no such page"),
+        ("etc/passwd", 404, "no such page"),
+    ],
+)
+def test_bad_requests_answer_json_errors(tmp_path: Path, serve, path: str, status: int, message: str) -> None:
+    store = DashboardStore(tmp_path)
+    store.add_samples(step=0, samples=[sample(0, "a")])
+    store.close()
+    response = httpx.get(serve(tmp_path) + path, timeout=30)
+    assert (response.status_code, response.headers["content-type"]) == (status, "application/json")
+    assert message in response.json()["error"]
+
+
+def test_repeated_sample_indices_stay_apart(recording_run, serve) -> None:
+    run_dir, hooks = recording_run
+    hooks.on_samples(rollout_id=3, samples=[sample(0, "first"), sample(0, "second"), sample(1, "other"),
+                                            sample(0, "third")])  # fmt: skip
+    hooks.on_samples(rollout_id=3, samples=[sample(0, "resent")])  # a second call for the same step
+    hooks.on_samples(rollout_id=4, samples=[sample(0, "next step")])  # occurrences count per step
+    url = serve(run_dir)
+    listed = get_json(url + "api/steps/3/samples")[1]["samples"]
+    assert [(s["sample_index"], s["occurrence"], s["response"]) for s in listed] == [
+        (0, 0, "first"),
+        (0, 1, "second"),
+        (0, 2, "third"),
+        (0, 3, "resent"),
+        (1, 0, "other"),
+    ]
+    for index, occurrence, response in [(0, 1, "second"), (0, 3, "resent"), (1, 0, "other")]:
+        assert get_json(url + f"api/steps/3/samples/{index}/{occurrence}")[1]["response"] == response
+    assert get_json(url + "api/steps/4/samples/0/0")[1]["response"] == "next step"
+    page = get_json(url + "api/steps/3/samples?offset=1&limit=2")[1]
+    assert (page["total"], [s["response"] for s in page["samples"]]) == (5, ["second", "third"])
+
+
+def test_a_failing_dashboard_never_stops_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    plugin = DashboardPlugin()
+    plugin.store = DashboardStore(tmp_path)
+    plugin.store.close()  # every write now raises sqlite3.ProgrammingError
+    with caplog.at_level(logging.WARNING, logger="miles.dashboard"):
+        for step in range(5):
+            plugin.on_phase(rollout_id=step, phase="rollout", started=0.0, ended=1.0)
+            plugin.on_samples(rollout_id=step, samples=[object()])
+        plugin.on_run_end(status="finished", error=None)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len([w for w in warnings if w.startswith("dashboard: on_phase failed: ProgrammingError")]) == 1
+    assert len([w for w in warnings if w.startswith("dashboard: on_samples failed")]) == 1  # rate-limited
+    assert all(w.endswith("training goes on") for w in warnings)
+    assert plugin.warnings.held_back == {"on_phase": 4, "on_samples": 4}
+
+
+def test_a_killed_run_keeps_what_it_recorded(tmp_path: Path, serve) -> None:
+    script = ("import os, signal; from miles_core.dashboard.store import DashboardStore; "
+              f"s = DashboardStore({str(tmp_path)!r}); "
+              f"s.run_started(run_dir={str(tmp_path)!r}, start_step=0, num_steps=9, config={{}}); "
+              "s.add_metrics(step=0, metrics={'train/loss': 1.5}); os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", script], check=False).returncode == -9
+    url = serve(tmp_path)
+    assert get_json(url + "api/run")[1]["status"] == "interrupted"  # recorded as running; its process is gone
+    assert get_json(url + "api/metrics")[1]["series"] == {"train/loss": [[0, 1.5]]}

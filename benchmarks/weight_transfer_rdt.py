@@ -29,8 +29,7 @@ from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench-admin"
 BUCKET = 256 << 20
-PROTOCOLS = {"rdt-nixl": ("rdt", {"transport": "nixl", "staging_bucket_mb": 256}),
-             "rdt-gloo": ("rdt", {"transport": "gloo", "staging_bucket_mb": 256}),
+PROTOCOLS = {"rdt-nixl": ("rdt", {"transport": "nixl"}), "rdt-gloo": ("rdt", {"transport": "gloo"}),
              "broadcast": ("broadcast", {}), "tensor": ("tensor", {"shared_memory": True}),
              "disk": ("disk", {})}  # fmt: skip
 SHAPES = {256: dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
@@ -61,6 +60,9 @@ def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
 
 async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int) -> float:
     registry_name, settings = PROTOCOLS[name]
+    if registry_name == "rdt":  # a staging bucket holds one whole version of the weights
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        settings = {**settings, "staging_bucket_mb": (nbytes >> 20) + 16}
     registries = MilesPluginManager.load().registries
     protocol = registries["weight_transfer_protocols"].get_or_raise(registry_name).load()(**settings)
     await protocol.connect([endpoint])

@@ -48,17 +48,20 @@ def load_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
 
 @torch.no_grad()
 def swap_in_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
-    """Make the model's parameters *be* ``tensors`` (same dtype and shape; checked first), without copying; a name
-    that is not a parameter of that dtype is copied instead. Returns the bytes loaded."""
+    """Make the model's parameters *be* ``tensors`` (same dtype and shape; checked first), without copying; a
+    parameter of another dtype or device gets a converted tensor of its own (never a copy into its current memory,
+    which may be a staging buffer about to be refilled); other names (buffers) are copied. Returns the bytes loaded."""
     check_named_tensors(model, tensors)
     parameters = dict(model.named_parameters())
     copies = {}
     for name, tensor in tensors.items():
         parameter = parameters.get(name)
-        if parameter is not None and parameter.dtype == tensor.dtype and parameter.device == tensor.device:
+        if parameter is None:
+            copies[name] = tensor
+        elif parameter.dtype == tensor.dtype and parameter.device == tensor.device:
             parameter.data = tensor
         else:
-            copies[name] = tensor
+            parameter.data = tensor.to(dtype=parameter.dtype, device=parameter.device, copy=True)
     if copies:
         load_named_tensors(model, copies)
     return sum(t.numel() * t.element_size() for t in tensors.values())

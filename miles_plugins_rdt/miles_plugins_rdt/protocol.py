@@ -5,12 +5,14 @@ Connect (once, and again for engines that changed): plan which trainer rank feed
 bucket and registers it once with the transport, and check that a Ray actor hosts each engine. For gloo, add the
 trainer's send actor and form one collective group with the receivers.
 
-Transfer (every step): each bucket of HF-named tensors from the ``HfWeightIterator`` is split into chunks that fit
-the staging bucket, laid out at dtype-aligned offsets; each chunk moves P2P into every engine rank's staging bucket
-(NIXL: the receiver reads the trainer's memory straight into its registered bucket; gloo: the send actor sends to
-each receiver), and the engine loads it from there. The weight version is published on the engines only after every
-engine rank has loaded every chunk; any failure raises before that, naming the engine, so no engine is told it
-serves a version it does not fully hold.
+Transfer (every step): the buckets of HF-named tensors from the ``HfWeightIterator`` are laid out one after the
+other at dtype-aligned offsets of a staging bucket (a tensor that does not fit is an error naming it); each bucket
+moves P2P into every engine rank's staging bucket as soon as the iterator yields it (NIXL: the receiver reads the
+trainer's memory, registered once, straight into its registered bucket; gloo: the send actor sends to each
+receiver). Each engine rank has two staging buckets and serves from one while the next version fills the other.
+Only when every engine rank holds every tensor does each engine switch its weights to the new bucket and take the
+new version, in one request: a transfer that fails before that leaves every engine serving the old version, whole.
+A failure during the switch replaces every receiver (new buckets), so no engine's served bucket is ever written.
 
 The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
 reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
@@ -35,7 +37,7 @@ from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
-from miles_plugins_rdt.staging import Slot, chunks_that_fit, plan_routes, views
+from miles_plugins_rdt.staging import Slot, lay_out, plan_routes, views
 
 TRANSPORTS = ("nixl", "gloo")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -52,9 +54,9 @@ class RdtProtocol(HttpEngineProtocol):
 
     def __init__(self, *, transport: str = "nixl", staging_bucket_mb: float = 256, timeout_s: float = 300.0) -> None:
         if transport not in TRANSPORTS:
-            raise ValueError(f"rdt setting transport = {transport!r}: use one of {', '.join(TRANSPORTS)}")
+            raise MilesError(f"rdt setting transport = {transport!r}: use one of {', '.join(TRANSPORTS)}")
         if not staging_bucket_mb > 0:
-            raise ValueError(f"rdt setting staging_bucket_mb must be positive, got {staging_bucket_mb!r}")
+            raise MilesError(f"rdt setting staging_bucket_mb must be positive, got {staging_bucket_mb!r}")
         super().__init__(transport=transport, staging_bucket_mb=staging_bucket_mb, timeout_s=timeout_s)
         self.transport, self.timeout_s = transport, timeout_s
         self.capacity = int(staging_bucket_mb * (1 << 20))
@@ -63,6 +65,8 @@ class RdtProtocol(HttpEngineProtocol):
         self.sender: Any = None
         self.send_bucket: tuple[Any, torch.Tensor] | None = None
         self.group: str | None = None
+        self._next_slot = 0  # the staging bucket that no engine serves from
+        self._registered: dict[int, torch.Tensor] = {}  # trainer-side memory registered with NIXL, by storage
 
     # -- connect --------------------------------------------------------------------------------------------
 
@@ -118,29 +122,62 @@ class RdtProtocol(HttpEngineProtocol):
         if not self.receivers:
             raise MilesError("rdt: call connect() before transfer()")
         started = time.perf_counter()
-        num_bytes = 0
+        slot, rows, sent = self._next_slot, [], []
         for bucket in buckets:
             tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
-            for chunk, slots in chunks_that_fit(tensors, capacity=self.capacity):
-                await self._send_chunk(chunk, slots)
-                num_bytes += sum(slot.nbytes for slot in slots)
-        await self.publish_version(version)  # only now: every engine rank holds every chunk
-        return self.report(version=version, num_bytes=num_bytes, started=started)
+            if not tensors:
+                continue
+            start = rows[-1][3] + rows[-1][4] if rows else 0
+            chunk_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
+                          for s in lay_out(tensors, capacity=self.capacity, start=start)]  # fmt: skip
+            await self._send_chunk(tensors, chunk_rows, slot)
+            rows.extend(chunk_rows)
+            sent.extend(tensor for _, tensor in tensors)
+        try:  # every engine rank holds everything: switch each engine to the new bucket, with the version
+            await self._wait_all({name: receiver.commit.remote(rows, slot, str(version))
+                                  for name, (_, receiver) in self.receivers.items()})  # fmt: skip
+        except BaseException:
+            await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
+            raise
+        self._next_slot = 1 - slot
+        self._keep_registered(sent)
+        return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
 
-    async def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], slots: list[Slot]) -> None:
-        rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in slots]
+    async def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> None:
         if self.transport == "nixl":
+            self._register(tensor for _, tensor in chunk)
             ref = ray.put([tensor for _, tensor in chunk], _tensor_transport="nixl")
-            calls = {name: receiver.receive_nixl.remote([ref], rows) for name, (_, receiver) in self.receivers.items()}
+            calls = {name: receiver.receive_nixl.remote([ref], rows, slot)
+                     for name, (_, receiver) in self.receivers.items()}  # fmt: skip
         else:
+            slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
             for target, (_, tensor) in zip(views(self.send_bucket[1], slots), chunk, strict=True):
                 target.copy_(tensor)
             ref = self.sender.chunk.remote(rows)
-            calls = {name: receiver.receive_gloo.remote(ref, rows) for name, (_, receiver) in self.receivers.items()}
+            calls = {name: receiver.receive_gloo.remote(ref, rows, slot)
+                     for name, (_, receiver) in self.receivers.items()}  # fmt: skip
         try:
             await self._wait_all(calls)
         finally:
             del ref
+
+    def _register(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Register the trainer's tensors with NIXL once (a trainer's weights keep their memory between steps)."""
+        from ray.experimental import register_nixl_memory  # deferred: imports nixl
+
+        for tensor in tensors:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in self._registered:
+                register_nixl_memory(tensor)
+                self._registered[key] = tensor
+
+    def _keep_registered(self, sent: list[torch.Tensor]) -> None:
+        """Release the registrations of memory this transfer did not send from (fresh buffers, say)."""
+        from ray.experimental import deregister_nixl_memory  # deferred: imports nixl
+
+        used = {tensor.untyped_storage().data_ptr() for tensor in sent}
+        for key in [key for key in self._registered if key not in used]:
+            deregister_nixl_memory(self._registered.pop(key))
 
     async def _wait_all(self, calls: dict[str, Any]) -> None:
         names = list(calls)
@@ -176,11 +213,16 @@ class RdtProtocol(HttpEngineProtocol):
             self.send_bucket[0].unlink(missing_ok=True)
             self.send_bucket = None
 
+    async def _drop_all_receivers(self) -> None:
+        self._drop_gloo_group()
+        for name in list(self.receivers):
+            await self._drop_receiver(name)
+        self._next_slot = 0
+
     async def close(self) -> None:
         if ray.is_initialized():
-            self._drop_gloo_group()
-            for name in list(self.receivers):
-                await self._drop_receiver(name)
+            await self._drop_all_receivers()
+            self._keep_registered([])
         await super().close()
 
 

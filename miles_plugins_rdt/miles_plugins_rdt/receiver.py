@@ -2,11 +2,12 @@
 
 Why a Ray actor beside the engine rather than the engine itself: engines are command workers (an SGLang-API server
 process) that the Ray provider's actor starts and supervises, so Ray Direct Transport cannot reach into their
-memory. The receiver runs on the engine's node and owns the engine rank's staging bucket: a uint8 buffer backed by a
-shared-memory file, registered once with NIXL. Tensors move P2P from the trainer straight into that buffer (NIXL
-reads into it; gloo receives and copies into it), and the engine then loads them from the same pages with its
-``/update_weights_from_tensor`` ``shm_staging`` route (the pages are mapped by both processes: no copy through a
-socket, nothing pickled). The receiver also checks, once, that its engine really is hosted by a Ray actor.
+memory. The receiver runs on the engine's node and owns the engine rank's staging: two fixed-size uint8 buckets,
+each backed by a shared-memory file and registered once with NIXL. A version's tensors move P2P from the trainer
+straight into one bucket (NIXL reads into it; gloo receives and copies into it) while the engine serves from the
+other; once every engine rank holds everything, :meth:`commit` has the engine point its weights at the new bucket
+(``/update_weights_from_tensor`` ``shm_swap``: the pages are mapped by both processes, nothing is copied or
+pickled) and set the version in the same step. The receiver also checks, once, that a Ray actor hosts its engine.
 """
 
 from __future__ import annotations
@@ -37,15 +38,19 @@ class StagingReceiver:
                  transport: str) -> None:  # fmt: skip
         self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.path = SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}"
-        with open(self.path, "wb") as staging_file:
-            staging_file.truncate(capacity)
-        self.bucket = map_staging_file(self.path, capacity)
+        self.paths = [SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
+        self.buckets = [self._new_bucket(path) for path in self.paths]
         self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers)
         if transport == "nixl":
             from ray.experimental import register_nixl_memory  # deferred: imports nixl
 
-            register_nixl_memory(self.bucket)  # once: every chunk lands in this registered memory
+            for bucket in self.buckets:
+                register_nixl_memory(bucket)  # once: every version lands in registered memory
+
+    def _new_bucket(self, path: Path) -> torch.Tensor:
+        with open(path, "wb") as staging_file:
+            staging_file.truncate(self.capacity)
+        return map_staging_file(path, self.capacity)
 
     def check_engine(self) -> dict[str, Any]:
         """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""
@@ -65,39 +70,49 @@ class StagingReceiver:
             f"protocol needs engines started by the Ray worker provider (--run-worker-provider ray)"
         )
 
-    def receive_nixl(self, boxed_ref: list, rows: list[list]) -> int:
+    def receive_nixl(self, boxed_ref: list, rows: list[list], slot: int) -> int:
         """Pull one chunk (an RDT object of tensors, wrapped in a list so Ray does not fetch it into fresh memory)
-        straight into the staging bucket, then have the engine load it."""
+        straight into staging bucket ``slot``."""
         from ray.experimental import set_target_for_ref  # deferred: RDT internals
 
-        slots = [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]
-        targets = views(self.bucket, slots)  # Ray keeps only weak references to the targets: hold them here
+        slots = _slots(rows)
+        targets = views(self.buckets[slot], slots)  # Ray keeps only weak references to the targets: hold them here
         set_target_for_ref(boxed_ref[0], targets)
         received = ray.get(boxed_ref[0])
         if any(got.data_ptr() != want.data_ptr() for got, want in zip(received, targets, strict=True)):
             raise RuntimeError(f"engine {self.engine_name}: Ray received the chunk outside the staging bucket")
-        return self._load(slots)
+        return sum(slot.nbytes for slot in slots)
 
-    def receive_gloo(self, tensors: list[torch.Tensor], rows: list[list]) -> int:
-        """A chunk that Ray received over gloo before this call; lay it into the staging bucket, load it."""
-        slots = [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]
-        for target, tensor in zip(views(self.bucket, slots), tensors, strict=True):
+    def receive_gloo(self, tensors: list[torch.Tensor], rows: list[list], slot: int) -> int:
+        """A chunk that Ray received over gloo before this call, laid into staging bucket ``slot``."""
+        slots = _slots(rows)
+        for target, tensor in zip(views(self.buckets[slot], slots), tensors, strict=True):
             target.copy_(tensor)
-        return self._load(slots)
+        return sum(slot.nbytes for slot in slots)
 
-    def _load(self, slots: list[Slot]) -> int:
-        staged = json.dumps({"path": str(self.path), "size": self.capacity, "tensors": [s.as_row() for s in slots]})
-        request = {"serialized_named_tensors": [staged], "load_format": "shm_staging"}
+    def commit(self, rows: list[list], slot: int, version: str) -> int:
+        """Have the engine serve the tensors of bucket ``slot`` (no copy) as ``version``, in one request."""
+        slots = _slots(rows)
+        staged = json.dumps({"path": str(self.paths[slot]), "size": self.capacity,
+                             "tensors": [s.as_row() for s in slots]})  # fmt: skip
+        request = {"serialized_named_tensors": [staged], "load_format": "shm_swap", "weight_version": version}
         response = self.http.post(f"{self.engine_url}/update_weights_from_tensor", json=request)
         body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if response.status_code != 200 or not body.get("success", False):
-            raise RuntimeError(f"engine {self.engine_name} refused the chunk ({response.status_code}): "
+            raise RuntimeError(f"engine {self.engine_name} refused the weights ({response.status_code}): "
                                f"{body.get('message') or body.get('error') or response.text[:500]}")  # fmt: skip
         return sum(slot.nbytes for slot in slots)
 
     def close(self) -> None:
+        """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
         self.http.close()
-        self.path.unlink(missing_ok=True)
+        for path in self.paths:
+            path.unlink(missing_ok=True)
 
     def __del__(self) -> None:
-        Path(self.path).unlink(missing_ok=True)
+        for path in getattr(self, "paths", []):
+            Path(path).unlink(missing_ok=True)
+
+
+def _slots(rows: list[list]) -> list[Slot]:
+    return [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]

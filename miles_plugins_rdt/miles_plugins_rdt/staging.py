@@ -2,14 +2,14 @@
 
 Each engine rank owns one fixed-size uint8 buffer, registered once with the transport. A chunk of HF-named tensors
 is laid into it at offsets aligned to each tensor's dtype (a view of a uint8 buffer as ``float32`` needs an offset
-that is a multiple of 4); a tensor that cannot fit is an error that names it. The trainer side splits every bucket
-from the ``HfWeightIterator`` into chunks that fit, so the staging size bounds the engine's memory, not the model.
+that is a multiple of 4); a tensor that cannot fit is an error that names it and says which setting to raise. A
+staging bucket holds one whole version of the weights (the engine then serves straight from it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -53,29 +53,12 @@ def lay_out(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start
             raise StagingOverflowError(
                 f"{name} ({str(tensor.dtype).removeprefix('torch.')}, shape {tuple(tensor.shape)}, {size} bytes) "
                 f"does not fit the {capacity}-byte staging bucket at offset {offset}; raise the rdt setting "
-                f"staging_bucket_mb (--weight-transfer-settings) above {align_up(size, 1 << 20) >> 20} MiB"
+                f"staging_bucket_mb (--weight-transfer-settings) to at least {align_up(offset + size, 1 << 20) >> 20} "
+                f"MiB: one staging bucket holds a whole version of the weights"
             )
         slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, size))
         offset += size
     return slots
-
-
-def chunks_that_fit(
-    tensors: Iterable[tuple[str, torch.Tensor]], *, capacity: int
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], list[Slot]]]:
-    """Consecutive chunks of ``tensors`` with their layouts, each as large as the staging bucket allows."""
-    chunk: list[tuple[str, torch.Tensor]] = []
-    end = 0
-    for name, tensor in tensors:
-        offset = align_up(end, tensor.element_size())
-        if chunk and offset + nbytes_of(tensor) > capacity:
-            yield chunk, lay_out(chunk, capacity=capacity)
-            chunk, offset = [], 0
-        lay_out([(name, tensor)], capacity=capacity, start=offset)  # raises, naming it, if it can never fit
-        chunk.append((name, tensor))
-        end = offset + nbytes_of(tensor)
-    if chunk:
-        yield chunk, lay_out(chunk, capacity=capacity)
 
 
 def views(bucket: torch.Tensor, slots: Sequence[Slot]) -> list[torch.Tensor]:

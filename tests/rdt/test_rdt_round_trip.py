@@ -21,8 +21,8 @@ from tests.rdt.conftest import shm_files
 
 pytestmark = pytest.mark.slow
 
-BUCKET = 24 << 10  # several iterator buckets, each split over a 32 KiB staging bucket
-SETTINGS = {"transport": "nixl", "staging_bucket_mb": 1 / 32, "timeout_s": 60.0}
+BUCKET = 24 << 10  # many iterator buckets, each moved as it comes
+SETTINGS = {"transport": "nixl", "staging_bucket_mb": 2, "timeout_s": 60.0}
 
 
 @pytest.fixture(scope="module")
@@ -105,21 +105,26 @@ def test_a_dtype_change_between_steps(ray_engines, protocol, loop) -> None:
 
 
 def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop) -> None:
+    """Staging never touches the engines; the switch to the new bucket is one request per engine. So a killed
+    engine fails the transfer by name, a survivor serves one whole version (never a mix), and after the restart the
+    next transfer reaches every engine exactly."""
     trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
     weights = tensors_of(trainer.weight_iterator(BUCKET))
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
-    before = [version for version, _ in served(ray_engines, loop, 2)]
+    before = served(ray_engines, loop, 1)[0]
     victim = ray_engines.infos[-1]
+    sent = [(name, tensor + 0.25) for name, tensor in weights]
 
     def buckets_with_a_kill():
-        yield [(name, tensor + 0.25) for name, tensor in weights[:4]]
-        os.kill(victim.pid, signal.SIGKILL)  # the first chunks reached both engines; now one dies
-        yield [(name, tensor + 0.25) for name, tensor in weights[4:]]
+        yield sent[:4]
+        os.kill(victim.pid, signal.SIGKILL)  # the first tensors are staged for both engines; now one dies
+        yield sent[4:]
 
     with pytest.raises(RdtTransferError, match=rf"the new version was not published: engine {victim.name}: "):
         loop.run_until_complete(protocol.transfer(buckets_with_a_kill(), version=42))
-    survivor = served(ray_engines, loop, 1)[0][0]
-    assert survivor == before[0] != "42"  # the survivor was not told it serves v42 (the loop re-sends everything)
+    survivor = served(ray_engines, loop, 1)[0]
+    assert survivor in (before, ("42", checksum(sent))), survivor  # a whole version, old or new
+    assert not shm_files() - {p for p in shm_files() if "send" in p.name}, "staging buckets of dropped receivers"
     loop.run_until_complete(ray_engines.restart_dead())
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
     retried = [(name, tensor + 0.5) for name, tensor in weights]

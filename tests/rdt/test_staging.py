@@ -9,7 +9,7 @@ import miles_plugins_rdt.protocol as protocol_module
 import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol
-from miles_plugins_rdt.staging import StagingOverflowError, chunks_that_fit, lay_out, plan_routes, views
+from miles_plugins_rdt.staging import StagingOverflowError, lay_out, plan_routes, views
 
 from miles_core.errors import MilesError
 from tests.conftest import run_miles
@@ -31,17 +31,18 @@ def test_offsets_are_aligned_to_each_dtype_and_views_round_trip() -> None:
 
 def test_a_tensor_larger_than_the_bucket_is_an_error_naming_it() -> None:
     big = [("model.small", torch.zeros(4)), ("model.layers.0.mlp.up_proj.weight", torch.zeros(300))]
-    with pytest.raises(StagingOverflowError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"):
-        list(chunks_that_fit(big, capacity=1024))
-    with pytest.raises(StagingOverflowError, match="staging_bucket_mb"):
+    with pytest.raises(StagingOverflowError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"
+                       r".* raise the rdt setting staging_bucket_mb"):  # fmt: skip
         lay_out(big, capacity=1024)
 
 
-def test_buckets_are_split_into_chunks_that_fit_exactly() -> None:
-    tensors = [(f"w{i}", torch.zeros(60)) for i in range(5)] + [("h", torch.zeros(3, dtype=torch.float16))]
-    chunks = list(chunks_that_fit(tensors, capacity=512))  # 240 bytes each: two per chunk
-    assert [[name for name, _ in chunk] for chunk, _ in chunks] == [["w0", "w1"], ["w2", "w3"], ["w4", "h"]]
-    assert all(s.offset + s.nbytes <= 512 for _, slots in chunks for s in slots)
+def test_consecutive_buckets_continue_the_layout() -> None:
+    first = lay_out([(f"w{i}", torch.zeros(60)) for i in range(2)], capacity=512)
+    second = lay_out([("h", torch.zeros(3, dtype=torch.float16)), ("w", torch.zeros(1))],
+                     capacity=512, start=first[-1].offset + first[-1].nbytes)  # fmt: skip
+    assert [s.offset for s in first + second] == [0, 240, 480, 488]
+    with pytest.raises(StagingOverflowError, match=r"w2 .* at offset 480"):
+        lay_out([("w2", torch.zeros(60))], capacity=512, start=480)
 
 
 def test_views_refuse_a_layout_outside_the_bucket() -> None:
@@ -55,9 +56,9 @@ def test_routes_spread_engines_over_sending_ranks() -> None:
 
 
 def test_bad_settings_are_refused() -> None:
-    with pytest.raises(ValueError, match="transport = 'tcp': use one of nixl, gloo"):
+    with pytest.raises(MilesError, match="transport = 'tcp': use one of nixl, gloo"):
         RdtProtocol(transport="tcp")
-    with pytest.raises(ValueError, match="staging_bucket_mb must be positive"):
+    with pytest.raises(MilesError, match="staging_bucket_mb must be positive"):
         RdtProtocol(staging_bucket_mb=0)
 
 

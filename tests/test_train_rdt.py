@@ -1,4 +1,5 @@
-"""``miles train --update-weight-transfer-mode rdt`` on the embedded default learns (engines hosted by Ray)."""
+"""``miles train --update-weight-transfer-mode rdt`` on the embedded default learns (engines hosted by Ray). Outside
+tests/rdt, so that package's Ray cluster and engines are gone before this run starts its own."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from miles_core.errors import MilesError
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_plugins_rdt.nixl_agent import use_polite_progress_thread
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
 from miles_plugins_rdt.staging import Slot, lay_out, plan_routes, views
@@ -73,6 +74,8 @@ class RdtProtocol(HttpEngineProtocol):
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
         if not ray.is_initialized():
             raise MilesError(f"{NOT_IN_RAY}; this process has not joined a Ray cluster")
+        if self.transport == "nixl":
+            use_polite_progress_thread()  # before this process's agent exists
         await super().connect(engines)
         self.routes = plan_routes(1, [engine.name for engine in engines])
         stale = [name for name, (endpoint, _) in self.receivers.items() if endpoint not in engines]

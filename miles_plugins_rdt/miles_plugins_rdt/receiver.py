@@ -25,6 +25,7 @@ import ray
 import torch
 
 from miles_core.engines.weights import map_staging_file
+from miles_plugins_rdt.nixl_agent import use_polite_progress_thread
 from miles_plugins_rdt.staging import Slot, views
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -44,6 +45,7 @@ class StagingReceiver:
         if transport == "nixl":
             from ray.experimental import register_nixl_memory  # deferred: imports nixl
 
+            use_polite_progress_thread()  # before this process's agent exists
             for bucket in self.buckets:
                 register_nixl_memory(bucket)  # once: every version lands in registered memory
 

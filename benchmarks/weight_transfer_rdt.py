@@ -14,12 +14,12 @@ import asyncio
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ray
 import torch
 import transformers
+from weight_transfer import memcpy_rate  # the same baseline as benchmarks/weight_transfer.py
 
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -44,18 +44,6 @@ def make_model(path: Path, size_mb: int) -> torch.nn.Module:
     )
     model.save_pretrained(path)
     return model
-
-
-def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
-    sources = [t.detach() for t in model.state_dict().values()]
-    targets = [torch.empty_like(t) for t in sources]
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for target, source in zip(targets, sources, strict=True):
-            target.copy_(source)
-        seconds.append(time.perf_counter() - start)
-    return sum(t.numel() * t.element_size() for t in sources) / statistics.median(seconds) / 1e9
 
 
 async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int) -> float:

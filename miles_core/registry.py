@@ -113,7 +113,7 @@ def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
     distribution = FIRST_PARTY_PROVIDERS.get(kind, {}).get(name)
     if distribution is not None:
         if _is_installed(distribution):
-            message += f" ({distribution} is installed but its version provides no {name!r})"
+            message += f" ({distribution} is installed but provides no {name!r} here: an older version, or blocked)"
         else:
             message += f"; {name!r} is provided by {distribution}: pip install {distribution}"
     return message

@@ -108,13 +108,14 @@ def test_unknown_protocol_lists_available_ones() -> None:
     stderr = show_error("--update-weight-transfer-mode", "carrier-pigeon")
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'carrier-pigeon'" in stderr
     assert (
-        "unknown weight transfer protocol 'carrier-pigeon'; available: broadcast, disk, sharded-disk, tensor" in stderr
+        "unknown weight transfer protocol 'carrier-pigeon'; available: broadcast, disk, rdt, sharded-disk, tensor"
+        in stderr
     )
 
 
 def test_first_party_protocol_name_says_which_package(tmp_path: Path) -> None:
-    stderr = show_error("--update-weight-transfer-mode", "rdt")
-    assert "miles-plugins-rdt is installed but its version provides no 'rdt'" in stderr
+    stderr = show_error("--plugin", "no:rdt", "--update-weight-transfer-mode", "rdt")
+    assert "(miles-plugins-rdt is installed but provides no 'rdt' here: an older version, or blocked)" in stderr
     stderr = run_miles(
         "config", "show", "--update-weight-transfer-mode", "rdt", env={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
     ).stderr

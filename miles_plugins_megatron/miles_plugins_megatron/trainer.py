@@ -250,11 +250,19 @@ class _Ranks:
             return [task.result() for task in tasks]
         for task in pending:  # the other ranks may wait in a collective for the failed one: stop them all
             task.cancel()
-        rank, error = failed[0]
+        rank, error = await self._root_cause(failed)
         tail = self.provider.logs(self.names[rank], tail_bytes=2000).strip()
         await self._stop_all()
         raise MilesError(f"Megatron rank {rank} failed in {method}: {error}; every rank was stopped"
                          + (f"\n--- {self.names[rank]} log tail ---\n{tail}" if tail else ""))  # fmt: skip
+
+    async def _root_cause(self, failed: list[tuple[int, BaseException]]) -> tuple[int, BaseException | str]:
+        """The rank to blame: one whose process died (its peers' collective errors are the consequence, and may
+        arrive first), else the first rank that raised."""
+        for rank, name in enumerate(self.names):
+            if not await self.provider.is_alive(name):
+                return rank, dict(failed).get(rank) or "its process died"
+        return failed[0]
 
     async def _stop_all(self) -> None:
         for handle in self.handles:

@@ -15,11 +15,13 @@ MILES = Path(sys.executable).parent / "miles"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_miles(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_miles(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout_s: float = 300
+) -> subprocess.CompletedProcess:
     """Run the installed ``miles`` console script in a fresh process."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [str(MILES), *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=300, check=False
+        [str(MILES), *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout_s, check=False
     )
 
 

@@ -151,10 +151,29 @@ def on_metrics(rollout_id, metrics):
 def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_death(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(ROUTER_PROBE)
-    result = run_miles("train", "--engine", "sglang", "--sglang-launch-command", json.dumps(LOCAL_ENGINE),
-                       "--sglang-router", "true", "--engine-num-engines", "2", "--num-steps", "110",
-                       "--run-eval-every", "0", "--run-checkpoint-every", "0", "--no-progress",
-                       "--output-dir", str(tmp_path / "run"), "--plugin", str(probe))  # fmt: skip
+    result = run_miles(
+        "train",
+        "--engine",
+        "sglang",
+        "--sglang-launch-command",
+        json.dumps(LOCAL_ENGINE),
+        "--sglang-router",
+        "true",
+        "--engine-num-engines",
+        "2",
+        "--num-steps",
+        "110",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+        "--no-progress",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--plugin",
+        str(probe),
+        timeout_s=600,
+    )  # fmt: skip  (110 steps, two engines, a router and a restart: 244-300 s in CI)
     assert result.returncode == 0, result.stderr[-3000:]
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     assert [p["step"] for p in probes] == list(range(110)) and all(p["samples"] == 128 for p in probes)

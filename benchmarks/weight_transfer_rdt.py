@@ -3,8 +3,8 @@ copy, at 256 MiB and 1 GiB, in one run. The engine is a local engine hosted by t
 the other protocols do not care), in another process than the trainer: every protocol crosses processes.
 
 Usage: ``python benchmarks/weight_transfer_rdt.py [--repeats 3] [--sizes 256,1024]``. Prints GB/s per protocol
-(median of the repeats after one warm-up transfer, each including the engine's load into its model) and, last, the
-ratios to memcpy.
+(median of the repeats after two warm-up transfers, one into each buffer of the protocols that alternate two, each
+including the engine's load into its model) and, last, the ratios to memcpy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import ray
 import torch
 import transformers
-from weight_transfer import memcpy_rate  # the same baseline as benchmarks/weight_transfer.py
+from weight_transfer import WARMUP, memcpy_rate  # the same baseline and warm-up as benchmarks/weight_transfer.py
 
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -56,12 +56,12 @@ async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Mod
     await protocol.connect([endpoint])
     rates = []
     try:
-        for version in range(1, repeats + 2):
+        for version in range(1, repeats + WARMUP + 1):
             report = await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=BUCKET)), version=version)
             rates.append(report.gb_per_s)
     finally:
         await protocol.close()
-    return statistics.median(rates[1:])
+    return statistics.median(rates[WARMUP:])
 
 
 async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, args: argparse.Namespace) -> dict:
@@ -73,7 +73,7 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
                              health_url="http://{host}:{port}/health", startup_timeout_s=300)  # fmt: skip
     info = await provider.start(spec)
     endpoint = EngineEndpoint(name=spec.name, url=info.url, admin_key=TOKEN)
-    print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after one warm-up", flush=True)
+    print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after {WARMUP} warm-ups", flush=True)
     results = {"memcpy": memcpy_rate(model, args.repeats)}
     try:
         for name in args.protocols.split(","):

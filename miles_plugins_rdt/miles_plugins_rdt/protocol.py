@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from miles_core.errors import MilesError
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_plugins_rdt.huge_pages import collapse_into_huge_pages
 from miles_plugins_rdt.nixl_agent import use_polite_progress_thread
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
@@ -125,20 +126,26 @@ class RdtProtocol(HttpEngineProtocol):
         if not self.receivers:
             raise MilesError("rdt: call connect() before transfer()")
         started = time.perf_counter()
-        slot, rows, sent = self._next_slot, [], []
-        for bucket in buckets:
+        slot, rows, sent, pending, refs = self._next_slot, [], [], [], []
+        for bucket in buckets:  # every bucket is sent as soon as it is yielded; the receivers take them in order
             tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
             if not tensors:
                 continue
             start = rows[-1][3] + rows[-1][4] if rows else 0
             chunk_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
                           for s in lay_out(tensors, capacity=self.capacity, start=start)]  # fmt: skip
-            await self._send_chunk(tensors, chunk_rows, slot)
+            ref, calls = self._start_chunk(tensors, chunk_rows, slot)
+            refs.append(ref)
+            pending.extend(calls)
             rows.extend(chunk_rows)
             sent.extend(tensor for _, tensor in tensors)
+        try:
+            await self._wait_all(pending)
+        finally:
+            del refs  # the chunks' objects (the trainer's tensors stay registered for the next transfer)
         try:  # every engine rank holds everything: switch each engine to the new bucket, with the version
-            await self._wait_all({name: receiver.commit.remote(rows, slot, str(version))
-                                  for name, (_, receiver) in self.receivers.items()})  # fmt: skip
+            await self._wait_all([(name, receiver.commit.remote(rows, slot, str(version)))
+                                  for name, (_, receiver) in self.receivers.items()])  # fmt: skip
         except BaseException:
             await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
             raise
@@ -146,23 +153,20 @@ class RdtProtocol(HttpEngineProtocol):
         self._keep_registered(sent)
         return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
 
-    async def _send_chunk(self, chunk: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> None:
+    def _start_chunk(self, chunk: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> tuple[Any, list]:
+        """Start moving one chunk into every receiver's bucket ``slot``: the chunk's object and ``(engine name,
+        call)`` pairs. Nothing waits: the next chunk starts while this one moves (its tensors stay referenced)."""
         if self.transport == "nixl":
             self._register(tensor for _, tensor in chunk)
             ref = ray.put([tensor for _, tensor in chunk], _tensor_transport="nixl")
-            calls = {name: receiver.receive_nixl.remote([ref], rows, slot)
-                     for name, (_, receiver) in self.receivers.items()}  # fmt: skip
-        else:
-            slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
-            for target, (_, tensor) in zip(views(self.send_bucket[1], slots), chunk, strict=True):
-                target.copy_(tensor)
-            ref = self.sender.chunk.remote(rows)
-            calls = {name: receiver.receive_gloo.remote(ref, rows, slot)
-                     for name, (_, receiver) in self.receivers.items()}  # fmt: skip
-        try:
-            await self._wait_all(calls)
-        finally:
-            del ref
+            return ref, [(name, receiver.receive_nixl.remote([ref], rows, slot))
+                         for name, (_, receiver) in self.receivers.items()]  # fmt: skip
+        slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
+        for target, (_, tensor) in zip(views(self.send_bucket[1], slots), chunk, strict=True):
+            target.copy_(tensor)  # each chunk has its own bytes of the send bucket: nothing in flight is overwritten
+        ref = self.sender.chunk.remote(rows)
+        return ref, [(name, receiver.receive_gloo.remote(ref, rows, slot))
+                     for name, (_, receiver) in self.receivers.items()]  # fmt: skip
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register the trainer's tensors with NIXL once (a trainer's weights keep their memory between steps)."""
@@ -171,6 +175,7 @@ class RdtProtocol(HttpEngineProtocol):
         for tensor in tensors:
             key = tensor.untyped_storage().data_ptr()
             if key not in self._registered:
+                collapse_into_huge_pages(tensor)  # before registration: NIXL pins what it registers
                 register_nixl_memory(tensor)
                 self._registered[key] = tensor
 
@@ -182,14 +187,16 @@ class RdtProtocol(HttpEngineProtocol):
         for key in [key for key in self._registered if key not in used]:
             deregister_nixl_memory(self._registered.pop(key))
 
-    async def _wait_all(self, calls: dict[str, Any]) -> None:
-        names = list(calls)
-        results = await asyncio.gather(*(asyncio.wait_for(_as_future(calls[n]), self.timeout_s) for n in names),
+    async def _wait_all(self, calls: list[tuple[str, Any]]) -> None:
+        """Wait for every ``(engine name, call)``; any failure is one error naming each engine that failed."""
+        results = await asyncio.gather(*(asyncio.wait_for(_as_future(call), self.timeout_s) for _, call in calls),
                                        return_exceptions=True)  # fmt: skip
-        failures = [(name, result) for name, result in zip(names, results, strict=True)
-                    if isinstance(result, BaseException)]  # fmt: skip
+        failures: dict[str, BaseException] = {}
+        for (name, _), result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.setdefault(name, result)  # its first failure: later chunks fail for the same reason
         if failures:
-            detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures)
+            detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures.items())
             raise RdtTransferError(f"rdt ({self.transport}) transfer failed, the new version was not published: "
                                    f"{detail}")  # fmt: skip
 

@@ -52,7 +52,11 @@ class StagingReceiver:
     def _new_bucket(self, path: Path) -> torch.Tensor:
         with open(path, "wb") as staging_file:
             staging_file.truncate(self.capacity)
-        return map_staging_file(path, self.capacity)
+        bucket = map_staging_file(path, self.capacity)
+        # Give the file its pages now: a transfer into pages not yet there faults once per 4 KiB page, which made
+        # the first transfer into each bucket 4x slower (0.6 GB/s against 2.6 for 272 MiB).
+        bucket.zero_()
+        return bucket
 
     def check_engine(self) -> dict[str, Any]:
         """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -69,6 +70,14 @@ def pip_install_distribution(
          "--target", str(target), str(source)],
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for a module whose fixtures hold async resources (a provider, a protocol) across tests."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ Ray-hosted engines, over NIXL; a dtype change between steps; an engine killed in
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 
@@ -23,13 +22,6 @@ pytestmark = pytest.mark.slow
 
 BUCKET = 24 << 10  # many iterator buckets, each moved as it comes
 SETTINGS = {"transport": "nixl", "staging_bucket_mb": 2, "timeout_s": 60.0}
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
 
 
 @pytest.fixture(scope="module")

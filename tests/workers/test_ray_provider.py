@@ -25,13 +25,6 @@ TOKEN = "ray-token"
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def provider(tmp_path_factory: pytest.TempPathFactory, loop):
     provider = RayWorkerProvider(token=TOKEN, run_dir=tmp_path_factory.mktemp("ray-run"), num_cpus=4)
     yield provider

@@ -25,7 +25,7 @@ import ray
 import torch
 
 from miles_core.engines.weights import map_staging_file
-from miles_plugins_rdt.nixl_agent import use_polite_progress_thread
+from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.staging import Slot, views
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -36,16 +36,23 @@ class StagingReceiver:
     """Owns one engine rank's staging bucket; receives chunks into it and has the engine load them."""
 
     def __init__(self, *, engine_name: str, engine_url: str, admin_key: str | None, capacity: int,
-                 transport: str) -> None:  # fmt: skip
+                 transport: str, paths: list[str] | None = None) -> None:  # fmt: skip
+        """``paths``: the staging files of the engine's first receiver, for another receive lane of the same
+        engine (it reads its share of every chunk into the same buckets); without them, new staging files."""
         self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-        self.paths = [SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
-        self.buckets = [self._new_bucket(path) for path in self.paths]
+        self.owns_files = paths is None  # the first receiver creates and removes them; lanes only map them
+        if paths is None:
+            self.paths = [SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
+            self.buckets = [self._new_bucket(path) for path in self.paths]
+        else:
+            self.paths = [Path(path) for path in paths]
+            self.buckets = [map_staging_file(path, self.capacity) for path in self.paths]
         self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers)
         if transport == "nixl":
             from ray.experimental import register_nixl_memory  # deferred: imports nixl
 
-            use_polite_progress_thread()  # before this process's agent exists
+            configure_nixl_agents(progress_thread=False)  # before this process's agent exists: Ray's fetch polls
             for bucket in self.buckets:
                 register_nixl_memory(bucket)  # once: every version lands in registered memory
 
@@ -57,6 +64,10 @@ class StagingReceiver:
         # the first transfer into each bucket 4x slower (0.6 GB/s against 2.6 for 272 MiB).
         bucket.zero_()
         return bucket
+
+    def staging_paths(self) -> list[str]:
+        """The staging files, for the engine's other receive lanes."""
+        return [str(path) for path in self.paths]
 
     def check_engine(self) -> dict[str, Any]:
         """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""
@@ -76,18 +87,18 @@ class StagingReceiver:
             f"protocol needs engines started by the Ray worker provider (--run-worker-provider ray)"
         )
 
-    def receive_nixl(self, boxed_ref: list, rows: list[list], slot: int) -> int:
-        """Pull one chunk (an RDT object of tensors, wrapped in a list so Ray does not fetch it into fresh memory)
-        straight into staging bucket ``slot``."""
+    def receive_nixl(self, boxed_ref: list, pieces: list[list[int]], slot: int) -> int:
+        """Pull one lane's share of a chunk (an RDT object of byte ranges, wrapped in a list so Ray does not fetch
+        it into fresh memory) straight into staging bucket ``slot`` at the ``[offset, nbytes]`` of ``pieces``."""
         from ray.experimental import set_target_for_ref  # deferred: RDT internals
 
-        slots = _slots(rows)
-        targets = views(self.buckets[slot], slots)  # Ray keeps only weak references to the targets: hold them here
+        bucket = self.buckets[slot]
+        targets = [bucket[offset : offset + nbytes] for offset, nbytes in pieces]  # held: Ray keeps weak references
         set_target_for_ref(boxed_ref[0], targets)
         received = ray.get(boxed_ref[0])
         if any(got.data_ptr() != want.data_ptr() for got, want in zip(received, targets, strict=True)):
             raise RuntimeError(f"engine {self.engine_name}: Ray received the chunk outside the staging bucket")
-        return sum(slot.nbytes for slot in slots)
+        return sum(nbytes for _, nbytes in pieces)
 
     def receive_gloo(self, tensors: list[torch.Tensor], rows: list[list], slot: int) -> int:
         """A chunk that Ray received over gloo before this call, laid into staging bucket ``slot``."""
@@ -112,12 +123,15 @@ class StagingReceiver:
     def close(self) -> None:
         """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
         self.http.close()
-        for path in self.paths:
-            path.unlink(missing_ok=True)
+        self._remove_files()
 
     def __del__(self) -> None:
-        for path in getattr(self, "paths", []):
-            Path(path).unlink(missing_ok=True)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        if getattr(self, "owns_files", False):
+            for path in self.paths:
+                Path(path).unlink(missing_ok=True)
 
 
 def _slots(rows: list[list]) -> list[Slot]:

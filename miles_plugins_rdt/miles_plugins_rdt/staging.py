@@ -75,6 +75,42 @@ def views(bucket: torch.Tensor, slots: Sequence[Slot]) -> list[torch.Tensor]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A byte range of one tensor of a chunk and where it lands in the staging bucket."""
+
+    tensor: int  # the tensor's index in the chunk
+    start: int  # the first byte of the range within the tensor
+    nbytes: int
+    offset: int  # where the range lands in the staging bucket
+
+
+LANE_GRANULE = 1 << 16
+
+
+def split_into_lanes(slots: Sequence[Slot], lanes: int, *, granule: int = LANE_GRANULE) -> list[list[Piece]]:
+    """Cut a chunk's bytes (its tensors one after the other, as ``slots`` lays them out) into ``lanes`` runs of
+    about equal size, each cut on a multiple of ``granule`` bytes of the chunk; a lane may get no piece."""
+    if lanes < 1:
+        raise MilesError(f"rdt needs at least one receive lane, got {lanes}")
+    total = sum(slot.nbytes for slot in slots)
+    bounds = [min(total, align_up(total * lane // lanes, granule)) for lane in range(lanes)] + [total]
+    pieces: list[list[Piece]] = [[] for _ in range(lanes)]
+    position = 0  # where this tensor's bytes begin in the chunk
+    for index, slot in enumerate(slots):
+        for lane in range(lanes):
+            low, high = max(position, bounds[lane]), min(position + slot.nbytes, bounds[lane + 1])
+            if low < high:
+                pieces[lane].append(Piece(index, low - position, high - low, slot.offset + low - position))
+        position += slot.nbytes
+    return pieces
+
+
+def byte_range(tensor: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """Bytes ``start .. start + nbytes`` of a contiguous tensor, as a uint8 view (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)[start : start + nbytes]
+
+
 def plan_routes(num_sources: int, engines: Sequence[str]) -> dict[str, int]:
     """Which trainer rank feeds which engine rank: engines spread round-robin over the sending ranks."""
     if num_sources < 1:

@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol, RdtTransferError
+from miles_plugins_rdt.staging import split_into_lanes
 
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
@@ -61,6 +62,31 @@ def test_torch_trainer_round_trip(ray_engines, protocol, loop, count: int) -> No
     expected = checksum(tensors_of(trainer.weight_iterator(BUCKET)))
     assert served(ray_engines, loop, count) == [(str(10 + count), expected)] * count
     assert report.num_engines == count and report.num_bytes > 3 * (32 << 10) and report.gb_per_s > 0
+
+
+def test_every_receive_lane_reads_its_share(ray_engines, protocol, loop, monkeypatch) -> None:
+    """Lanes take a share only of chunks big enough to pay for it (64 MiB): lowered here, so that each chunk of this
+    tiny model is read by both lanes of each engine."""
+    import miles_plugins_rdt.protocol as protocol_module
+
+    shares = []
+
+    def recorded(slots, lanes, **kwargs):
+        pieces = split_into_lanes(slots, lanes, granule=4096)
+        shares.append([sum(piece.nbytes for piece in lane) for lane in pieces])
+        return pieces
+
+    monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)
+    monkeypatch.setattr(protocol_module, "split_into_lanes", recorded)
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.mul_(1.5)
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()[:2]))
+    loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(1 << 20)), version=30))
+    expected = checksum(tensors_of(trainer.weight_iterator(BUCKET)))
+    assert served(ray_engines, loop, 2) == [("30", expected)] * 2
+    assert shares and all(len(share) == 2 and min(share) > 0 for share in shares), shares
 
 
 def test_megatron_tp2_round_trip(ray_engines, protocol, loop, tmp_path) -> None:

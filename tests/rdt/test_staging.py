@@ -9,7 +9,7 @@ import miles_plugins_rdt.protocol as protocol_module
 import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol
-from miles_plugins_rdt.staging import StagingOverflowError, lay_out, plan_routes, views
+from miles_plugins_rdt.staging import StagingOverflowError, byte_range, lay_out, plan_routes, split_into_lanes, views
 
 from miles_core.errors import MilesError
 from tests.conftest import run_miles
@@ -60,6 +60,9 @@ def test_bad_settings_are_refused() -> None:
         RdtProtocol(transport="tcp")
     with pytest.raises(MilesError, match="staging_bucket_mb must be positive"):
         RdtProtocol(staging_bucket_mb=0)
+    for lanes in (0, 1.5, "2"):
+        with pytest.raises(MilesError, match="receive_lanes must be a whole number of at least 1"):
+            RdtProtocol(receive_lanes=lanes)
 
 
 def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None:
@@ -77,3 +80,27 @@ def test_connect_from_a_process_outside_ray_is_an_explicit_error(monkeypatch: py
     monkeypatch.setattr(protocol_module.ray, "is_initialized", lambda: False)  # as in a process that never joined
     with pytest.raises(MilesError, match="needs engines hosted in Ray actors"):
         asyncio.run(RdtProtocol().connect([]))
+
+
+def test_lanes_share_a_chunk_evenly_and_cover_every_byte_once() -> None:
+    tensors = [("a", torch.arange(100_000, dtype=torch.float32)), ("b", torch.arange(7, dtype=torch.int8)),
+               ("c", torch.randn(300, 500).to(torch.bfloat16)), ("d", torch.arange(3, dtype=torch.int64))]  # fmt: skip
+    slots = lay_out(tensors, capacity=1 << 22)
+    bucket = torch.zeros(1 << 22, dtype=torch.uint8)
+    lanes = split_into_lanes(slots, 3, granule=4096)
+    total = sum(slot.nbytes for slot in slots)
+    sizes = [sum(piece.nbytes for piece in lane) for lane in lanes]
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= 2 * 4096
+    for lane in lanes:  # each lane moves its pieces, as a receiver would, into the bucket
+        for piece in lane:
+            source = byte_range(tensors[piece.tensor][1], piece.start, piece.nbytes)
+            bucket[piece.offset : piece.offset + piece.nbytes].copy_(source)
+    for (_, tensor), view in zip(tensors, views(bucket, slots), strict=True):
+        assert torch.equal(view, tensor)
+
+
+def test_a_chunk_smaller_than_the_granule_goes_to_one_lane() -> None:
+    slots = lay_out([("x", torch.ones(10))], capacity=1024)
+    assert [len(lane) for lane in split_into_lanes(slots, 2)] == [1, 0]
+    with pytest.raises(MilesError, match="at least one receive lane"):
+        split_into_lanes(slots, 0)

@@ -8,6 +8,8 @@ straight into one bucket (NIXL reads into it; gloo receives and copies into it) 
 other; once every engine rank holds everything, :meth:`commit` has the engine point its weights at the new bucket
 (``/update_weights_from_tensor`` ``shm_swap``: the pages are mapped by both processes, nothing is copied or
 pickled) and set the version in the same step. The receiver also checks, once, that a Ray actor hosts its engine.
+An engine rank's other receive lanes are receivers that map the first one's buckets and read their share of each
+large chunk in their own process; only the first switches the engine.
 """
 
 from __future__ import annotations

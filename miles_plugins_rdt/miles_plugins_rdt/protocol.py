@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from miles_core.errors import MilesError
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
-from miles_plugins_rdt.huge_pages import collapse_into_huge_pages
+from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
@@ -197,8 +197,8 @@ class RdtProtocol(HttpEngineProtocol):
         self._register(tensor for _, tensor in chunk)
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
         refs, calls = [], []
-        lanes = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
-        for lane, pieces in enumerate(split_into_lanes(slots, lanes)):
+        lane_count = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
+        for lane, pieces in enumerate(split_into_lanes(slots, lane_count)):
             if not pieces:
                 continue
             ref = ray.put([byte_range(chunk[p.tensor][1], p.start, p.nbytes) for p in pieces], _tensor_transport="nixl")
@@ -237,9 +237,11 @@ class RdtProtocol(HttpEngineProtocol):
         from ray.experimental import deregister_nixl_memory, register_nixl_memory  # deferred: imports nixl
 
         tensor = self._registered[key]
-        deregister_nixl_memory(tensor)
-        collapse_into_huge_pages(tensor)
-        register_nixl_memory(tensor)
+        storage = tensor.untyped_storage()
+        if huge_page_span(storage.data_ptr(), storage.nbytes())[1] > 0:  # not under 2 MiB: nothing to collapse
+            deregister_nixl_memory(tensor)
+            collapse_into_huge_pages(tensor)
+            register_nixl_memory(tensor)
         self._on_huge_pages.add(key)
 
     async def _wait_all(self, calls: list[tuple[str, Any]]) -> None:

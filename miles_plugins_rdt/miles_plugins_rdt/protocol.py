@@ -6,14 +6,15 @@ bucket and registers it once with the transport, and check that a Ray actor host
 trainer's send actor and form one collective group with the receivers.
 
 Transfer (every step): the buckets of HF-named tensors from the ``HfWeightIterator`` are laid out one after the
-other at dtype-aligned offsets of a staging bucket (a tensor that does not fit is an error naming it); each bucket
-moves P2P into every engine rank's staging bucket as soon as the iterator yields it (NIXL: the receiver reads the
-trainer's memory, registered once, straight into its registered bucket, a large chunk cut into byte ranges that the
-engine rank's receive lanes read in parallel; gloo: the send actor sends to each receiver). Each engine rank has two
-staging buckets and serves from one while the next version fills the other. Only when every engine rank holds every
-tensor does each engine switch its weights to the new bucket and take the new version, in one request: a transfer
-that fails before that leaves every engine serving the old version, whole. A failure during the switch replaces
-every receiver (new buckets), so no engine's served bucket is ever written.
+other at dtype-aligned offsets of a staging bucket (a tensor that does not fit is an error naming it) and move P2P
+into every engine rank's staging bucket while the iterator goes on (NIXL: in waves of at least ``WAVE_BYTES``; the
+receiver reads the trainer's memory, registered once, straight into its registered bucket, each wave cut into byte
+ranges that the engine rank's receive lanes read in parallel; gloo: each bucket as it comes, the send actor sends
+it to each receiver). Each engine rank has two staging buckets and serves from one while the next version fills the
+other. Only when every engine rank holds every tensor does each engine switch its weights to the new bucket and
+take the new version, in one request, which Ray holds back until every read of every engine rank has succeeded: a
+transfer that fails before that leaves every engine serving the old version, whole. A failure during the switch
+replaces every receiver (new buckets), so no engine's served bucket is ever written.
 
 The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
 reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
@@ -38,15 +39,20 @@ from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
 from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
+from miles_plugins_rdt.ray_serializer import pickle_tensors_by_reference
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
-from miles_plugins_rdt.staging import Slot, byte_range, lay_out, plan_routes, split_into_lanes, views
+from miles_plugins_rdt.staging import Slot, byte_range, in_waves, lay_out, plan_routes, split_into_lanes, views
 
 TRANSPORTS = ("nixl", "gloo")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-# A receive lane's share of a chunk is at least this big: each lane costs the trainer one more RDT object, about 5 ms
-# of its CPU (Ray pickles its tensor serializer into every object), the time to read some 25 MiB at 5 GB/s.
-MIN_LANE_SHARE = 64 << 20
+# A receive lane's share of a wave is at least this big: each lane costs the trainer one more RDT object and read call,
+# about 4 ms of its CPU (measured with cProfile), the time to read some 16 MiB at 4 GB/s.
+MIN_LANE_SHARE = 16 << 20
+# NIXL sends the iterator's buckets in waves of at least this many bytes: each wave costs one RDT object and one read
+# call per receive lane (about 3 ms of the trainer's CPU, and a read that starts apart from the others), so a 272 MiB
+# version that came as two buckets moved in 49-51 ms as one wave against 62-74 ms as two.
+WAVE_BYTES = 256 << 20
 NOT_IN_RAY = ("the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with "
               "--run-worker-provider ray)")  # fmt: skip
 
@@ -149,64 +155,70 @@ class RdtProtocol(HttpEngineProtocol):
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         if not self.receivers:
             raise MilesError("rdt: call connect() before transfer()")
+        lost = [engine.name for engine in self.engines if engine.name not in self.receivers]
+        if lost:
+            raise MilesError(f"rdt: engines {', '.join(lost)} lost their receivers in a failed transfer; call "
+                             f"connect() again before transfer()")  # fmt: skip
         started = time.perf_counter()
+        if self.transport == "nixl":
+            pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
         slot, rows, sent, pending, refs = self._next_slot, [], [], [], []
         earlier = set(self._registered)  # memory registered by earlier transfers
-        for bucket in buckets:  # every bucket is sent as soon as it is yielded; the receivers take them in order
-            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
-            if not tensors:
-                continue
+        for wave in in_waves(buckets, WAVE_BYTES if self.transport == "nixl" else 0):  # received in this order
             start = rows[-1][3] + rows[-1][4] if rows else 0
-            chunk_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
-                          for s in lay_out(tensors, capacity=self.capacity, start=start)]  # fmt: skip
-            chunk_refs, calls = self._start_chunk(tensors, chunk_rows, slot)
-            refs.extend(chunk_refs)
+            wave_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
+                         for s in lay_out(wave, capacity=self.capacity, start=start)]  # fmt: skip
+            wave_refs, calls = self._start_wave(wave, wave_rows, slot)
+            refs.extend(wave_refs)
             pending.extend(calls)
-            rows.extend(chunk_rows)
-            sent.extend(tensor for _, tensor in tensors)
+            rows.extend(wave_rows)
+            sent.extend(tensor for _, tensor in wave)
+        # Each engine's switch waits, inside Ray, for every receive of every engine rank: it runs only once all
+        # hold everything, and never if one of them failed (its arguments are then errors).
+        receives = [call for _, call in pending]
+        commits = [(name, lanes[0].commit.remote(rows, slot, str(version), *receives))
+                   for name, (_, lanes) in self.receivers.items()]  # fmt: skip
         try:
-            await self._wait_all(pending)
-        finally:
-            del refs  # the chunks' objects (the trainer's tensors stay registered for the next transfer)
-        try:  # every engine rank holds everything: switch each engine to the new bucket, with the version
-            await self._wait_all([(name, lanes[0].commit.remote(rows, slot, str(version)))
-                                  for name, (_, lanes) in self.receivers.items()])  # fmt: skip
+            await self._wait_all(commits)
         except BaseException:
+            failed_receives = self._failed_calls(pending)
+            if failed_receives:  # then no engine switched: every bucket served from is as it was
+                for name in failed_receives:  # a lane may have died: connect() starts them anew
+                    await self._drop_receiver(name)
+                raise self._transfer_error(failed_receives) from None
             await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
             raise
+        finally:
+            del refs  # the chunks' objects (the trainer's tensors stay registered for the next transfer)
         self._next_slot = 1 - slot
         self._keep_registered(sent, earlier)
         return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
 
-    def _start_chunk(self, chunk: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> tuple[list, list]:
-        """Start moving one chunk into every receiver's bucket ``slot``: the chunk's objects and ``(engine name,
-        call)`` pairs. Nothing waits: the next chunk starts while this one moves (its tensors stay referenced)."""
+    def _start_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> tuple[list, list]:
+        """Start moving a wave of buckets into every receiver's bucket ``slot``: the wave's objects and ``(engine name,
+        call)`` pairs. Nothing waits: the next wave starts while this one moves (its tensors stay referenced)."""
         if self.transport == "nixl":
-            return self._start_nixl_chunk(chunk, rows, slot)
+            return self._start_nixl_wave(wave, rows, slot)
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
-        for target, (_, tensor) in zip(views(self.send_bucket[1], slots), chunk, strict=True):
-            target.copy_(tensor)  # each chunk has its own bytes of the send bucket: nothing in flight is overwritten
+        for target, (_, tensor) in zip(views(self.send_bucket[1], slots), wave, strict=True):
+            target.copy_(tensor)  # each wave has its own bytes of the send bucket: nothing in flight is overwritten
         ref = self.sender.chunk.remote(rows)
         return [ref], [(name, lanes[0].receive_gloo.remote(ref, rows, slot))
                        for name, (_, lanes) in self.receivers.items()]  # fmt: skip
 
-    def _start_nixl_chunk(
-        self, chunk: list[tuple[str, torch.Tensor]], rows: list[list], slot: int
-    ) -> tuple[list, list]:
-        """One RDT object per receive lane, holding that lane's byte ranges of the chunk's tensors."""
-        self._register(tensor for _, tensor in chunk)
+    def _start_nixl_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int
+                         ) -> tuple[list, list]:  # fmt: skip
+        """One RDT object per receive lane, holding that lane's byte ranges of the wave's tensors; the lanes' reads
+        are asked for once every object exists, so that they start together."""
+        self._register(tensor for _, tensor in wave)
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
-        refs, calls = [], []
         lane_count = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
-        for lane, pieces in enumerate(split_into_lanes(slots, lane_count)):
-            if not pieces:
-                continue
-            ref = ray.put([byte_range(chunk[p.tensor][1], p.start, p.nbytes) for p in pieces], _tensor_transport="nixl")
-            targets = [[p.offset, p.nbytes] for p in pieces]
-            refs.append(ref)
-            calls.extend((name, lanes[lane].receive_nixl.remote([ref], targets, slot))
-                         for name, (_, lanes) in self.receivers.items())  # fmt: skip
-        return refs, calls
+        shares = [pieces for pieces in split_into_lanes(slots, lane_count) if pieces]
+        refs = [ray.put([byte_range(wave[p.tensor][1], p.start, p.nbytes) for p in pieces], _tensor_transport="nixl")
+                for pieces in shares]  # fmt: skip
+        return refs, [(name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
+                      for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
+                      for name, (_, lanes) in self.receivers.items()]  # fmt: skip
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register the trainer's tensors with NIXL once (a trainer's weights keep their memory between steps)."""
@@ -253,9 +265,24 @@ class RdtProtocol(HttpEngineProtocol):
             if isinstance(result, BaseException):
                 failures.setdefault(name, result)  # its first failure: later chunks fail for the same reason
         if failures:
-            detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures.items())
-            raise RdtTransferError(f"rdt ({self.transport}) transfer failed, the new version was not published: "
-                                   f"{detail}")  # fmt: skip
+            raise self._transfer_error(failures)
+
+    def _failed_calls(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
+        """The first error of each engine among the ``(engine name, call)`` pairs that have finished."""
+        finished, _ = ray.wait([call for _, call in calls], num_returns=len(calls), timeout=0)
+        finished_ids = {ref.hex() for ref in finished}
+        failures: dict[str, BaseException] = {}
+        for name, call in calls:
+            if call.hex() in finished_ids and name not in failures:
+                try:
+                    ray.get(call, timeout=0)
+                except Exception as error:  # every failure is reported, by engine
+                    failures[name] = error
+        return failures
+
+    def _transfer_error(self, failures: dict[str, BaseException]) -> RdtTransferError:
+        detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures.items())
+        return RdtTransferError(f"rdt ({self.transport}) transfer failed, the new version was not published: {detail}")
 
     # -- release --------------------------------------------------------------------------------------------
 

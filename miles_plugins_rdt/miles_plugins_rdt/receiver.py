@@ -109,8 +109,9 @@ class StagingReceiver:
             target.copy_(tensor)
         return sum(slot.nbytes for slot in slots)
 
-    def commit(self, rows: list[list], slot: int, version: str) -> int:
-        """Have the engine serve the tensors of bucket ``slot`` (no copy) as ``version``, in one request."""
+    def commit(self, rows: list[list], slot: int, version: str, *received: int) -> int:
+        """Have the engine serve the tensors of bucket ``slot`` (no copy) as ``version``, in one request.
+        ``received``: the results of every receive of the version, which Ray resolves before this runs."""
         slots = _slots(rows)
         staged = json.dumps({"path": str(self.paths[slot]), "size": self.capacity,
                              "tensors": [s.as_row() for s in slots]})  # fmt: skip

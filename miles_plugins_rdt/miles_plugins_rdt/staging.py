@@ -9,7 +9,7 @@ staging bucket holds one whole version of the weights (the engine then serves st
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -59,6 +59,23 @@ def lay_out(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start
         slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, size))
         offset += size
     return slots
+
+
+def in_waves(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], min_bytes: int
+             ) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+    """The buckets' named tensors, contiguous and on the CPU, regrouped into waves of whole buckets that hold at least
+    ``min_bytes`` each (the last one may hold less; ``0``: each bucket is a wave). Each wave comes as soon as the
+    buckets it needs have been yielded."""
+    wave, nbytes = [], 0
+    for bucket in buckets:
+        tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+        wave.extend(tensors)
+        nbytes += sum(nbytes_of(tensor) for _, tensor in tensors)
+        if wave and nbytes >= min_bytes:
+            yield wave
+            wave, nbytes = [], 0
+    if wave:
+        yield wave
 
 
 def views(bucket: torch.Tensor, slots: Sequence[Slot]) -> list[torch.Tensor]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import signal
 
+import miles_plugins_rdt.protocol as protocol_module
 import pytest
+import ray
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol, RdtTransferError
 from miles_plugins_rdt.staging import split_into_lanes
@@ -14,6 +16,7 @@ from miles_plugins_rdt.staging import split_into_lanes
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
 from miles_core.engines.weights import checksum
+from miles_core.errors import MilesError
 from miles_core.testkit.protocol_contract import ContractEngines
 from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -65,10 +68,8 @@ def test_torch_trainer_round_trip(ray_engines, protocol, loop, count: int) -> No
 
 
 def test_every_receive_lane_reads_its_share(ray_engines, protocol, loop, monkeypatch) -> None:
-    """Lanes take a share only of chunks big enough to pay for it (64 MiB): lowered here, so that each chunk of this
-    tiny model is read by both lanes of each engine."""
-    import miles_plugins_rdt.protocol as protocol_module
-
+    """Lanes take a share only of waves big enough to pay for it (MIN_LANE_SHARE): lowered here, as is the wave
+    size, so that each of many waves of this tiny model is read by both lanes of each engine."""
     shares = []
 
     def recorded(slots, lanes, **kwargs):
@@ -77,16 +78,17 @@ def test_every_receive_lane_reads_its_share(ray_engines, protocol, loop, monkeyp
         return pieces
 
     monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)
+    monkeypatch.setattr(protocol_module, "WAVE_BYTES", 64 << 10)
     monkeypatch.setattr(protocol_module, "split_into_lanes", recorded)
     trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
     with torch.no_grad():
         for parameter in trainer.model.parameters():
             parameter.mul_(1.5)
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()[:2]))
-    loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(1 << 20)), version=30))
+    loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(BUCKET)), version=30))
     expected = checksum(tensors_of(trainer.weight_iterator(BUCKET)))
     assert served(ray_engines, loop, 2) == [("30", expected)] * 2
-    assert shares and all(len(share) == 2 and min(share) > 0 for share in shares), shares
+    assert len(shares) > 1 and all(len(share) == 2 and min(share) > 0 for share in shares), shares
 
 
 def test_megatron_tp2_round_trip(ray_engines, protocol, loop, tmp_path) -> None:
@@ -122,10 +124,11 @@ def test_a_dtype_change_between_steps(ray_engines, protocol, loop) -> None:
         assert served(ray_engines, loop, 2) == [(str(version), expected)] * 2
 
 
-def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop) -> None:
+def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch) -> None:
     """Staging never touches the engines; the switch to the new bucket is one request per engine. So a killed
     engine fails the transfer by name, a survivor serves one whole version (never a mix), and after the restart the
     next transfer reaches every engine exactly."""
+    monkeypatch.setattr(protocol_module, "WAVE_BYTES", 1)  # each bucket is a wave: the first is in flight
     trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
     weights = tensors_of(trainer.weight_iterator(BUCKET))
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
@@ -148,3 +151,31 @@ def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop) -> None:
     retried = [(name, tensor + 0.5) for name, tensor in weights]
     loop.run_until_complete(protocol.transfer(iter([retried[:6], retried[6:]]), version=43))
     assert served(ray_engines, loop, 2) == [("43", checksum(retried))] * 2
+
+
+def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch) -> None:
+    """A read that fails holds back every engine's switch (it depends on every read), so no engine serves anything
+    new; the engine's receivers are dropped, a transfer before connect() again is refused, and after it the next
+    transfer reaches every engine exactly."""
+    monkeypatch.setattr(protocol_module, "WAVE_BYTES", 1)
+    monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)  # both lanes read from every wave
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    weights = tensors_of(trainer.weight_iterator(BUCKET))
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    before = served(ray_engines, loop, 2)
+    victim = ray_engines.endpoints()[0].name
+    sent = [(name, tensor - 0.125) for name, tensor in weights]
+
+    def buckets_with_a_kill():
+        yield sent[:4]
+        ray.kill(protocol.receivers[victim][1][1], no_restart=True)  # the engine's second lane dies mid-transfer
+        yield sent[4:]
+
+    with pytest.raises(RdtTransferError, match=rf"the new version was not published: engine {victim}: "):
+        loop.run_until_complete(protocol.transfer(buckets_with_a_kill(), version=44))
+    assert served(ray_engines, loop, 2) == before  # neither engine switched, not even the one whose reads succeeded
+    with pytest.raises(MilesError, match=rf"engines {victim} lost their receivers"):
+        loop.run_until_complete(protocol.transfer(iter([sent]), version=44))
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    loop.run_until_complete(protocol.transfer(iter([sent[:6], sent[6:]]), version=45))
+    assert served(ray_engines, loop, 2) == [("45", checksum(sent))] * 2

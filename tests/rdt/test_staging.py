@@ -9,7 +9,15 @@ import miles_plugins_rdt.protocol as protocol_module
 import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol
-from miles_plugins_rdt.staging import StagingOverflowError, byte_range, lay_out, plan_routes, split_into_lanes, views
+from miles_plugins_rdt.staging import (
+    StagingOverflowError,
+    byte_range,
+    in_waves,
+    lay_out,
+    plan_routes,
+    split_into_lanes,
+    views,
+)
 
 from miles_core.errors import MilesError
 from tests.conftest import run_miles
@@ -104,3 +112,18 @@ def test_a_chunk_smaller_than_the_granule_goes_to_one_lane() -> None:
     assert [len(lane) for lane in split_into_lanes(slots, 2)] == [1, 0]
     with pytest.raises(MilesError, match="at least one receive lane"):
         split_into_lanes(slots, 0)
+
+
+def test_waves_hold_whole_buckets_of_at_least_the_wave_size_in_order() -> None:
+    buckets = [[(f"b{i}.w", torch.full((n,), float(i)))] for i, n in enumerate([10, 30, 5, 5, 40, 1])]  # float32
+    waves = list(in_waves(iter(buckets), min_bytes=35 * 4))
+    assert [[name for name, _ in wave] for wave in waves] == [["b0.w", "b1.w"], ["b2.w", "b3.w", "b4.w"], ["b5.w"]]
+    assert all(sum(t.numel() * 4 for _, t in wave) >= 35 * 4 for wave in waves[:-1])
+    assert [len(wave) for wave in in_waves(iter(buckets), min_bytes=0)] == [1] * 6  # each bucket is a wave
+    assert list(in_waves(iter([[], []]), min_bytes=0)) == []  # empty buckets make no wave
+
+
+def test_waves_hold_contiguous_tensors() -> None:
+    transposed = torch.arange(12.0).reshape(3, 4).t()
+    ((name, tensor),) = next(in_waves(iter([[("w", transposed)]]), min_bytes=0))
+    assert name == "w" and tensor.is_contiguous() and torch.equal(tensor, transposed)

@@ -50,7 +50,10 @@ class StagingReceiver:
         else:
             self.paths = [Path(path) for path in paths]
             self.buckets = [map_staging_file(path, self.capacity) for path in self.paths]
-        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers)
+        # Only the first receiver switches the engine; the other lanes never send it a request.
+        self.http = (
+            httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers) if paths is None else None
+        )
         if transport == "nixl":
             from ray.experimental import register_nixl_memory  # deferred: imports nixl
 
@@ -125,7 +128,8 @@ class StagingReceiver:
 
     def close(self) -> None:
         """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
-        self.http.close()
+        if self.http is not None:
+            self.http.close()
         self._remove_files()
 
     def __del__(self) -> None:

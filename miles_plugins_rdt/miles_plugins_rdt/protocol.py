@@ -181,6 +181,9 @@ class RdtProtocol(HttpEngineProtocol):
         try:
             await self._wait_all(commits)
         except BaseException:
+            for _, commit in commits:  # a switch still held back (this transfer was cancelled, say) never runs
+                with contextlib.suppress(Exception):
+                    ray.cancel(commit)
             failed_receives = self._failed_calls(pending)
             if failed_receives:  # then no engine switched: every bucket served from is as it was
                 for name in failed_receives:  # a lane may have died: connect() starts them anew
@@ -269,6 +272,8 @@ class RdtProtocol(HttpEngineProtocol):
 
     def _failed_calls(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
         """The first error of each engine among the ``(engine name, call)`` pairs that have finished."""
+        if not calls:
+            return {}
         finished, _ = ray.wait([call for _, call in calls], num_returns=len(calls), timeout=0)
         finished_ids = {ref.hex() for ref in finished}
         failures: dict[str, BaseException] = {}

@@ -179,3 +179,11 @@ def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeyp
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
     loop.run_until_complete(protocol.transfer(iter([sent[:6], sent[6:]]), version=45))
     assert served(ray_engines, loop, 2) == [("45", checksum(sent))] * 2
+
+
+def test_receivers_freeze_what_they_hold_after_start(ray_engines, protocol, loop) -> None:
+    """A full garbage collection over a receiver's start-up objects stalled a switch by 175 ms: they are frozen."""
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    lanes = [lane for _, engine_lanes in protocol.receivers.values() for lane in engine_lanes]
+    frozen = ray.get([lane.__ray_call__.remote(lambda receiver: __import__("gc").get_freeze_count()) for lane in lanes])
+    assert len(frozen) == 2 * protocol.lanes and min(frozen) > 10_000, frozen

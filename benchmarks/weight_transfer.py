@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,6 +97,7 @@ async def main(args: argparse.Namespace) -> None:
             print(f"{name:22s} {results[name]:6.2f} GB/s", flush=True)
     finally:
         await provider.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)  # a GiB-sized model and its staging files
     print(f"{'memcpy (preallocated)':22s} {results['memcpy (preallocated)']:6.2f} GB/s")
     base = results["memcpy (preallocated)"]
     print("ratios to memcpy: " + ", ".join(f"{n} {r / base:.2f}" for n, r in results.items() if n[0] != "m"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import sys
 import tempfile
@@ -96,6 +97,7 @@ async def main(args: argparse.Namespace) -> None:
     finally:
         await provider.shutdown()
         ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)  # models of 272 MiB and 1 GiB
     for size, results in table.items():
         base = results["memcpy"]
         ratios = ", ".join(f"{n} {r / base:.2f}" for n, r in results.items() if n != "memcpy")

@@ -192,7 +192,7 @@ class RdtProtocol(HttpEngineProtocol):
             await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
             raise
         finally:
-            del refs  # the chunks' objects (the trainer's tensors stay registered for the next transfer)
+            del refs  # the waves' objects (the trainer's tensors stay registered for the next transfer)
         self._next_slot = 1 - slot
         self._keep_registered(sent, earlier)
         return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
@@ -266,7 +266,7 @@ class RdtProtocol(HttpEngineProtocol):
         failures: dict[str, BaseException] = {}
         for (name, _), result in zip(calls, results, strict=True):
             if isinstance(result, BaseException):
-                failures.setdefault(name, result)  # its first failure: later chunks fail for the same reason
+                failures.setdefault(name, result)  # its first failure: later calls fail for the same reason
         if failures:
             raise self._transfer_error(failures)
 

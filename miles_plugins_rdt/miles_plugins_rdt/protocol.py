@@ -9,12 +9,16 @@ Transfer (every step): the buckets of HF-named tensors from the ``HfWeightIterat
 other at dtype-aligned offsets of a staging bucket (a tensor that does not fit is an error naming it) and move P2P
 into every engine rank's staging bucket while the iterator goes on (NIXL: in waves of at least ``WAVE_BYTES``; the
 receiver reads the trainer's memory, registered once, straight into its registered bucket, each wave cut into byte
-ranges that the engine rank's receive lanes read in parallel; gloo: each bucket as it comes, the send actor sends
-it to each receiver). Each engine rank has two staging buckets and serves from one while the next version fills the
-other. Only when every engine rank holds every tensor does each engine switch its weights to the new bucket and
-take the new version, in one request, which Ray holds back until every read of every engine rank has succeeded: a
-transfer that fails before that leaves every engine serving the old version, whole. A failure during the switch
-replaces every receiver (new buckets), so no engine's served bucket is ever written.
+ranges that the engine rank's receive lanes read in parallel; gloo: each bucket as it comes, the send actor sends it
+to each receiver). An RDT object over NIXL describes memory rather than holding a copy of it, so when a transfer
+sends the same bytes of the same trainer memory as the last one (a trainer's weights, updated in place), it hands
+the lanes the objects of the last transfer again instead of putting new ones (each ``ray.put`` costs the trainer
+about 3 ms); every read gets what that memory holds when it reads. Each engine rank has two staging buckets and
+serves from one while the next version fills the other. Only when every engine rank holds every tensor does each
+engine switch its weights to the new bucket and take the new version, in one request, which Ray holds back until
+every read of every engine rank has succeeded: a transfer that fails before that leaves every engine serving the old
+version, whole. A failure during the switch replaces every receiver (new buckets), so no engine's served bucket is
+ever written.
 
 The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
 reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -53,6 +58,7 @@ MIN_LANE_SHARE = 16 << 20
 # call per receive lane (about 3 ms of the trainer's CPU, and a read that starts apart from the others), so a 272 MiB
 # version that came as two buckets moved in 49-51 ms as one wave against 62-74 ms as two.
 WAVE_BYTES = 256 << 20
+RELEASE_TIMEOUT_S = 10.0  # how long to wait for Ray to free dropped RDT objects before their memory is deregistered
 NOT_IN_RAY = ("the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with "
               "--run-worker-provider ray)")  # fmt: skip
 
@@ -85,6 +91,9 @@ class RdtProtocol(HttpEngineProtocol):
         self._next_slot = 0  # the staging bucket that no engine serves from
         self._registered: dict[int, torch.Tensor] = {}  # trainer-side memory registered with NIXL, by storage
         self._on_huge_pages: set[int] = set()  # the registered storages already collapsed onto huge pages
+        self._registrations = 0  # counts the changes to the registered memory: an RDT object carries a snapshot of it
+        self._standing: dict[tuple, StandingObject] = {}  # the last transfer's NIXL objects, by the bytes they send
+        self._dropped: list[StandingObject] = []  # objects no transfer hands out again, until Ray has freed them
 
     # -- connect --------------------------------------------------------------------------------------------
 
@@ -162,15 +171,14 @@ class RdtProtocol(HttpEngineProtocol):
         started = time.perf_counter()
         if self.transport == "nixl":
             pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
-        slot, rows, sent, pending, refs = self._next_slot, [], [], [], []
+        slot, rows, sent, pending, held = self._next_slot, [], [], [], []  # held: the gloo waves' objects
         earlier = set(self._registered)  # memory registered by earlier transfers
+        objects: dict[tuple, StandingObject] = {}  # this transfer's NIXL objects, new or standing
         for wave in in_waves(buckets, WAVE_BYTES if self.transport == "nixl" else 0):  # received in this order
             start = rows[-1][3] + rows[-1][4] if rows else 0
             wave_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
                          for s in lay_out(wave, capacity=self.capacity, start=start)]  # fmt: skip
-            wave_refs, calls = self._start_wave(wave, wave_rows, slot)
-            refs.extend(wave_refs)
-            pending.extend(calls)
+            pending.extend(self._start_wave(wave, wave_rows, slot, objects, held))
             rows.extend(wave_rows)
             sent.extend(tensor for _, tensor in wave)
         # Each engine's switch waits, inside Ray, for every receive of every engine rank: it runs only once all
@@ -181,6 +189,8 @@ class RdtProtocol(HttpEngineProtocol):
         try:
             await self._wait_all(commits)
         except BaseException:
+            self._stand({})
+            objects.clear()  # an error's traceback holds this frame: its objects must not live on with it
             for _, commit in commits:  # a switch still held back (this transfer was cancelled, say) never runs
                 with contextlib.suppress(Exception):
                     ray.cancel(commit)
@@ -192,36 +202,73 @@ class RdtProtocol(HttpEngineProtocol):
             await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
             raise
         finally:
-            del refs  # the waves' objects (the trainer's tensors stay registered for the next transfer)
+            del held  # the NIXL objects stand for the next transfer in `objects` (or were just dropped)
         self._next_slot = 1 - slot
+        self._stand(objects)
         self._keep_registered(sent, earlier)
         return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
 
-    def _start_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int) -> tuple[list, list]:
-        """Start moving a wave of buckets into every receiver's bucket ``slot``: the wave's objects and ``(engine name,
-        call)`` pairs. Nothing waits: the next wave starts while this one moves (its tensors stay referenced)."""
+    def _start_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int,
+                    objects: dict[tuple, StandingObject], held: list) -> list[tuple[str, Any]]:  # fmt: skip
+        """Start moving a wave of buckets into every receiver's bucket ``slot``: ``(engine name, call)`` pairs. The
+        wave's objects go into ``objects`` (NIXL) or ``held`` (gloo). Nothing waits: the next wave starts while this
+        one moves."""
         if self.transport == "nixl":
-            return self._start_nixl_wave(wave, rows, slot)
+            return self._start_nixl_wave(wave, rows, slot, objects)
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
         for target, (_, tensor) in zip(views(self.send_bucket[1], slots), wave, strict=True):
             target.copy_(tensor)  # each wave has its own bytes of the send bucket: nothing in flight is overwritten
-        ref = self.sender.chunk.remote(rows)
-        return [ref], [(name, lanes[0].receive_gloo.remote(ref, rows, slot))
-                       for name, (_, lanes) in self.receivers.items()]  # fmt: skip
+        held.append(self.sender.chunk.remote(rows))
+        return [
+            (name, lanes[0].receive_gloo.remote(held[-1], rows, slot)) for name, (_, lanes) in self.receivers.items()
+        ]
 
-    def _start_nixl_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int
-                         ) -> tuple[list, list]:  # fmt: skip
-        """One RDT object per receive lane, holding that lane's byte ranges of the wave's tensors; the lanes' reads
-        are asked for once every object exists, so that they start together."""
+    def _start_nixl_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int,
+                         objects: dict[tuple, StandingObject]) -> list[tuple[str, Any]]:  # fmt: skip
+        """One RDT object per receive lane, holding that lane's byte ranges of the wave's tensors (the last
+        transfer's, where it sent the same bytes); the lanes' reads are asked for once every object exists, so that
+        they start together."""
         self._register(tensor for _, tensor in wave)
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
         lane_count = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
         shares = [pieces for pieces in split_into_lanes(slots, lane_count) if pieces]
-        refs = [ray.put([byte_range(wave[p.tensor][1], p.start, p.nbytes) for p in pieces], _tensor_transport="nixl")
+        refs = [self._lane_object([byte_range(wave[p.tensor][1], p.start, p.nbytes) for p in pieces], objects)
                 for pieces in shares]  # fmt: skip
-        return refs, [(name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
-                      for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
-                      for name, (_, lanes) in self.receivers.items()]  # fmt: skip
+        return [(name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
+                for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
+                for name, (_, lanes) in self.receivers.items()]  # fmt: skip
+
+    def _lane_object(self, ranges: list[torch.Tensor], objects: dict[tuple, StandingObject]) -> Any:
+        """The RDT object of one lane's byte ranges: the last transfer's object for the same bytes of the same memory
+        if nothing registered has changed since it was put (its views keep that memory where it is), else a new
+        one. Either way it goes into ``objects``, this transfer's."""
+        key = tuple((view.data_ptr(), view.numel()) for view in ranges)
+        standing = self._standing.get(key)
+        if standing is None or standing.registrations != self._registrations:
+            standing = StandingObject(ray.put(ranges, _tensor_transport="nixl"), ranges, self._registrations)
+        objects[key] = standing
+        return standing.ref
+
+    def _stand(self, objects: dict[tuple, StandingObject]) -> None:
+        """Keep ``objects`` (a transfer's) for the next transfer; the ones kept before and not among them are
+        dropped."""
+        kept = {id(standing) for standing in objects.values()}
+        for standing in self._standing.values():
+            if id(standing) not in kept:
+                standing.ref = None  # Ray frees the object once no call holds it
+                self._dropped.append(standing)
+        self._standing = dict(objects)
+
+    def _wait_dropped_freed(self) -> None:
+        """Wait until Ray has freed the dropped objects: Ray holds a registration of its own for
+        the memory of each live object, so deregistering that memory before then would leave it registered."""
+        from ray.experimental import wait_tensor_freed  # deferred: RDT internals
+
+        dropped, self._dropped = self._dropped, []
+        deadline = time.monotonic() + RELEASE_TIMEOUT_S
+        for view in (view for standing in dropped for view in standing.ranges):
+            with contextlib.suppress(TimeoutError):  # then Ray deregisters the memory itself once it frees the object
+                wait_tensor_freed(view, timeout=max(0.0, deadline - time.monotonic()))
 
     def _register(self, tensors: Iterable[torch.Tensor]) -> None:
         """Register the trainer's tensors with NIXL once (a trainer's weights keep their memory between steps)."""
@@ -232,6 +279,7 @@ class RdtProtocol(HttpEngineProtocol):
             if key not in self._registered:
                 register_nixl_memory(tensor)
                 self._registered[key] = tensor
+                self._registrations += 1
 
     def _keep_registered(self, sent: list[torch.Tensor], earlier: set[int]) -> None:
         """After a transfer, with nothing in flight: release the registrations of memory it did not send from
@@ -239,11 +287,18 @@ class RdtProtocol(HttpEngineProtocol):
         from ray.experimental import deregister_nixl_memory  # deferred: imports nixl
 
         used = {tensor.untyped_storage().data_ptr() for tensor in sent}
-        for key in [key for key in self._registered if key not in used]:
+        unused = set(self._registered) - used
+        to_collapse = (used & earlier) - self._on_huge_pages
+        if unused or to_collapse:  # the registered memory changes: no object put so far stands for later transfers
+            self._stand({})
+            self._registrations += 1
+            self._wait_dropped_freed()
+        for key in unused:
             deregister_nixl_memory(self._registered.pop(key))
             self._on_huge_pages.discard(key)
-        for key in (used & earlier) - self._on_huge_pages:
+        for key in to_collapse:
             self._move_onto_huge_pages(key)
+        self._dropped = []  # over memory whose registration stays as it is: Ray frees them in its own time
 
     def _move_onto_huge_pages(self, key: int) -> None:
         """Memory sent twice is the trainer's own, not a fresh export (which would not repay this): collapse it
@@ -323,8 +378,20 @@ class RdtProtocol(HttpEngineProtocol):
     async def close(self) -> None:
         if ray.is_initialized():
             await self._drop_all_receivers()
+            self._stand({})
             self._keep_registered([], set())
         await super().close()
+
+
+@dataclasses.dataclass
+class StandingObject:
+    """An RDT object over NIXL that a later transfer may hand the lanes again: its byte ranges (views of the
+    trainer's memory) and the count of registration changes when it was put (its transport metadata is a snapshot
+    of the trainer's registered memory)."""
+
+    ref: Any
+    ranges: list[torch.Tensor]
+    registrations: int
 
 
 def _as_future(ref: Any) -> asyncio.Future:

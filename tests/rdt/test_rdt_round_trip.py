@@ -187,3 +187,35 @@ def test_receivers_freeze_what_they_hold_after_start(ray_engines, protocol, loop
     lanes = [lane for _, engine_lanes in protocol.receivers.values() for lane in engine_lanes]
     frozen = ray.get([lane.__ray_call__.remote(lambda receiver: __import__("gc").get_freeze_count()) for lane in lanes])
     assert len(frozen) == 2 * protocol.lanes and min(frozen) > 10_000, frozen
+
+
+def test_a_trainer_updating_its_weights_in_place_is_sent_without_new_objects(ray_engines, protocol, loop,
+                                                                            monkeypatch) -> None:  # fmt: skip
+    """Once the trainer's registered memory settles, each transfer hands the lanes the last transfer's RDT objects
+    (they describe memory, not a copy of it) and the engines get the values that memory holds now; a trainer that
+    sends from other memory gets new objects (so do the next transfers, until its registrations settle), and Ray
+    frees every object that no longer stands."""
+    monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)  # both lanes read
+    puts = []
+    put = ray.put
+    monkeypatch.setattr(ray, "put", lambda *args, **kwargs: puts.append(1) or put(*args, **kwargs))
+    store = ray.worker.global_worker.rdt_manager.rdt_store
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    for version in range(50, 56):
+        with torch.no_grad():
+            for parameter in trainer.model.parameters():
+                parameter.add_(0.001)  # in place: the same memory, new values
+        puts.clear()
+        loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(BUCKET)), version=version))
+        expected = checksum(tensors_of(trainer.weight_iterator(BUCKET)))
+        assert served(ray_engines, loop, 2) == [(str(version), expected)] * 2
+    assert not puts, "transfers from memory that did not move put new objects"
+    assert store.get_num_objects() == len(protocol._standing) == 2  # one per lane, nothing else kept
+    fresh = [(name, tensor * 0.5) for name, tensor in tensors_of(trainer.weight_iterator(BUCKET))]  # other memory
+    for version in (56, 57):
+        puts.clear()
+        loop.run_until_complete(protocol.transfer(iter([fresh]), version=version))
+        assert served(ray_engines, loop, 2) == [(str(version), checksum(fresh))] * 2
+        assert len(puts) == 2, "the registered memory changed: objects put before do not stand"
+        assert store.get_num_objects() == len(protocol._standing), "Ray keeps objects that no transfer uses"

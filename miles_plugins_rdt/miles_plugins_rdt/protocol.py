@@ -14,11 +14,10 @@ to each receiver). An RDT object over NIXL describes memory rather than holding 
 sends the same bytes of the same trainer memory as the last one (a trainer's weights, updated in place), it hands
 the lanes the objects of the last transfer again instead of putting new ones (each ``ray.put`` costs the trainer
 about 3 ms); every read gets what that memory holds when it reads. Each engine rank has two staging buckets and
-serves from one while the next version fills the other. Only when every engine rank holds every tensor does each
-engine switch its weights to the new bucket and take the new version, in one request, which Ray holds back until
-every read of every engine rank has succeeded: a transfer that fails before that leaves every engine serving the old
-version, whole. A failure during the switch replaces every receiver (new buckets), so no engine's served bucket is
-ever written.
+serves from one while the next version fills the other. Only when every read of every engine rank has succeeded does
+the trainer ask each engine to switch its weights to the new bucket and take the new version, in one request: a
+transfer that fails before that leaves every engine serving the old version, whole. A failure during the switch
+replaces every receiver (new buckets), so no engine's served bucket is ever written.
 
 The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
 reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
@@ -30,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -85,6 +85,7 @@ class RdtProtocol(HttpEngineProtocol):
         self.capacity = int(staging_bucket_mb * (1 << 20))
         self.receivers: dict[str, tuple[EngineEndpoint, list]] = {}  # engine name -> (endpoint, its lanes' actors)
         self.routes: dict[str, int] = {}
+        self.staging_paths: dict[str, list[str]] = {}  # engine name -> its staging buckets' files, on its node
         self.sender: Any = None
         self.send_bucket: tuple[Any, torch.Tensor] | None = None
         self.group: str | None = None
@@ -123,7 +124,7 @@ class RdtProtocol(HttpEngineProtocol):
     def _start_receiver(self, endpoint: EngineEndpoint, paths: list[str] | None = None) -> Any:
         return StagingReceiver.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             node_id=_node_of(endpoint.url), soft=False)).remote(
-            engine_name=endpoint.name, engine_url=endpoint.url, admin_key=endpoint.admin_key,
+            engine_name=endpoint.name, engine_url=endpoint.url,
             capacity=self.capacity, transport=self.transport, paths=paths)  # fmt: skip
 
     async def _start_lanes(self, endpoint: EngineEndpoint) -> None:
@@ -132,6 +133,7 @@ class RdtProtocol(HttpEngineProtocol):
         single-threaded ``process_vm_readv``: 5.3 GB/s alone, 8.8 GB/s for two, measured on 2 cores)."""
         lanes = self.receivers[endpoint.name][1]
         paths = await lanes[0].staging_paths.remote()
+        self.staging_paths[endpoint.name] = paths
         lanes.extend(self._start_receiver(endpoint, paths) for _ in range(self.lanes - 1))
         try:
             await asyncio.wait_for(asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])),
@@ -181,32 +183,44 @@ class RdtProtocol(HttpEngineProtocol):
             pending.extend(self._start_wave(wave, wave_rows, slot, objects, held))
             rows.extend(wave_rows)
             sent.extend(tensor for _, tensor in wave)
-        # Each engine's switch waits, inside Ray, for every receive of every engine rank: it runs only once all
-        # hold everything, and never if one of them failed (its arguments are then errors).
-        receives = [call for _, call in pending]
-        commits = [(name, lanes[0].commit.remote(rows, slot, str(version), *receives))
-                   for name, (_, lanes) in self.receivers.items()]  # fmt: skip
         try:
-            await self._wait_all(commits)
-        except BaseException:
+            read_failures = await self._failures_of(pending)  # no engine is asked to switch before every read is in
+            if read_failures:  # a lane may have died: connect() starts the engine's receivers anew
+                for name in read_failures:
+                    await self._drop_receiver(name)
+                raise self._transfer_error(read_failures)
+        except BaseException:  # failed or cancelled: every engine serves the bucket it served, untouched
             self._stand({})
             objects.clear()  # an error's traceback holds this frame: its objects must not live on with it
-            for _, commit in commits:  # a switch still held back (this transfer was cancelled, say) never runs
-                with contextlib.suppress(Exception):
-                    ray.cancel(commit)
-            failed_receives = self._failed_calls(pending)
-            if failed_receives:  # then no engine switched: every bucket served from is as it was
-                for name in failed_receives:  # a lane may have died: connect() starts them anew
-                    await self._drop_receiver(name)
-                raise self._transfer_error(failed_receives) from None
-            await self._drop_all_receivers()  # some engines may serve from `slot` now: never write into it again
             raise
         finally:
             del held  # the NIXL objects stand for the next transfer in `objects` (or were just dropped)
+        await self._switch(rows, slot, version)
         self._next_slot = 1 - slot
         self._stand(objects)
         self._keep_registered(sent, earlier)
         return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
+
+    async def _switch(self, rows: list[list], slot: int, version: int) -> None:
+        """Have every engine serve the tensors of its staging bucket ``slot`` (no copy) as ``version``, in one
+        request each (``/update_weights_from_tensor`` ``shm_swap``: the engine maps the bucket's file). If one fails,
+        others may have switched: every receiver is replaced (new buckets), so no served bucket is written again."""
+        layout = [[name, dtype, shape, offset] for name, dtype, shape, offset, _ in rows]
+        clients = {client.name: client for client in self.clients}
+
+        async def switch(name: str) -> None:
+            staged = json.dumps({"path": self.staging_paths[name][slot], "size": self.capacity, "tensors": layout})
+            await clients[name]._control("/update_weights_from_tensor", serialized_named_tensors=[staged],
+                                         load_format="shm_swap", weight_version=str(version))  # fmt: skip
+
+        try:
+            failures = await self._failures_of([(name, switch(name)) for name in self.receivers])
+        except BaseException:
+            await self._drop_all_receivers()
+            raise
+        if failures:
+            await self._drop_all_receivers()
+            raise self._transfer_error(failures)
 
     def _start_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int,
                     objects: dict[tuple, StandingObject], held: list) -> list[tuple[str, Any]]:  # fmt: skip
@@ -314,30 +328,14 @@ class RdtProtocol(HttpEngineProtocol):
             register_nixl_memory(tensor)
         self._on_huge_pages.add(key)
 
-    async def _wait_all(self, calls: list[tuple[str, Any]]) -> None:
-        """Wait for every ``(engine name, call)``; any failure is one error naming each engine that failed."""
-        results = await asyncio.gather(*(asyncio.wait_for(_as_future(call), self.timeout_s) for _, call in calls),
+    async def _failures_of(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
+        """Wait for every ``(engine name, Ray call or coroutine)``; the first failure of each engine that had one."""
+        results = await asyncio.gather(*(asyncio.wait_for(_awaitable(call), self.timeout_s) for _, call in calls),
                                        return_exceptions=True)  # fmt: skip
         failures: dict[str, BaseException] = {}
         for (name, _), result in zip(calls, results, strict=True):
             if isinstance(result, BaseException):
                 failures.setdefault(name, result)  # its first failure: later calls fail for the same reason
-        if failures:
-            raise self._transfer_error(failures)
-
-    def _failed_calls(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
-        """The first error of each engine among the ``(engine name, call)`` pairs that have finished."""
-        if not calls:
-            return {}
-        finished, _ = ray.wait([call for _, call in calls], num_returns=len(calls), timeout=0)
-        finished_ids = {ref.hex() for ref in finished}
-        failures: dict[str, BaseException] = {}
-        for name, call in calls:
-            if call.hex() in finished_ids and name not in failures:
-                try:
-                    ray.get(call, timeout=0)
-                except Exception as error:  # every failure is reported, by engine
-                    failures[name] = error
         return failures
 
     def _transfer_error(self, failures: dict[str, BaseException]) -> RdtTransferError:
@@ -350,8 +348,9 @@ class RdtProtocol(HttpEngineProtocol):
         """Stop an engine's receivers; the first removes the staging files (ray.kill alone would leave them in
         /dev/shm)."""
         _, lanes = self.receivers.pop(name)
+        self.staging_paths.pop(name, None)
         with contextlib.suppress(Exception):  # a dead receiver has nothing left to close
-            await asyncio.wait_for(asyncio.gather(*(_as_future(lane.close.remote()) for lane in lanes)), timeout=10)
+            await asyncio.wait_for(asyncio.gather(*(_awaitable(lane.close.remote()) for lane in lanes)), timeout=10)
         for lane in lanes:
             ray.kill(lane, no_restart=True)
 
@@ -394,8 +393,8 @@ class StandingObject:
     registrations: int
 
 
-def _as_future(ref: Any) -> asyncio.Future:
-    return asyncio.wrap_future(ref.future())
+def _awaitable(call: Any) -> Any:
+    return asyncio.wrap_future(call.future()) if isinstance(call, ray.ObjectRef) else call
 
 
 def _describe(error: BaseException) -> str:

@@ -5,24 +5,22 @@ process) that the Ray provider's actor starts and supervises, so Ray Direct Tran
 memory. The receiver runs on the engine's node and owns the engine rank's staging: two fixed-size uint8 buckets,
 each backed by a shared-memory file and registered once with NIXL. A version's tensors move P2P from the trainer
 straight into one bucket (NIXL reads into it; gloo receives and copies into it) while the engine serves from the
-other; once every engine rank holds everything, :meth:`commit` has the engine point its weights at the new bucket
+other; once every engine rank holds everything, the trainer has the engine point its weights at the new bucket
 (``/update_weights_from_tensor`` ``shm_swap``: the pages are mapped by both processes, nothing is copied or
 pickled) and set the version in the same step. The receiver also checks, once, that a Ray actor hosts its engine.
 An engine rank's other receive lanes are receivers that map the first one's buckets and read their share of each
-large chunk in their own process; only the first switches the engine.
+large wave in their own process.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
 import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
 import psutil
 import ray
 import torch
@@ -38,12 +36,11 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 class StagingReceiver:
     """Owns one engine rank's staging bucket; receives chunks into it and has the engine load them."""
 
-    def __init__(self, *, engine_name: str, engine_url: str, admin_key: str | None, capacity: int,
-                 transport: str, paths: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(self, *, engine_name: str, engine_url: str, capacity: int, transport: str,
+                 paths: list[str] | None = None) -> None:  # fmt: skip
         """``paths``: the staging files of the engine's first receiver, for another receive lane of the same
         engine (it reads its share of every chunk into the same buckets); without them, new staging files."""
         self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
-        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.owns_files = paths is None  # the first receiver creates and removes them; lanes only map them
         if paths is None:
             self.paths = [SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
@@ -51,10 +48,6 @@ class StagingReceiver:
         else:
             self.paths = [Path(path) for path in paths]
             self.buckets = [map_staging_file(path, self.capacity) for path in self.paths]
-        # Only the first receiver switches the engine; the other lanes never send it a request.
-        self.http = (
-            httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0), headers=self.headers) if paths is None else None
-        )
         if transport == "nixl":
             from ray.experimental import register_nixl_memory  # deferred: imports nixl
 
@@ -118,24 +111,8 @@ class StagingReceiver:
             target.copy_(tensor)
         return sum(slot.nbytes for slot in slots)
 
-    def commit(self, rows: list[list], slot: int, version: str, *received: int) -> int:
-        """Have the engine serve the tensors of bucket ``slot`` (no copy) as ``version``, in one request.
-        ``received``: the results of every receive of the version, which Ray resolves before this runs."""
-        slots = _slots(rows)
-        staged = json.dumps({"path": str(self.paths[slot]), "size": self.capacity,
-                             "tensors": [s.as_row() for s in slots]})  # fmt: skip
-        request = {"serialized_named_tensors": [staged], "load_format": "shm_swap", "weight_version": version}
-        response = self.http.post(f"{self.engine_url}/update_weights_from_tensor", json=request)
-        body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
-        if response.status_code != 200 or not body.get("success", False):
-            raise RuntimeError(f"engine {self.engine_name} refused the weights ({response.status_code}): "
-                               f"{body.get('message') or body.get('error') or response.text[:500]}")  # fmt: skip
-        return sum(slot.nbytes for slot in slots)
-
     def close(self) -> None:
         """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
-        if self.http is not None:
-            self.http.close()
         self._remove_files()
 
     def __del__(self) -> None:

@@ -185,17 +185,17 @@ class RdtProtocol(HttpEngineProtocol):
             sent.extend(tensor for _, tensor in wave)
         try:
             read_failures = await self._failures_of(pending)  # no engine is asked to switch before every read is in
-            if read_failures:  # a lane may have died: connect() starts the engine's receivers anew
-                for name in read_failures:
+            if read_failures:  # then every engine serves the bucket it served, untouched
+                for name in read_failures:  # a lane may have died: connect() starts the engine's receivers anew
                     await self._drop_receiver(name)
                 raise self._transfer_error(read_failures)
-        except BaseException:  # failed or cancelled: every engine serves the bucket it served, untouched
+            await self._switch(rows, slot, version)
+        except BaseException:
             self._stand({})
             objects.clear()  # an error's traceback holds this frame: its objects must not live on with it
             raise
         finally:
             del held  # the NIXL objects stand for the next transfer in `objects` (or were just dropped)
-        await self._switch(rows, slot, version)
         self._next_slot = 1 - slot
         self._stand(objects)
         self._keep_registered(sent, earlier)
@@ -274,8 +274,8 @@ class RdtProtocol(HttpEngineProtocol):
         self._standing = dict(objects)
 
     def _wait_dropped_freed(self) -> None:
-        """Wait until Ray has freed the dropped objects: Ray holds a registration of its own for
-        the memory of each live object, so deregistering that memory before then would leave it registered."""
+        """Wait until Ray has freed the dropped objects: Ray holds a registration of its own for the memory of each
+        live object, so deregistering that memory before then would leave it registered."""
         from ray.experimental import wait_tensor_freed  # deferred: RDT internals
 
         dropped, self._dropped = self._dropped, []

@@ -154,9 +154,9 @@ def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch)
 
 
 def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch) -> None:
-    """A read that fails holds back every engine's switch (it depends on every read), so no engine serves anything
-    new; the engine's receivers are dropped, a transfer before connect() again is refused, and after it the next
-    transfer reaches every engine exactly."""
+    """A read that fails means no engine is asked to switch (the trainer asks only once every read is in), so no
+    engine serves anything new; the engine's receivers are dropped, a transfer before connect() again is refused,
+    and after it the next transfer reaches every engine exactly."""
     monkeypatch.setattr(protocol_module, "WAVE_BYTES", 1)
     monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)  # both lanes read from every wave
     trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)

@@ -6,7 +6,7 @@ Usage: ``python benchmarks/weight_transfer_rdt.py [--repeats 3] [--sizes 256,102
 (median of the repeats after two warm-up transfers, one into each buffer of the protocols that alternate two, each
 including the engine's load into its model) and, last, the ratios to memcpy, two ways: to the memcpy measured once
 before the protocols, and the median over the repeats of each transfer's rate over the rate of a memcpy of the same
-tensors timed just before it. On a shared 2-core machine the memcpy rate itself drifts (6.6 to 11.9 GB/s between
+tensors timed just before it. On a shared 2-core machine the memcpy rate itself drifts (6.1 to 11.9 GB/s between
 runs), so only the second compares a protocol with a copy made at the same time.
 """
 

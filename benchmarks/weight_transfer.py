@@ -46,17 +46,25 @@ def one_gib_model(path: Path) -> torch.nn.Module:
     return model
 
 
-def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
-    sources = [t.detach() for t in model.state_dict().values()]
-    targets = [torch.empty_like(t) for t in sources]
-    total = sum(t.numel() * t.element_size() for t in sources)
-    seconds = []
-    for _ in range(repeats):
+class MemoryCopy:
+    """A copy of the model's tensors into tensors allocated once, timed one whole copy at a time."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.sources = [tensor.detach() for tensor in model.state_dict().values()]
+        self.targets = [torch.empty_like(tensor) for tensor in self.sources]
+        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in self.sources)
+
+    def rate(self) -> float:
+        """GB/s of one copy of every tensor."""
         start = time.perf_counter()
-        for target, source in zip(targets, sources, strict=True):
+        for target, source in zip(self.targets, self.sources, strict=True):
             target.copy_(source)
-        seconds.append(time.perf_counter() - start)
-    return total / statistics.median(seconds) / 1e9
+        return self.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
+    copy = MemoryCopy(model)
+    return statistics.median(copy.rate() for _ in range(repeats))
 
 
 async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int,

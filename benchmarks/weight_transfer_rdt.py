@@ -18,13 +18,16 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import ray
 import torch
 import transformers
-from weight_transfer import WARMUP, memcpy_rate  # the same baseline and warm-up as benchmarks/weight_transfer.py
+from weight_transfer import (  # the same baseline and warm-up as benchmarks/weight_transfer.py
+    WARMUP,
+    MemoryCopy,
+    memcpy_rate,
+)
 
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -51,25 +54,8 @@ def make_model(path: Path, size_mb: int) -> torch.nn.Module:
     return model
 
 
-class MemcpyBeside:
-    """A copy of the model's tensors into preallocated tensors (their pages given before any timing), timed one
-    copy at a time so that each transfer gets a baseline taken just before it."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.sources = [tensor.detach() for tensor in model.state_dict().values()]
-        self.targets = [torch.empty_like(tensor) for tensor in self.sources]
-        self.nbytes = sum(tensor.numel() * tensor.element_size() for tensor in self.sources)
-        self.rate()
-
-    def rate(self) -> float:
-        start = time.perf_counter()
-        for target, source in zip(self.targets, self.sources, strict=True):
-            target.copy_(source)
-        return self.nbytes / (time.perf_counter() - start) / 1e9
-
-
 async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int,
-                        memcpy: MemcpyBeside) -> tuple[float, float]:  # fmt: skip
+                        memcpy: MemoryCopy) -> tuple[float, float]:  # fmt: skip
     """The median rate of ``name``'s transfers, and the median of each one's ratio to the memcpy timed before it."""
     registry_name, settings = PROTOCOLS[name]
     if registry_name == "rdt":  # a staging bucket holds one whole version of the weights
@@ -102,7 +88,8 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
     print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after {WARMUP} warm-ups", flush=True)
     results = {"memcpy": memcpy_rate(model, args.repeats)}
     ratios = {}
-    memcpy = MemcpyBeside(model)
+    memcpy = MemoryCopy(model)
+    memcpy.rate()  # the targets get their pages before any timing
     try:
         for name in args.protocols.split(","):
             results[name], ratios[name] = await protocol_rate(name, endpoint, model, args.repeats, memcpy)

@@ -34,7 +34,7 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)
 class StagingReceiver:
-    """Owns one engine rank's staging bucket; receives chunks into it and has the engine load them."""
+    """Owns one engine rank's staging buckets and receives its share of every wave into them."""
 
     def __init__(self, *, engine_name: str, engine_url: str, capacity: int, transport: str,
                  paths: list[str] | None = None) -> None:  # fmt: skip

@@ -30,10 +30,6 @@ class Slot:
     offset: int
     nbytes: int
 
-    def as_row(self) -> list:
-        """The ``[name, dtype, shape, offset]`` row of the local engine's shared-memory staging format."""
-        return [self.name, self.dtype, list(self.shape), self.offset]
-
 
 def nbytes_of(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()

@@ -8,12 +8,18 @@ including the engine's load into its model) and, last, the ratios to memcpy, two
 before the protocols, and the median over the repeats of each transfer's rate over the rate of a memcpy of the same
 tensors timed just before it. On a shared 2-core machine the memcpy rate itself drifts (6.1 to 11.9 GB/s between
 runs), so only the second compares a protocol with a copy made at the same time.
+
+``--across-machines`` runs every protocol the way it moves weights between two machines, still on this one: rdt over
+NIXL with UCX held to its TCP transport (no cross-memory attach, no shared memory), ``tensor`` with the weights in
+the request body instead of a shared-memory file; ``broadcast`` and rdt over gloo already use TCP, and ``disk`` still
+writes a local directory (across machines it needs a filesystem both can see).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import sys
@@ -55,9 +61,11 @@ def make_model(path: Path, size_mb: int) -> torch.nn.Module:
 
 
 async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int,
-                        memcpy: MemoryCopy) -> tuple[float, float]:  # fmt: skip
+                        memcpy: MemoryCopy, across_machines: bool) -> tuple[float, float]:  # fmt: skip
     """The median rate of ``name``'s transfers, and the median of each one's ratio to the memcpy timed before it."""
     registry_name, settings = PROTOCOLS[name]
+    if across_machines and registry_name == "tensor":
+        settings = {**settings, "shared_memory": False}
     if registry_name == "rdt":  # a staging bucket holds one whole version of the weights
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         settings = {**settings, "staging_bucket_mb": (nbytes >> 20) + 16}
@@ -92,7 +100,8 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
     memcpy.rate()  # the targets get their pages before any timing
     try:
         for name in args.protocols.split(","):
-            results[name], ratios[name] = await protocol_rate(name, endpoint, model, args.repeats, memcpy)
+            results[name], ratios[name] = await protocol_rate(name, endpoint, model, args.repeats, memcpy,
+                                                              args.across_machines)  # fmt: skip
             print(f"{name:10s} {results[name]:6.2f} GB/s  ({ratios[name]:.2f} of the memcpy beside each transfer)",
                   flush=True)  # fmt: skip
     finally:
@@ -103,6 +112,9 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
 
 async def main(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="miles-bench-rdt-"))
+    if args.across_machines:  # before any NIXL agent exists, here or in the Ray workers started below
+        os.environ["UCX_TLS"] = "tcp"
+        print("-- across machines: UCX over TCP only, tensor without shared memory", flush=True)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     provider = RayWorkerProvider(token=TOKEN, run_dir=workdir)
     table = {}
@@ -127,4 +139,9 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes", default="256,1024")
     parser.add_argument("--protocols", default="rdt-nixl,rdt-gloo,broadcast,tensor,disk")
+    parser.add_argument(
+        "--across-machines",
+        action="store_true",
+        help="every protocol as it runs between two machines (see the module docstring)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from miles_core.dashboard.server import DashboardServer
@@ -18,9 +19,21 @@ def serve_dashboard(run_dir: str, *, host: str, port: int) -> int:
     except OSError as exc:
         raise MilesError(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc} "
                          "(choose another --port, or --port 0 for a free one)") from None  # fmt: skip
+    _stop_on_signals()
     print(f"miles: dashboard of {run_dir} at {server.url} (Ctrl-C stops it)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("miles: dashboard stopped", file=sys.stderr)
     return 0
+
+
+def _stop_on_signals() -> None:
+    """Stop serving on SIGINT and SIGTERM. A process started as a background job of a script inherits SIGINT
+    ignored, and Python then installs no handler of its own: without this, ``kill -INT`` would not stop it."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)

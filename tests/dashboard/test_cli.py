@@ -50,7 +50,7 @@ def stopped_within_timeout(process: subprocess.Popen, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         os.kill(process.pid, signal.SIGABRT)
         process.wait(timeout=30)
-        pytest.fail(f"miles dashboard did not stop within {timeout_s} s of SIGINT; its stacks:\n"
+        pytest.fail(f"miles dashboard did not stop within {timeout_s} s of the stop signal; its stacks:\n"
                     f"{process.stderr.read()[-6000:]}")  # fmt: skip
 
 

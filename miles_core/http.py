@@ -1,0 +1,122 @@
+"""The one HTTP toolkit every server of the project uses: errors, bounded bodies, strict JSON, the bearer check.
+
+Every server of Miles (the local engine, the worker RPC, the dashboard, the session server) reads requests from
+possibly hostile local users. The rules live here once, so a fix reaches every server:
+
+- :class:`HttpError` carries a 4xx status and a message; servers answer it as ``{"error": message}``.
+- :func:`read_body` limits the body *stream*, not only its ``Content-Length``: a chunked body is cut off at the
+  limit instead of being read whole.
+- :func:`parse_json` accepts strict JSON only: no ``NaN``/``Infinity``, integers of at most
+  :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep. Anything else is a 400.
+- :func:`bearer_token_matches` is the one ``Authorization: Bearer <token>`` check: the scheme is
+  case-insensitive (RFC 9110 §11.1), the token is required, and it is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from typing import Any, Protocol
+
+MAX_JSON_DEPTH = 64
+"""The deepest nesting of arrays and objects a request may have (Miles' own requests use at most 4)."""
+
+MAX_INT_DIGITS = 64
+"""The longest integer literal a request may hold (token ids, sizes and seeds need at most 20 digits)."""
+
+
+class HttpError(Exception):
+    """A request the server refuses, with the HTTP status to answer (4xx) and a message saying what to do."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StreamingRequest(Protocol):
+    """What :func:`read_body` needs of a request: its headers and its body as a stream (Starlette's ``Request``)."""
+
+    @property
+    def headers(self) -> Any: ...
+
+    def stream(self) -> Any: ...
+
+
+async def read_body(request: StreamingRequest, *, limit: int) -> bytes:
+    """Read a request body of at most ``limit`` bytes; a larger one (declared or streamed) is a 413."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isascii() or not declared.isdigit():
+            raise HttpError(400, f"Content-Length must be a number of bytes, got {declared!r}")
+        if int(declared) > limit:
+            raise HttpError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse strict JSON from a request; malformed, non-finite, huge-integer or too-deep input is a 400."""
+    if _nested_deeper_than(raw, max_depth):
+        raise HttpError(400, f"request body is nested deeper than {max_depth} levels")
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int)
+    except HttpError:
+        raise
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def parse_json_object(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """:func:`parse_json` for a body that must be a JSON object (an empty body is ``{}``)."""
+    if not raw.strip():
+        return {}
+    body = parse_json(raw, max_depth=max_depth)
+    if not isinstance(body, dict):
+        raise HttpError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def bearer_token_matches(authorization: str | None, expected: str) -> bool:
+    """Whether an ``Authorization`` header presents ``expected`` as a bearer token (scheme case-insensitive)."""
+    scheme, _, presented = (authorization or "").strip().partition(" ")
+    presented = presented.strip()
+    if scheme.lower() != "bearer" or not presented or not expected:
+        return False
+    return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode())
+
+
+def _refuse_constant(name: str) -> Any:
+    raise HttpError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _bounded_int(literal: str) -> int:
+    if len(literal.lstrip("-")) > MAX_INT_DIGITS:
+        raise HttpError(400, f"request body holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
+    return int(literal)
+
+
+def _nested_deeper_than(raw: bytes | str, max_depth: int) -> bool:
+    """Whether ``[``/``{`` nest deeper than ``max_depth`` outside strings, found without recursion."""
+    text = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
+    openers = text.count(b"[") + text.count(b"{")
+    if openers <= max_depth:  # the fast path (bytes.count runs at memory speed): it cannot nest deeper
+        return False
+    depth = deepest = 0
+    for match in _STRUCTURE.finditer(text):
+        token = match.group()
+        if token in (b"[", b"{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in (b"]", b"}"):
+            depth -= 1
+    return deepest > max_depth
+
+
+_STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+"""A JSON string (skipped whole) or a bracket."""

@@ -151,7 +151,7 @@ def provide_weight_transfer_protocols() -> list[Implementation]:
 
 @hookimpl
 def provide_training_backends() -> list[Implementation]:
-    return [Implementation("torch", "miles_core.training.torch_trainer:TorchTrainer", "transformers model, AdamW")]
+    return [Implementation("torch", "miles_core.training.torch_trainer:TorchTrainer", "transformers model, AdamW/SGD")]
 
 
 @hookimpl

@@ -60,7 +60,8 @@ class TrainSection(Section):
     """The policy update."""
 
     backend: str = pydantic.Field(default="torch", description="Training backend (`miles plugins`).")
-    lr: float = pydantic.Field(default=3e-3, gt=0, description="AdamW learning rate.")
+    optimizer: Literal["adamw", "sgd"] = pydantic.Field(default="adamw", description="Optimizer of every trainer.")
+    lr: float = pydantic.Field(default=3e-3, gt=0, description="Learning rate.")
     weight_decay: float = pydantic.Field(default=0.0, ge=0)
     max_grad_norm: float = pydantic.Field(default=1.0, gt=0, description="Gradient clipping norm.")
     micro_batch_size: int = pydantic.Field(default=64, gt=0, description="Samples per forward/backward pass.")

@@ -1,7 +1,7 @@
 """``TorchTrainer``: the built-in training backend. A model implementation of the checkpoint's family (by default
 ``FAMILY/transformers``; ``--model-impl FAMILY=NAME`` chooses another) trained in this process with the PPO-clip
 loss on GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and
-an entropy bonus; micro-batches, AdamW and gradient clipping; checkpoints in HF format plus optimizer state."""
+an entropy bonus; micro-batches, AdamW or SGD and gradient clipping; checkpoints in HF format plus optimizer state."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from miles_core.models.hf_checkpoint import load_causal_lm, require_checkpoint_d
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
+from miles_core.training.optimizer import build_optimizer
 from miles_core.training.weight_iterator import HfWeightIterator
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -44,9 +45,7 @@ class TorchTrainer:
         self.hf_config = hf_config
         self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
-        )
+        self.optimizer = build_optimizer(model.parameters(), settings)
         self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
         self.step = 0
 

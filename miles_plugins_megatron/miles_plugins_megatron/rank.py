@@ -19,6 +19,7 @@ import torch.distributed as dist
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
+from miles_core.training.optimizer import build_optimizer
 from miles_core.workers.rpc_server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"
@@ -65,8 +66,7 @@ class MegatronRank:
         self.model = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
         self.model.to(self.device)
         self.load_weights(str(self.model_path))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.train.lr,
-                                           weight_decay=self.train.weight_decay, betas=(0.9, 0.99))  # fmt: skip
+        self.optimizer = build_optimizer(self.model.parameters(), self.train)
         self.reference = self._frozen_reference() if self.train.kl_coef > 0 else None
         self.step = 0
         return {"rank": self.rank, "tensor_parallel_rank": parallel_state.get_tensor_model_parallel_rank(),

@@ -103,3 +103,14 @@ def test_data_order_depends_on_the_step_alone() -> None:
     assert [p.text for p in executor.prompts_for(37)] == [p.text for p in again.prompts_for(37)]
     epoch = [p.text for step in range(32) for p in executor.prompts_for(step)]
     assert sorted(epoch) == sorted(p.text for p in train)  # one epoch visits every prompt once
+
+
+def test_the_sgd_optimizer_steps_by_lr_times_the_clipped_gradient() -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config())
+    sgd = TorchTrainer(model, TrainSection(optimizer="sgd", lr=0.5, max_grad_norm=1e9))
+    before = {name: p.detach().clone() for name, p in sgd.model.named_parameters()}
+    sgd.train_step(batch(1))
+    for name, parameter in sgd.model.named_parameters():
+        expected = before[name] - 0.5 * parameter.grad
+        torch.testing.assert_close(parameter.detach(), expected, rtol=0, atol=1e-6, msg=name)  # one float32 rounding

@@ -233,7 +233,7 @@ def test_token_is_required_on_every_route() -> None:
                         assert response.status_code == 401, response.text
             assert served.worker.executions == {}
             bad_client = RpcClient(url, token="wrong", worker="echo-0")
-            with pytest.raises(RpcRequestError, match="HTTP 401: wrong run token"):
+            with pytest.raises(RpcRequestError, match="HTTP 401: missing or wrong run token"):
                 await bad_client.call("ping")
             await bad_client.aclose()
 

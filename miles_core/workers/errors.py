@@ -29,7 +29,16 @@ class RemoteError(WorkerError):
         self.remote_traceback = traceback
 
 
-class WorkerDiedError(WorkerError):
+class _OutcomeUnknownError(WorkerError):
+    """A call that ended without an answer; ``may_have_run`` says whether the worker may have started it (False
+    only when no submit of it can have reached the worker, so calling again cannot run it twice)."""
+
+    def __init__(self, message: str, *, may_have_run: bool) -> None:
+        super().__init__(message)
+        self.may_have_run = may_have_run
+
+
+class WorkerDiedError(_OutcomeUnknownError):
     """The worker process is gone."""
 
 
@@ -37,7 +46,7 @@ class CallLostError(WorkerError):
     """The worker no longer knows an accepted call (it restarted, or the result expired)."""
 
 
-class RpcDeadlineError(WorkerError):
+class RpcDeadlineError(_OutcomeUnknownError):
     """A call did not finish before its deadline."""
 
 

@@ -36,7 +36,7 @@ from starlette.routing import Route
 
 from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
 from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
-from miles_core.workers.rpc_wire import DONE, FAILED, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 RPC_MARKER = "__miles_rpc_group__"
 DEFAULT_GROUPS: dict[str, int | None] = {"control": 1, "query": None}
@@ -314,7 +314,7 @@ class RpcServer:
         reason = self.store.forgotten_reason(submit.call_id)
         if reason is not None:
             raise HttpError(
-                409, f"call id {submit.call_id!r} was already executed and its result {reason}; use a new id"
+                GONE, f"call id {submit.call_id!r} was already executed and its result {reason}; use a new id"
             )
         method = self._methods.get(submit.method)
         if method is None:
@@ -347,7 +347,7 @@ class RpcServer:
         if record is None:
             reason = self.store.forgotten_reason(call_id)
             if reason is not None:
-                raise HttpError(404, f"call {call_id!r} {reason}: its result is no longer held")
+                raise HttpError(GONE, f"call {call_id!r} {reason}: its result is no longer held")
             raise HttpError(404, f"unknown call id {call_id!r} on worker {self.name}")
         return await self._answer(record, wait_s)
 

@@ -76,7 +76,7 @@ class _Method:
 
     @classmethod
     def of(cls, name: str, fn: Callable, group: str) -> _Method:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, eval_str=True)  # resolved hints, so errors show `value: int`
         hints = typing.get_type_hints(fn)
         adapters, expected = {}, {}
         for param in signature.parameters.values():

@@ -4,6 +4,10 @@
 ``GET  /rpc/poll?call_id=ID&wait_s=S``                                                   -> a call record
 ``GET  /rpc/health``                                                                     -> ``{"ok": true, "pid"}``
 
+A submit has only these fields (``args``, ``kwargs`` and ``wait_s`` may be left out); ``wait_s`` is a number of
+seconds >= 0 (at most :data:`MAX_WAIT_S` are used), in a poll written as a plain decimal such as ``2.5``. Bodies
+are strict JSON (no NaN or infinity, bounded integers and nesting: :mod:`miles_core.http`).
+
 A call record is ``{"call_id", "state": "running" | "done" | "failed"}`` plus ``"result"`` (done) or ``"error":
 {"type", "message", "traceback"}`` (failed). Every route needs ``Authorization: Bearer <run token>``.
 Errors are ``{"error": message}`` with a 4xx status: 400 a malformed request (nothing ran), 401 a missing or wrong

@@ -22,11 +22,9 @@ import re
 import socket
 import threading
 import traceback
-import typing
 from collections.abc import Callable
 from typing import Any
 
-import pydantic
 import pydantic_core
 import uvicorn
 from starlette.applications import Starlette
@@ -36,6 +34,7 @@ from starlette.routing import Route
 
 from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
 from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
+from miles_core.workers.rpc_arguments import ArgumentCheck, ArgumentError, short_repr
 from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 RPC_MARKER = "__miles_rpc_group__"
@@ -45,7 +44,6 @@ UNLIMITED_THREADS = 64
 MAX_CALL_ID_CHARS = 128
 SUBMIT_FIELDS = frozenset({"call_id", "method", "args", "kwargs", "wait_s"})
 POLL_PARAMS = frozenset({"call_id", "wait_s"})
-SHOWN_VALUE_CHARS = 200  # how much of a refused value an error message repeats
 
 
 def rpc_method(group: str = "control") -> Callable[[Callable], Callable]:
@@ -65,72 +63,24 @@ def rpc_methods_of(cls: type) -> dict[str, Callable]:
 
 @dataclasses.dataclass
 class _Method:
-    """A served method: its signature, and per parameter a strict type check and the type's name for errors."""
+    """A served method, its concurrency group and the strict check of its arguments."""
 
     name: str
     fn: Callable
     group: str
-    signature: inspect.Signature
-    adapters: dict[str, pydantic.TypeAdapter]
-    expected: dict[str, str]
+    arguments: ArgumentCheck
 
     @classmethod
     def of(cls, name: str, fn: Callable, group: str) -> _Method:
-        signature = inspect.signature(fn, eval_str=True)  # resolved hints, so errors show `value: int`
-        hints = typing.get_type_hints(fn)
-        adapters, expected = {}, {}
-        for param in signature.parameters.values():
-            annotation = hints.get(param.name, Any)
-            expected[param.name] = _type_name(annotation)
-            if param.kind is param.VAR_POSITIONAL:
-                annotation = tuple[annotation, ...]
-            elif param.kind is param.VAR_KEYWORD:
-                annotation = dict[str, annotation]
-            adapters[param.name] = pydantic.TypeAdapter(annotation)
-        return cls(name=name, fn=fn, group=group, signature=signature, adapters=adapters, expected=expected)
+        return cls(name=name, fn=fn, group=group, arguments=ArgumentCheck(name, fn))
 
     def bind(self, args: list[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         """Bind and strictly type-check JSON arguments; a mismatch is a 400 naming the parameter, the expected
         type and the value."""
         try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise HttpError(400, f"bad arguments for {self.name}{self.signature}: {exc}") from None
-        for name, value in bound.arguments.items():
-            bound.arguments[name] = self._check(name, value)
-        return bound
-
-    def _check(self, name: str, value: Any) -> Any:
-        """Validate one argument as the JSON it arrived as, in pydantic's strict mode: no coercion between types
-        (``true`` is not an ``int``, ``"5"`` is not an ``int``), while JSON's own encodings still count (an array
-        for a tuple, an object for a pydantic model, a string for an enum or a datetime)."""
-        refused = f"bad argument {name}={_shown(value)} for {self.name}{self.signature}: expected {self.expected[name]}"
-        try:
-            text = json.dumps(value, allow_nan=False)
-        except ValueError:
-            raise HttpError(400, f"{refused}; NaN and infinite numbers are not allowed") from None
-        try:
-            return self.adapters[name].validate_json(text, strict=True)
-        except pydantic.ValidationError as exc:
-            problems = "; ".join(_problem(name, error) for error in exc.errors(include_url=False))
-            raise HttpError(400, f"{refused}; {problems}") from None
-
-
-def _problem(name: str, error: Any) -> str:
-    where = name + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error["loc"])
-    return f"{where}: {error['msg']} (got {_shown(error['input'])})"
-
-
-def _type_name(annotation: Any) -> str:
-    if isinstance(annotation, type) and not typing.get_args(annotation):
-        return annotation.__qualname__
-    return repr(annotation).replace("typing.", "")
-
-
-def _shown(value: Any) -> str:
-    """``repr(value)``, cut short: an error message never repeats a whole request body."""
-    text = repr(value)
-    return text if len(text) <= SHOWN_VALUE_CHARS else f"{text[:SHOWN_VALUE_CHARS]}... ({len(text)} characters)"
+            return self.arguments.bind(args, kwargs)
+        except ArgumentError as exc:
+            raise HttpError(400, str(exc)) from None
 
 
 class _Group:
@@ -319,7 +269,7 @@ class RpcServer:
         method = self._methods.get(submit.method)
         if method is None:
             raise HttpError(
-                404, f"worker {self.name} has no method {_shown(submit.method)}; methods: {sorted(self._methods)}"
+                404, f"worker {self.name} has no method {short_repr(submit.method)}; methods: {sorted(self._methods)}"
             )
         bound = method.bind(submit.args, submit.kwargs)
         record = CallRecord(call_id=submit.call_id, fingerprint=submit.fingerprint, method=method.name)
@@ -379,11 +329,11 @@ class _Submit:
             raise HttpError(400, f"unknown submit fields {unknown}; a submit has {sorted(SUBMIT_FIELDS)}")
         method, args, kwargs = body.get("method"), body.get("args", []), body.get("kwargs", {})
         if not isinstance(method, str) or not method:
-            raise HttpError(400, f"method must be the name of a method (a non-empty string), got {_shown(method)}")
+            raise HttpError(400, f"method must be the name of a method (a non-empty string), got {short_repr(method)}")
         if not isinstance(args, list):
-            raise HttpError(400, f"args must be a JSON list of positional arguments, got {_shown(args)}")
+            raise HttpError(400, f"args must be a JSON list of positional arguments, got {short_repr(args)}")
         if not isinstance(kwargs, dict):
-            raise HttpError(400, f"kwargs must be a JSON object of keyword arguments, got {_shown(kwargs)}")
+            raise HttpError(400, f"kwargs must be a JSON object of keyword arguments, got {short_repr(kwargs)}")
         fingerprint = hashlib.sha256(json.dumps([method, args, kwargs], sort_keys=True).encode()).hexdigest()
         return cls(
             call_id=_call_id(body.get("call_id")),
@@ -406,7 +356,7 @@ def _parse_poll(request: Request) -> tuple[str, float]:
             raise HttpError(400, f"poll parameter {name} is given {len(params.getlist(name))} times; give it once")
     wait_s = params.get("wait_s", "0")
     if not _DECIMAL.fullmatch(wait_s):
-        raise HttpError(400, f"wait_s must be a number of seconds such as 2.5, got {_shown(wait_s)}")
+        raise HttpError(400, f"wait_s must be a number of seconds such as 2.5, got {short_repr(wait_s)}")
     return _call_id(params.get("call_id")), _wait_seconds(float(wait_s))
 
 
@@ -416,7 +366,8 @@ _DECIMAL = re.compile(r"[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?")
 
 def _call_id(value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= MAX_CALL_ID_CHARS:
-        raise HttpError(400, f"call_id must be a string of 1 to {MAX_CALL_ID_CHARS} characters, got {_shown(value)}")
+        allowed = f"a string of 1 to {MAX_CALL_ID_CHARS} characters"
+        raise HttpError(400, f"call_id must be {allowed}, got {short_repr(value)}")
     return value
 
 
@@ -425,7 +376,7 @@ def _wait_seconds(value: Any) -> float:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not number or (isinstance(value, float) and not math.isfinite(value)) or value < 0:
         allowed = f"a number of seconds >= 0 (at most {MAX_WAIT_S:g} are used)"
-        raise HttpError(400, f"wait_s must be {allowed}, got {_shown(value)}")
+        raise HttpError(400, f"wait_s must be {allowed}, got {short_repr(value)}")
     return float(min(value, MAX_WAIT_S))
 
 

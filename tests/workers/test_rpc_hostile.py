@@ -10,6 +10,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import socket
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ import pytest
 
 from miles_core.testkit.fault_proxy import FaultProxy
 from miles_core.workers.errors import CallLostError, RpcDeadlineError, RpcRequestError, WorkerDiedError
+from miles_core.workers.handle import WorkerHandle
+from miles_core.workers.rpc_arguments import ArgumentError
 from miles_core.workers.rpc_client import RpcClient
 from miles_core.workers.rpc_server import RpcServer, rpc_method
 
@@ -325,6 +328,30 @@ def test_the_client_refuses_non_json_arguments_before_sending() -> None:
                 await client.call("configure", Settings(lr=0.1, steps=1))
             assert served.worker.executions == {} and len(served.server.store) == 0
             await client.aclose()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs", "expected"),
+    [
+        ("record", ("k", True), {}, "bad argument value=True for TypedWorker.record(key: str, value: int) -> int"),
+        ("scale", (float("inf"),), {}, "bad argument factor=inf for TypedWorker.scale"),
+        ("total", ([1, "2"],), {}, "values[1]: Input should be a valid integer (got '2')"),
+        ("configure", ({"lr": 0.1},), {}, "settings.steps: Field required"),
+        ("maybe", (), {"n": 1.0}, "bad argument n=1.0"),
+        ("record", ("k",), {}, "missing a required argument: 'value'"),
+    ],
+)
+def test_a_handle_runs_the_same_strict_check_before_sending(method, args, kwargs, expected) -> None:
+    async def scenario() -> None:
+        async with Served() as served:
+            handle = WorkerHandle(RpcClient(served.server.url, token=TOKEN, worker="typed-0"), TypedWorker)
+            with pytest.raises(ArgumentError, match=re.escape(expected)):
+                await getattr(handle, method)(*args, **kwargs)
+            assert await handle.pair((1, 2)) == [1, 2]  # a tuple is sent as the JSON array it is
+            assert served.worker.executions == {"pair": 1} and len(served.server.store) == 1  # nothing else sent
+            await handle.client.aclose()
 
     run(scenario())
 

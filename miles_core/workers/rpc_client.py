@@ -84,7 +84,8 @@ class RpcClient:
         self, method: str, *args: Any, timeout_s: float | None = None, call_id: str | None = None, **kwargs: Any
     ) -> Any:
         """Call ``method`` with JSON arguments; return its JSON result or raise :class:`RemoteError` (or
-        :class:`RpcDeadlineError`, :class:`WorkerDiedError`, :class:`CallLostError`, :class:`RpcRequestError`)."""
+        :class:`RpcDeadlineError`, :class:`WorkerDiedError`, :class:`CallLostError`, :class:`RpcRequestError`).
+        Arguments that are not strict JSON (NaN, infinity, other objects) are a ``ValueError``, and nothing is sent."""
         call = _Call(self, method, call_id or uuid.uuid4().hex, time.monotonic() + (timeout_s or self.timeout_s))
         payload = {"call_id": call.call_id, "method": method, "args": list(args), "kwargs": kwargs}
         _check_json(payload, call)

@@ -527,7 +527,7 @@ def test_a_refused_connection_is_sent_again_and_the_call_runs_once_when_the_work
         port = _free_port()
         client = RpcClient(f"http://127.0.0.1:{port}", token=TOKEN, worker="typed-0")
         call = asyncio.create_task(client.call("record", "k", 5, timeout_s=30))
-        while client.resends < 3:  # the worker is not up yet: connection refused, sent again
+        while client.resends < 3 and not call.done():  # the worker is not up yet: connection refused, sent again
             await asyncio.sleep(0.01)
         async with Served(port=port) as served:
             assert await call == 10

@@ -124,6 +124,9 @@ class _Call:
         return f"{self.client.worker}.{self.method} (call {self.call_id}, {self.client.url})"
 
     def fate(self) -> str:
+        """What is known of whether the call ran, for an error that ends it without an answer."""
+        if self.accepted:
+            return f"the worker accepted it and may still run it: poll call id {self.call_id!r} to learn its outcome"
         if self.may_have_run:
             return f"it may have run: submit call id {self.call_id!r} again to learn its outcome"
         return "it never reached the worker, so it did not run"

@@ -92,6 +92,12 @@ class TypedWorker:
     def ping(self) -> str:
         return "pong"
 
+    @rpc_method("query")
+    async def nap(self, seconds: float) -> float:
+        self._ran("nap")
+        await asyncio.sleep(seconds)
+        return seconds
+
 
 class Served:
     """A TypedWorker served in this event loop, with an HTTP client that sends the run's token."""
@@ -544,6 +550,19 @@ def test_a_call_that_never_arrived_says_so_at_its_deadline() -> None:
             await client.call("record", "k", 1, timeout_s=0.5)
         assert caught.value.may_have_run is False
         await client.aclose()
+
+    run(scenario())
+
+
+def test_an_accepted_call_that_outlives_its_deadline_says_it_may_still_run() -> None:
+    async def scenario() -> None:
+        async with Served() as served:
+            client = RpcClient(served.server.url, token=TOKEN, worker="typed-0", long_poll_s=0.2)
+            expected = "the worker accepted it and may still run it: poll call id 'slow' to learn its outcome"
+            with pytest.raises(RpcDeadlineError, match=expected) as caught:
+                await client.call("nap", 3.0, timeout_s=0.6, call_id="slow")
+            assert caught.value.may_have_run is True and served.worker.executions == {"nap": 1}
+            await client.aclose()
 
     run(scenario())
 

@@ -129,7 +129,7 @@ class _Call:
             return f"the worker accepted it and may still run it: poll call id {self.call_id!r} to learn its outcome"
         if self.may_have_run:
             return f"it may have run: submit call id {self.call_id!r} again to learn its outcome"
-        return "it never reached the worker, so it did not run"
+        return "the worker never accepted it, so it did not run"
 
     async def request(self, verb: str, path: str, *, payload: dict | None = None, params: dict | None = None) -> dict:
         while True:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -139,6 +138,7 @@ class RpcServer:
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
+        self._stopping: asyncio.Event | None = None  # set by stop(): held-open requests answer at once
         if target is not None:
             for method_name, fn in rpc_methods_of(type(target)).items():
                 self.register(method_name, getattr(target, method_name), group=getattr(fn, RPC_MARKER))
@@ -166,6 +166,7 @@ class RpcServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self._groups = {name: _Group(name, limit) for name, limit in self._group_limits.items()}
+        self._stopping = asyncio.Event()
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, timeout_keep_alive=75)
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -176,7 +177,10 @@ class RpcServer:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
-        """Stop serving; running calls are cancelled."""
+        """Stop serving; running calls are cancelled, and requests held open for them are answered at once (the
+        call still "running": its outcome is unknown) rather than when their wait would end."""
+        if self._stopping is not None:
+            self._stopping.set()
         if self._server is not None:
             self._server.should_exit = True
         for task in [*self._tasks, self._sweeper]:
@@ -303,9 +307,13 @@ class RpcServer:
 
     async def _answer(self, record: CallRecord, wait_s: float) -> Response:
         """The call's record, once it finished or ``wait_s`` (already validated) passed."""
-        if wait_s > 0 and not record.done.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(record.done.wait(), timeout=wait_s)
+        if wait_s > 0 and not record.done.is_set() and self._stopping is not None:
+            waits = [asyncio.ensure_future(event.wait()) for event in (record.done, self._stopping)]
+            try:
+                await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
         if record.state == RUNNING:
             return Response(_record_body(record.call_id, RUNNING), media_type="application/json")
         return Response(record.body, media_type="application/json")

@@ -546,10 +546,50 @@ def test_a_refused_connection_is_sent_again_and_the_call_runs_once_when_the_work
 def test_a_call_that_never_arrived_says_so_at_its_deadline() -> None:
     async def scenario() -> None:
         client = RpcClient(f"http://127.0.0.1:{_free_port()}", token=TOKEN, worker="typed-0")
-        with pytest.raises(RpcDeadlineError, match="it never reached the worker, so it did not run") as caught:
+        with pytest.raises(RpcDeadlineError, match="the worker never accepted it, so it did not run") as caught:
             await client.call("record", "k", 1, timeout_s=0.5)
         assert caught.value.may_have_run is False
         await client.aclose()
+
+    run(scenario())
+
+
+def test_an_overloaded_worker_s_503_is_sent_again_and_the_call_runs_once() -> None:
+    async def scenario() -> None:
+        async with Served(max_calls=1) as served:
+            client = RpcClient(served.server.url, token=TOKEN, worker="typed-0")
+            napping = asyncio.create_task(client.call("nap", 0.5))  # holds the only slot while it runs
+            while served.worker.executions["nap"] == 0:
+                await asyncio.sleep(0.01)
+            assert await client.call("record", "k", 2, timeout_s=30) == 4  # 503 until the nap ends, then once
+            assert client.resends >= 1 and served.worker.executions == {"nap": 1, "record": 1}
+            assert await napping == 0.5
+            blocker = asyncio.create_task(client.call("nap", 5.0))
+            while served.worker.executions["nap"] == 1:
+                await asyncio.sleep(0.01)
+            with pytest.raises(RpcDeadlineError, match="the worker never accepted it, so it did not run") as caught:
+                await client.call("record", "k", 3, timeout_s=0.5)  # only 503s: refused before it was accepted
+            assert caught.value.may_have_run is False and "HTTP 503" in str(caught.value)
+            assert served.worker.executions == {"nap": 2, "record": 1}
+            blocker.cancel()
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_stopping_answers_a_held_open_request_at_once_instead_of_after_its_wait() -> None:
+    async def scenario() -> None:
+        worker = TypedWorker()
+        server = RpcServer(worker, token=TOKEN, name="typed-0")
+        await server.start()
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as http:
+            body = {"call_id": "held", "method": "nap", "args": [300], "wait_s": 60}
+            submit = asyncio.create_task(http.post("/rpc/submit", json=body))
+            while worker.executions["nap"] == 0 and not submit.done():  # the call runs: the submit is held open
+                await asyncio.sleep(0.01)
+            # before the fix, stop() waited for the held request's full 60 s wait (uvicorn drains requests)
+            await asyncio.wait_for(server.stop(), timeout=45)
+            assert (await submit).json() == {"call_id": "held", "state": "running"}  # its outcome is unknown
 
     run(scenario())
 
@@ -623,7 +663,7 @@ def test_a_dead_worker_reports_whether_the_call_may_have_run() -> None:
 
     async def scenario() -> None:
         refused = RpcClient(f"http://127.0.0.1:{_free_port()}", token=TOKEN, worker="typed-0", liveness=dead)
-        with pytest.raises(WorkerDiedError, match="it never reached the worker") as caught:
+        with pytest.raises(WorkerDiedError, match="the worker never accepted it, so it did not run") as caught:
             await refused.call("ping", timeout_s=10)
         assert caught.value.may_have_run is False
         await refused.aclose()

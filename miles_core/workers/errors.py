@@ -43,7 +43,8 @@ class WorkerDiedError(_OutcomeUnknownError):
 
 
 class CallLostError(WorkerError):
-    """The worker no longer knows an accepted call (it restarted, or the result expired)."""
+    """The worker no longer knows a call that was accepted or may have run (it restarted, or the result expired or
+    was evicted): the call's outcome is unknown."""
 
 
 class RpcDeadlineError(_OutcomeUnknownError):

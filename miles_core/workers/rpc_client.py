@@ -123,8 +123,10 @@ class _Call:
     def describe(self) -> str:
         return f"{self.client.worker}.{self.method} (call {self.call_id}, {self.client.url})"
 
-    def fate(self) -> str:
+    def fate(self, *, worker_died: bool = False) -> str:
         """What is known of whether the call ran, for an error that ends it without an answer."""
+        if self.accepted and worker_died:
+            return "the worker had accepted it, so it may have run in part or whole"
         if self.accepted:
             return f"the worker accepted it and may still run it: poll call id {self.call_id!r} to learn its outcome"
         if self.may_have_run:
@@ -192,7 +194,7 @@ class _Call:
         liveness = self.client.liveness
         if liveness is not None and not await liveness():
             raise WorkerDiedError(
-                f"worker {self.client.worker} died during {self.describe()}; {self.fate()}: {exc!r}",
+                f"worker {self.client.worker} died during {self.describe()}; {self.fate(worker_died=True)}: {exc!r}",
                 may_have_run=self.may_have_run,
             )
         self.client.resends += 1

@@ -490,8 +490,9 @@ def _bad_poll(rng: random.Random) -> tuple[Any, dict[str, str]]:
     return {"call_id": "fuzz-known"}, {"Authorization": rng.choice(["", "Bearer", f"Bearer {TOKEN}!"])}
 
 
-def test_fuzzed_malformed_submits_and_polls_are_all_4xx_and_nothing_runs() -> None:
-    rng = random.Random(17)
+@pytest.mark.parametrize("seed", [17, 2026])
+def test_fuzzed_malformed_submits_and_polls_are_all_4xx_and_nothing_runs(seed: int) -> None:
+    rng = random.Random(seed)
 
     async def scenario() -> None:
         async with Served(max_body_bytes=64 << 10) as served:

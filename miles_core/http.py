@@ -6,7 +6,8 @@ possibly hostile local users. The rules live here once, so a fix reaches every s
 - :class:`HttpError` carries a 4xx status and a message; servers answer it as ``{"error": message}``.
 - :func:`read_body` limits the body *stream*, not only its ``Content-Length``: a chunked body is cut off at the
   limit instead of being read whole.
-- :func:`parse_json` accepts strict JSON only: no ``NaN``/``Infinity``, integers of at most
+- :func:`parse_json` accepts strict JSON only: no ``NaN``/``Infinity`` (nor ``1e400``, which overflows to
+  infinity), integers of at most
   :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep. Anything else is a 400.
 - :func:`bearer_token_matches` is the one ``Authorization: Bearer <token>`` check: the scheme is
   case-insensitive (RFC 9110 §11.1), the token is required, and it is compared in constant time.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import re
 from typing import Any, Protocol
 
@@ -61,11 +63,12 @@ async def read_body(request: StreamingRequest, *, limit: int) -> bytes:
 
 
 def parse_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Parse strict JSON from a request; malformed, non-finite, huge-integer or too-deep input is a 400."""
+    """Parse strict JSON from a request; malformed, non-finite (also by overflow), huge-integer or too-deep input
+    is a 400."""
     if _nested_deeper_than(raw, max_depth):
         raise HttpError(400, f"request body is nested deeper than {max_depth} levels")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int)
+        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float)
     except HttpError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -93,6 +96,13 @@ def bearer_token_matches(authorization: str | None, expected: str) -> bool:
 
 def _refuse_constant(name: str) -> Any:
     raise HttpError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):  # 1e400: valid JSON syntax, but no float holds it
+        raise HttpError(400, f"request body holds the number {literal[:40]}, too large for a float")
+    return value
 
 
 def _bounded_int(literal: str) -> int:

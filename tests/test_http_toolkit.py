@@ -25,6 +25,8 @@ from miles_core.http import (
         b"[NaN]",
         b'{"x": Infinity}',
         b"[-Infinity]",
+        b"[1e400]",  # overflows to inf in the stdlib parser
+        b'{"x": -1.5e309}',
         b"[" + b"9" * 5000 + b"]",  # a ValueError (int max str digits) in the stdlib parser
         b"[" + b"1" * (MAX_INT_DIGITS + 1) + b"]",
         b"\xff\xfe{}",

@@ -29,15 +29,25 @@ class RemoteError(WorkerError):
         self.remote_traceback = traceback
 
 
-class WorkerDiedError(WorkerError):
+class _OutcomeUnknownError(WorkerError):
+    """A call that ended without an answer; ``may_have_run`` says whether the worker may have started it (False
+    only when no submit of it can have reached the worker, so calling again cannot run it twice)."""
+
+    def __init__(self, message: str, *, may_have_run: bool) -> None:
+        super().__init__(message)
+        self.may_have_run = may_have_run
+
+
+class WorkerDiedError(_OutcomeUnknownError):
     """The worker process is gone."""
 
 
 class CallLostError(WorkerError):
-    """The worker no longer knows an accepted call (it restarted, or the result expired)."""
+    """The worker no longer knows a call that was accepted or may have run (it restarted, or the result expired or
+    was evicted): the call's outcome is unknown."""
 
 
-class RpcDeadlineError(WorkerError):
+class RpcDeadlineError(_OutcomeUnknownError):
     """A call did not finish before its deadline."""
 
 

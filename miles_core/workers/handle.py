@@ -1,4 +1,5 @@
-"""Typed client handles: ``await handle.update_weights(version=3)``, checked against the worker's real signature."""
+"""Typed client handles: ``await handle.update_weights(version=3)``, checked against the worker's real signature
+and type hints before it is sent."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from miles_core.workers.rpc_arguments import ArgumentCheck
 from miles_core.workers.rpc_client import RpcClient
 from miles_core.workers.rpc_server import rpc_methods_of
 
 
 class WorkerHandle:
-    """Calls a worker's methods through an :class:`RpcClient`, binding the arguments against the signature of
-    ``interface`` first, so a wrong call fails here with a ``TypeError`` and is never sent.
+    """Calls a worker's methods through an :class:`RpcClient`, checking the arguments against the signature and
+    type hints of ``interface`` first (the same strict check the worker's server runs), so a wrong call fails here
+    with a ``TypeError`` (an :class:`~miles_core.workers.rpc_arguments.ArgumentError`) and is never sent.
 
     ``interface`` is the worker class (its :func:`~miles_core.workers.rpc_server.rpc_method` methods are exposed) or
     a ``typing.Protocol`` describing it (all its public methods are exposed).
@@ -23,8 +26,9 @@ class WorkerHandle:
         self._client = client
         self._interface = interface
         marked = rpc_methods_of(interface)
-        self._methods: dict[str, inspect.Signature] = {
-            name: inspect.signature(fn) for name, fn in (marked or _public_methods(interface)).items()
+        self._methods: dict[str, ArgumentCheck] = {
+            name: ArgumentCheck(f"{interface.__name__}.{name}", fn, skip_self=True)
+            for name, fn in (marked or _public_methods(interface)).items()
         }
 
     @property
@@ -32,19 +36,16 @@ class WorkerHandle:
         return self._client
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        signature = self.__dict__.get("_methods", {}).get(name)
-        if signature is None:
+        check = self.__dict__.get("_methods", {}).get(name)
+        if check is None:
             raise AttributeError(
                 f"{self._interface.__name__} has no RPC method {name!r}; methods: {sorted(self._methods)}"
             )
-        return functools.partial(self._invoke, name, signature)
+        return functools.partial(self._invoke, name, check)
 
-    async def _invoke(self, name: str, signature: inspect.Signature, *args: Any, **kwargs: Any) -> Any:
+    async def _invoke(self, name: str, check: ArgumentCheck, *args: Any, **kwargs: Any) -> Any:
         timeout_s = kwargs.pop("rpc_timeout_s", None)
-        try:
-            signature.bind(None, *args, **kwargs)  # None stands for self
-        except TypeError as exc:
-            raise TypeError(f"{self._interface.__name__}.{name}{_without_self(signature)}: {exc}") from None
+        check.bind(args, kwargs)  # the values are sent as given: the worker validates them again
         return await self._client.call(name, *args, timeout_s=timeout_s, **kwargs)
 
     def __dir__(self) -> list[str]:
@@ -53,7 +54,3 @@ class WorkerHandle:
 
 def _public_methods(interface: type) -> dict[str, Callable]:
     return {name: fn for name, fn in inspect.getmembers(interface, inspect.isfunction) if not name.startswith("_")}
-
-
-def _without_self(signature: inspect.Signature) -> inspect.Signature:
-    return signature.replace(parameters=list(signature.parameters.values())[1:])

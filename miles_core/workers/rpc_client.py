@@ -1,10 +1,15 @@
 """The RPC client: submit, then long-poll, resending only what is safe to resend, always within a deadline.
 
-Retry rule (``retry_until_deadline``): a request that provably never reached the server (the connection was
-refused, or failed before the request was written) is simply sent again. A request that may have reached the server
-is resubmitted with the *same call id*; the server executes a call id at most once and answers with that call's
-record. Polls are read-only and are repeated freely. Every call has a deadline; a dead worker is reported as such
-(fast when a liveness check is given, else when the deadline passes), never as a hang.
+Resend rule. A submit that provably never reached the worker (the connection was refused or timed out before it
+was made, or the worker answered 503: overloaded, not accepted) is sent again as it was: the call has not run.
+A submit that may have reached the worker (the connection broke after the request was written, or a gateway
+answered 502/504) is resubmitted with the *same call id*: the worker executes a call id at most once and answers
+a resubmit with that call's record, so the call runs once whichever way the first attempt went. From then on the
+call *may have run*, and the client says so: a worker that no longer holds its result (404 after it was accepted,
+410 for a call id it ran and forgot) is a :class:`CallLostError`, and an :class:`RpcDeadlineError` or
+:class:`WorkerDiedError` carries ``may_have_run`` (with the call id to resubmit in its message). Polls are
+read-only and are repeated freely. Every call has a deadline; a dead worker is reported as such (fast when a
+liveness check is given, else when the deadline passes), never as a hang.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from miles_core.workers.errors import (
     RpcRequestError,
     WorkerDiedError,
 )
-from miles_core.workers.rpc_wire import DONE, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc_wire import DONE, GONE, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Transport failures before a connection existed: the request was never written."""
 MAYBE_SENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout, httpx.WriteTimeout)
-RETRY_STATUSES = (502, 503, 504)
+"""Transport failures on an open connection: the request may have been received whole."""
+NOT_ACCEPTED_STATUSES = (503,)  # the worker's own "overloaded": it refused the call before accepting it
+MAYBE_FORWARDED_STATUSES = (502, 504)  # a gateway's failure: it may have forwarded the request
 
 LivenessCheck = Callable[[], Awaitable[bool]]
 
@@ -54,7 +62,7 @@ class RpcClient:
         self.liveness = liveness
         self._headers = {"Authorization": f"Bearer {token}"}
         self._http: httpx.AsyncClient | None = None
-        self.resends = 0  # requests sent again after a transport failure (for tests and diagnostics)
+        self.resends = 0  # requests sent again after a transport failure or a 5xx (for tests and diagnostics)
 
     async def __aenter__(self) -> RpcClient:
         return self
@@ -76,9 +84,11 @@ class RpcClient:
         self, method: str, *args: Any, timeout_s: float | None = None, call_id: str | None = None, **kwargs: Any
     ) -> Any:
         """Call ``method`` with JSON arguments; return its JSON result or raise :class:`RemoteError` (or
-        :class:`RpcDeadlineError`, :class:`WorkerDiedError`, :class:`CallLostError`, :class:`RpcRequestError`)."""
+        :class:`RpcDeadlineError`, :class:`WorkerDiedError`, :class:`CallLostError`, :class:`RpcRequestError`).
+        Arguments that are not strict JSON (NaN, infinity, other objects) are a ``ValueError``, and nothing is sent."""
         call = _Call(self, method, call_id or uuid.uuid4().hex, time.monotonic() + (timeout_s or self.timeout_s))
         payload = {"call_id": call.call_id, "method": method, "args": list(args), "kwargs": kwargs}
+        _check_json(payload, call)
         record = await call.request("POST", SUBMIT_PATH, payload=payload)
         while record["state"] == RUNNING:
             record = await call.request("GET", POLL_PATH, params={"call_id": call.call_id})
@@ -98,7 +108,7 @@ class RpcClient:
 
 
 class _Call:
-    """The retry loop of one call."""
+    """The retry loop of one call, and what is known of its fate: whether a submit of it may have arrived."""
 
     def __init__(self, client: RpcClient, method: str, call_id: str, deadline: float) -> None:
         self.client = client
@@ -106,29 +116,44 @@ class _Call:
         self.call_id = call_id
         self.deadline = deadline
         self.accepted = False
+        self.may_have_run = False  # a submit was accepted or may have reached the worker
         self.attempt = 0
         self.last_error: BaseException | None = None
 
     def describe(self) -> str:
         return f"{self.client.worker}.{self.method} (call {self.call_id}, {self.client.url})"
 
+    def fate(self, *, worker_died: bool = False) -> str:
+        """What is known of whether the call ran, for an error that ends it without an answer."""
+        if self.accepted and worker_died:
+            return "the worker had accepted it, so it may have run in part or whole"
+        if self.accepted:
+            return f"the worker accepted it and may still run it: poll call id {self.call_id!r} to learn its outcome"
+        if self.may_have_run:
+            return f"it may have run: submit call id {self.call_id!r} again to learn its outcome"
+        return "the worker never accepted it, so it did not run"
+
     async def request(self, verb: str, path: str, *, payload: dict | None = None, params: dict | None = None) -> dict:
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 last = f"; last error: {self.last_error!r} (is the worker alive?)" if self.last_error else ""
-                raise RpcDeadlineError(f"{self.describe()} did not finish before its deadline{last}")
+                raise RpcDeadlineError(
+                    f"{self.describe()} did not finish before its deadline; {self.fate()}{last}",
+                    may_have_run=self.may_have_run,
+                )
             wait_s = max(0.0, min(self.client.long_poll_s, remaining - 0.25))
             try:
                 response = await self._send(verb, path, payload, params, wait_s, remaining)
             except NEVER_SENT as exc:
-                await self._before_resend(exc, maybe_reached=False)
+                await self._before_resend(exc, path, maybe_reached=False)
                 continue
             except MAYBE_SENT as exc:
-                await self._before_resend(exc, maybe_reached=True)
+                await self._before_resend(exc, path, maybe_reached=True)
                 continue
-            if response.status_code in RETRY_STATUSES:
-                await self._before_resend(None, maybe_reached=True)
+            if response.status_code in NOT_ACCEPTED_STATUSES + MAYBE_FORWARDED_STATUSES:
+                reached = response.status_code in MAYBE_FORWARDED_STATUSES
+                await self._before_resend(_StatusError(response), path, maybe_reached=reached)
                 continue
             return self._record(response)
 
@@ -146,7 +171,8 @@ class _Call:
             body = response.json()
         except json.JSONDecodeError:
             body = {"error": response.text[:500]}
-        if response.status_code == 404 and self.accepted:
+        lost = response.status_code == GONE or (response.status_code == 404 and self.accepted)
+        if lost and self.may_have_run:
             raise CallLostError(
                 f"{self.describe()} is no longer known to the worker ({body.get('error')}); it restarted or the "
                 "result expired, so the call's outcome is unknown"
@@ -156,16 +182,39 @@ class _Call:
                 f"{self.describe()} refused with HTTP {response.status_code}: {body.get('error')}",
                 status=response.status_code,
             )
-        self.accepted = True
+        self.accepted = self.may_have_run = True
         return body
 
-    async def _before_resend(self, exc: BaseException | None, *, maybe_reached: bool) -> None:
-        """Fail fast if the worker is dead; otherwise back off a little before the same request is resent."""
+    async def _before_resend(self, exc: BaseException, path: str, *, maybe_reached: bool) -> None:
+        """Note whether the failed request may have arrived; fail fast if the worker is dead; otherwise back off a
+        little before the same request is sent again."""
         self.last_error = exc
+        if maybe_reached and path == SUBMIT_PATH:
+            self.may_have_run = True
         liveness = self.client.liveness
         if liveness is not None and not await liveness():
-            raise WorkerDiedError(f"worker {self.client.worker} died during {self.describe()}: {exc!r}")
+            raise WorkerDiedError(
+                f"worker {self.client.worker} died during {self.describe()}; {self.fate(worker_died=True)}: {exc!r}",
+                may_have_run=self.may_have_run,
+            )
         self.client.resends += 1
         self.attempt += 1
         delay = min(0.02 * 2**self.attempt, 1.0)
         await asyncio.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
+
+
+class _StatusError(Exception):
+    """A 5xx answer that is retried, kept as the call's last error."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        super().__init__(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
+def _check_json(payload: dict[str, Any], call: _Call) -> None:
+    """Refuse, before anything is sent, arguments that are not strict JSON (the worker would refuse them)."""
+    try:
+        json.dumps(payload, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"{call.describe()}: the arguments must be JSON (str keys, finite numbers, lists, dicts): {exc}"
+        ) from None

@@ -1,29 +1,29 @@
 """The worker RPC server: submit-poll over HTTP, with long polling, concurrency groups and an expiring call store.
 
 A worker marks the methods it serves with :func:`rpc_method`; :class:`RpcServer` serves them on 127.0.0.1 by
-default. Arguments are JSON, checked against the method's signature and type hints before a call is accepted;
-results are JSON. A call id is executed at most once: resubmitting it returns the same call.
+default. A submit is checked whole before anything runs: its fields, the method, the arguments against the
+method's signature and, strictly, against its type hints (``true`` is not an ``int``, ``"5"`` is not an ``int``,
+non-finite numbers are refused, containers and pydantic models are checked element by element). Results are JSON.
+A call id is executed at most once: resubmitting it returns the same call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import hashlib
-import hmac
 import inspect
 import json
+import math
 import os
+import re
 import socket
 import threading
 import traceback
-import typing
 from collections.abc import Callable
 from typing import Any
 
-import pydantic
 import pydantic_core
 import uvicorn
 from starlette.applications import Starlette
@@ -31,13 +31,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
 from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
-from miles_core.workers.rpc_wire import DONE, FAILED, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc_arguments import ArgumentCheck, ArgumentError, short_repr
+from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 RPC_MARKER = "__miles_rpc_group__"
 DEFAULT_GROUPS: dict[str, int | None] = {"control": 1, "query": None}
 """Concurrency group -> limit (None: unlimited). Control calls run one at a time; queries run freely."""
 UNLIMITED_THREADS = 64
+MAX_CALL_ID_CHARS = 128
+SUBMIT_FIELDS = frozenset({"call_id", "method", "args", "kwargs", "wait_s"})
+POLL_PARAMS = frozenset({"call_id", "wait_s"})
 
 
 def rpc_method(group: str = "control") -> Callable[[Callable], Callable]:
@@ -55,50 +60,26 @@ def rpc_methods_of(cls: type) -> dict[str, Callable]:
     return {name: fn for name, fn in inspect.getmembers(cls, callable) if hasattr(fn, RPC_MARKER)}
 
 
-class BadRequest(Exception):
-    """A request the server refuses with a 4xx status."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 @dataclasses.dataclass
 class _Method:
+    """A served method, its concurrency group and the strict check of its arguments."""
+
     name: str
     fn: Callable
     group: str
-    signature: inspect.Signature
-    adapters: dict[str, pydantic.TypeAdapter]
+    arguments: ArgumentCheck
 
     @classmethod
     def of(cls, name: str, fn: Callable, group: str) -> _Method:
-        signature = inspect.signature(fn)
-        hints = typing.get_type_hints(fn)
-        adapters = {}
-        for param in signature.parameters.values():
-            annotation = hints.get(param.name, Any)
-            if param.kind is param.VAR_POSITIONAL:
-                annotation = tuple[annotation, ...]
-            elif param.kind is param.VAR_KEYWORD:
-                annotation = dict[str, annotation]
-            adapters[param.name] = pydantic.TypeAdapter(annotation)
-        return cls(name=name, fn=fn, group=group, signature=signature, adapters=adapters)
+        return cls(name=name, fn=fn, group=group, arguments=ArgumentCheck(name, fn))
 
     def bind(self, args: list[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
-        """Bind and type-check JSON arguments; a mismatch is a 400 naming the parameter and the value."""
+        """Bind and strictly type-check JSON arguments; a mismatch is a 400 naming the parameter, the expected
+        type and the value."""
         try:
-            bound = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise BadRequest(400, f"bad arguments for {self.name}{self.signature}: {exc}") from None
-        for name, value in bound.arguments.items():
-            try:
-                bound.arguments[name] = self.adapters[name].validate_python(value)
-            except pydantic.ValidationError as exc:
-                problems = "; ".join(error["msg"] for error in exc.errors())
-                message = f"bad argument {name}={value!r} for {self.name}{self.signature}: {problems}"
-                raise BadRequest(400, message) from None
-        return bound
+            return self.arguments.bind(args, kwargs)
+        except ArgumentError as exc:
+            raise HttpError(400, str(exc)) from None
 
 
 class _Group:
@@ -147,7 +128,7 @@ class RpcServer:
         self.name = name
         self.host = host
         self.port = port
-        self._token = token.encode()
+        self._token = token
         self._group_limits = dict(DEFAULT_GROUPS if groups is None else groups)
         self._groups: dict[str, _Group] = {}
         self._methods: dict[str, _Method] = {}
@@ -157,6 +138,7 @@ class RpcServer:
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
+        self._stopping: asyncio.Event | None = None  # set by stop(): held-open requests answer at once
         if target is not None:
             for method_name, fn in rpc_methods_of(type(target)).items():
                 self.register(method_name, getattr(target, method_name), group=getattr(fn, RPC_MARKER))
@@ -184,6 +166,7 @@ class RpcServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         self._groups = {name: _Group(name, limit) for name, limit in self._group_limits.items()}
+        self._stopping = asyncio.Event()
         config = uvicorn.Config(self._app(), log_level="warning", access_log=False, timeout_keep_alive=75)
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
@@ -194,7 +177,10 @@ class RpcServer:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
-        """Stop serving; running calls are cancelled."""
+        """Stop serving; running calls are cancelled, and requests held open for them are answered at once (the
+        call still "running": its outcome is unknown) rather than when their wait would end."""
+        if self._stopping is not None:
+            self._stopping.set()
         if self._server is not None:
             self._server.should_exit = True
         for task in [*self._tasks, self._sweeper]:
@@ -252,49 +238,45 @@ class RpcServer:
             try:
                 self._check_token(request)
                 return await handler(request)
-            except BadRequest as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.status)
+            except HttpError as exc:
+                return _error_response(str(exc), exc.status)
             except StoreFullError as exc:
-                return JSONResponse({"error": f"worker {self.name} is overloaded: {exc}"}, status_code=503)
+                return _error_response(f"worker {self.name} is overloaded: {exc}", 503)
 
         return endpoint
 
     def _check_token(self, request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        scheme, _, presented = header.partition(" ")
-        if scheme.lower() != "bearer" or not presented:
-            raise BadRequest(401, "missing run token: send 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(presented.encode(), self._token):
-            raise BadRequest(401, "wrong run token")
+        if not bearer_token_matches(request.headers.get("authorization"), self._token):
+            raise HttpError(401, "missing or wrong run token: send 'Authorization: Bearer <the run's token>'")
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True, "name": self.name, "pid": os.getpid(), "calls": len(self.store)})
 
     async def _submit(self, request: Request) -> Response:
-        body = await self._read_json(request)
-        call_id, method_name = body.get("call_id"), body.get("method")
-        args, kwargs, wait_s = body.get("args", []), body.get("kwargs", {}), body.get("wait_s", 0)
-        if not isinstance(call_id, str) or not 0 < len(call_id) <= 128:
-            raise BadRequest(400, "call_id must be a string of 1 to 128 characters")
-        if not isinstance(args, list) or not isinstance(kwargs, dict):
-            raise BadRequest(400, "args must be a JSON list and kwargs a JSON object")
-        fingerprint = hashlib.sha256(json.dumps([method_name, args, kwargs], sort_keys=True).encode()).hexdigest()
-        record = self.store.get(call_id)
+        submit = _Submit.parse(parse_json_object(await read_body(request, limit=self.max_body_bytes)))
+        record = self.store.get(submit.call_id)
         if record is None:
-            record = self._accept(call_id, method_name, args, kwargs, fingerprint)
-        elif record.fingerprint != fingerprint:
-            raise BadRequest(409, f"call id {call_id!r} was already submitted with a different method or arguments")
-        return await self._answer(record, wait_s)
+            record = self._accept(submit)
+        elif record.fingerprint != submit.fingerprint:
+            raise HttpError(
+                409, f"call id {submit.call_id!r} was already submitted with a different method or arguments"
+            )
+        return await self._answer(record, submit.wait_s)
 
-    def _accept(self, call_id: str, method_name: Any, args: list, kwargs: dict, fingerprint: str) -> CallRecord:
-        reason = self.store.forgotten_reason(call_id)
+    def _accept(self, submit: _Submit) -> CallRecord:
+        """Start a new call, once every part of it is known to be valid."""
+        reason = self.store.forgotten_reason(submit.call_id)
         if reason is not None:
-            raise BadRequest(409, f"call id {call_id!r} was already executed and its result {reason}; use a new id")
-        method = self._methods.get(method_name) if isinstance(method_name, str) else None
+            raise HttpError(
+                GONE, f"call id {submit.call_id!r} was already executed and its result {reason}; use a new id"
+            )
+        method = self._methods.get(submit.method)
         if method is None:
-            raise BadRequest(404, f"worker {self.name} has no method {method_name!r}; methods: {sorted(self._methods)}")
-        bound = method.bind(args, kwargs)
-        record = CallRecord(call_id=call_id, fingerprint=fingerprint, method=method.name)
+            raise HttpError(
+                404, f"worker {self.name} has no method {short_repr(submit.method)}; methods: {sorted(self._methods)}"
+            )
+        bound = method.bind(submit.args, submit.kwargs)
+        record = CallRecord(call_id=submit.call_id, fingerprint=submit.fingerprint, method=method.name)
         self.store.add(record)
         task = asyncio.create_task(self._execute(record, method, bound))
         self._tasks.add(task)
@@ -314,44 +296,101 @@ class RpcServer:
         self.store.finish(record, state=state, body=body)
 
     async def _poll(self, request: Request) -> Response:
-        call_id = request.query_params.get("call_id", "")
+        call_id, wait_s = _parse_poll(request)
         record = self.store.get(call_id)
         if record is None:
             reason = self.store.forgotten_reason(call_id)
             if reason is not None:
-                raise BadRequest(404, f"call {call_id!r} {reason}: its result is no longer held")
-            raise BadRequest(404, f"unknown call id {call_id!r} on worker {self.name}")
-        return await self._answer(record, request.query_params.get("wait_s", "0"))
+                raise HttpError(GONE, f"call {call_id!r} {reason}: its result is no longer held")
+            raise HttpError(404, f"unknown call id {call_id!r} on worker {self.name}")
+        return await self._answer(record, wait_s)
 
-    async def _answer(self, record: CallRecord, wait_s: Any) -> Response:
-        try:
-            wait = min(max(float(wait_s), 0.0), MAX_WAIT_S)
-        except (TypeError, ValueError):
-            raise BadRequest(400, f"wait_s must be a number of seconds, got {wait_s!r}") from None
-        if wait > 0 and not record.done.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(record.done.wait(), timeout=wait)
+    async def _answer(self, record: CallRecord, wait_s: float) -> Response:
+        """The call's record, once it finished or ``wait_s`` (already validated) passed."""
+        if wait_s > 0 and not record.done.is_set() and self._stopping is not None:
+            waits = [asyncio.ensure_future(event.wait()) for event in (record.done, self._stopping)]
+            try:
+                await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
         if record.state == RUNNING:
             return Response(_record_body(record.call_id, RUNNING), media_type="application/json")
         return Response(record.body, media_type="application/json")
 
-    async def _read_json(self, request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise BadRequest(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest(400, "request body must be a JSON object")
-        return body
+
+@dataclasses.dataclass(frozen=True)
+class _Submit:
+    """A submit request whose fields were all checked (the method's arguments are checked by :class:`_Method`)."""
+
+    call_id: str
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    wait_s: float
+    fingerprint: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> _Submit:
+        unknown = sorted(set(body) - SUBMIT_FIELDS)
+        if unknown:
+            raise HttpError(400, f"unknown submit fields {unknown}; a submit has {sorted(SUBMIT_FIELDS)}")
+        method, args, kwargs = body.get("method"), body.get("args", []), body.get("kwargs", {})
+        if not isinstance(method, str) or not method:
+            raise HttpError(400, f"method must be the name of a method (a non-empty string), got {short_repr(method)}")
+        if not isinstance(args, list):
+            raise HttpError(400, f"args must be a JSON list of positional arguments, got {short_repr(args)}")
+        if not isinstance(kwargs, dict):
+            raise HttpError(400, f"kwargs must be a JSON object of keyword arguments, got {short_repr(kwargs)}")
+        fingerprint = hashlib.sha256(json.dumps([method, args, kwargs], sort_keys=True).encode()).hexdigest()
+        return cls(
+            call_id=_call_id(body.get("call_id")),
+            method=method,
+            args=args,
+            kwargs=kwargs,
+            wait_s=_wait_seconds(body.get("wait_s", 0)),
+            fingerprint=fingerprint,
+        )
+
+
+def _parse_poll(request: Request) -> tuple[str, float]:
+    """The call id and wait of a poll's query string, each given at most once."""
+    params = request.query_params
+    unknown = sorted(set(params) - POLL_PARAMS)
+    if unknown:
+        raise HttpError(400, f"unknown poll parameters {unknown}; a poll has {sorted(POLL_PARAMS)}")
+    for name in POLL_PARAMS:
+        if len(params.getlist(name)) > 1:
+            raise HttpError(400, f"poll parameter {name} is given {len(params.getlist(name))} times; give it once")
+    wait_s = params.get("wait_s", "0")
+    if not _DECIMAL.fullmatch(wait_s):
+        raise HttpError(400, f"wait_s must be a number of seconds such as 2.5, got {short_repr(wait_s)}")
+    return _call_id(params.get("call_id")), _wait_seconds(float(wait_s))
+
+
+_DECIMAL = re.compile(r"[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?")
+"""A non-negative decimal number as a query parameter (what ``str(float)`` writes; no ``nan``, ``inf`` or sign)."""
+
+
+def _call_id(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CALL_ID_CHARS:
+        allowed = f"a string of 1 to {MAX_CALL_ID_CHARS} characters"
+        raise HttpError(400, f"call_id must be {allowed}, got {short_repr(value)}")
+    return value
+
+
+def _wait_seconds(value: Any) -> float:
+    """How long to hold a request open: a finite number of seconds >= 0, at most :data:`MAX_WAIT_S`."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or (isinstance(value, float) and not math.isfinite(value)) or value < 0:
+        allowed = f"a number of seconds >= 0 (at most {MAX_WAIT_S:g} are used)"
+        raise HttpError(400, f"wait_s must be {allowed}, got {short_repr(value)}")
+    return float(min(value, MAX_WAIT_S))
+
+
+def _error_response(message: str, status: int) -> Response:
+    """``{"error": message}``, ASCII-escaped: a message repeating hostile input (a lone surrogate) still encodes."""
+    return Response(json.dumps({"error": message}), status_code=status, media_type="application/json")
 
 
 def _record_body(call_id: str, state: str, key: str | None = None, raw_json: str | None = None) -> str:

@@ -135,9 +135,9 @@ def test_results_expire_and_unknown_ids_are_404() -> None:
                 assert (await http.get(f"{url}/rpc/poll", params={"call_id": "c1"})).status_code == 200
                 await asyncio.sleep(0.8)
                 expired = await http.get(f"{url}/rpc/poll", params={"call_id": "c1"})
-                assert expired.status_code == 404 and "expired" in expired.json()["error"]
+                assert expired.status_code == 410 and "expired" in expired.json()["error"]
                 again = await http.post(f"{url}/rpc/submit", json={"call_id": "c1", "method": "ping"})
-                assert again.status_code == 409 and "use a new id" in again.json()["error"]
+                assert again.status_code == 410 and "use a new id" in again.json()["error"]
                 unknown = await http.get(f"{url}/rpc/poll", params={"call_id": "never-submitted"})
                 assert unknown.status_code == 404 and "unknown call id" in unknown.json()["error"]
             assert served.server.store.expired == 1 and len(served.server.store) == 0
@@ -233,7 +233,7 @@ def test_token_is_required_on_every_route() -> None:
                         assert response.status_code == 401, response.text
             assert served.worker.executions == {}
             bad_client = RpcClient(url, token="wrong", worker="echo-0")
-            with pytest.raises(RpcRequestError, match="HTTP 401: wrong run token"):
+            with pytest.raises(RpcRequestError, match="HTTP 401: missing or wrong run token"):
                 await bad_client.call("ping")
             await bad_client.aclose()
 
@@ -260,8 +260,10 @@ def test_unreachable_worker_fails_within_the_deadline() -> None:
             port = served.server.port
         client = RpcClient(f"http://127.0.0.1:{port}", token=TOKEN, worker="echo-0")
         start = time.monotonic()
-        with pytest.raises(RpcDeadlineError, match=r"echo-0\.ping .* did not finish before its deadline; last error"):
+        expected = r"echo-0\.ping .* did not finish before its deadline; the worker never accepted it, so it did not"
+        with pytest.raises(RpcDeadlineError, match=expected + " run; last error") as caught:
             await client.call("ping", timeout_s=1.0)
+        assert caught.value.may_have_run is False
         assert time.monotonic() - start < 3.0
         await client.aclose()
 

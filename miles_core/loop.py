@@ -8,17 +8,19 @@ for it). Step k's data depends only on k, so a resumed run continues with the sa
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import transformers
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesError
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
+from miles_core.targets import describe_callable
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
@@ -62,13 +64,16 @@ def _rank_names(trainer: Any) -> list[str]:
 
 
 def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:
-    """The configured weight-transfer protocol, built from ``weight_transfer.settings``."""
-    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(config.weight_transfer.mode).load()
+    """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
+    refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
+    mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
+    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(mode).load()
     try:
-        return protocol_cls(**config.weight_transfer.settings)
-    except TypeError as exc:  # an unknown or missing keyword argument
-        raise ConfigError(f"weight_transfer.settings {config.weight_transfer.settings} do not fit the protocol "
-                          f"{config.weight_transfer.mode!r}: {exc}") from None  # fmt: skip
+        return protocol_cls(**settings)
+    except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
+        raise ConfigError(f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
+                          f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
+                          f"{type(exc).__name__}: {exc}") from None  # fmt: skip
 
 
 async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import secrets
 import time
 from collections.abc import Callable
@@ -12,9 +13,10 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import require_checkpoint_dir
-from miles_core.registry import Implementation, Registries
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES, require_checkpoint_dir, tokenizer_files
+from miles_core.registry import Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.targets import describe_callable, import_target, is_target
 
 CHECKPOINTS = "checkpoints"
 
@@ -43,6 +45,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     else:
         model_path, tokenizer = Path(config.model.path), load_tokenizer(Path(config.model.path))
     train_prompts, eval_prompts = load_prompts(config)
+    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
     reward_fn, reward_name = load_reward(config, registries)
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
@@ -54,8 +57,11 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
 
 
 def default_model(run_dir: Path, *, seed: int) -> Path:
-    """The embedded default's tiny Llama, built from a config and saved once per run directory."""
+    """The embedded default's tiny Llama, built from a config and saved once per run directory, with its
+    tokenizer's HF files (so that its checkpoints are model directories of their own)."""
     path = run_dir / "initial_model"
+    if not tokenizer_files(path):  # also an initial model written before tokenizer files were saved with it
+        DigitTokenizer().save_pretrained(path)
     if not (path / "config.json").is_file():
         import torch  # deferred: only the default run builds a model here
         import transformers
@@ -73,13 +79,50 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
 
 
 def load_tokenizer(model_path: Path) -> Any:
+    """The tokenizer of the model directory; a directory without tokenizer files, or one transformers cannot
+    load, is an error naming the directory and what is missing."""
     require_checkpoint_dir(model_path)
+    if not tokenizer_files(model_path):
+        raise MilesError(f"model directory {str(model_path)!r} holds no tokenizer files (one of "
+                         f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
+                         "it (checkpoints of miles train hold theirs)")  # fmt: skip
     import transformers  # deferred: heavy
 
     try:
         return transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as exc:  # transformers raises many types
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path) -> None:
+    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds: checked before any
+    worker starts, so a wrong tokenizer is an error in seconds instead of a failed request minutes later."""
+    vocab_size = _vocab_size(model_path)
+    for kind, prompts in prompt_sets.items():
+        for number, prompt in enumerate(prompts):
+            ids = list(tokenizer.encode(prompt.text))
+            where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
+            if not ids:
+                hint = (
+                    "the prompt is empty: give it some text"
+                    if not prompt.text.strip()
+                    else "is it the model's "
+                    f"tokenizer? (its files: {', '.join(p.name for p in tokenizer_files(model_path)) or 'none'})"
+                )
+                raise MilesError(f"the tokenizer of {str(model_path)!r} encodes {where} to no token ids: {hint}")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise MilesError(f"the tokenizer of {str(model_path)!r} encodes {where} to token id {max(ids)}, "
+                                 f"beyond the model's vocab_size {vocab_size} (config.json): the tokenizer files "
+                                 "belong to another model")  # fmt: skip
+
+
+def _vocab_size(model_path: Path) -> int | None:
+    """``vocab_size`` of the model's ``config.json`` (``None`` when it has none at the top level)."""
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # loading the model reports an unreadable config.json with its own message
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def load_prompts(config: Any) -> tuple[list[Prompt], list[Prompt]]:
@@ -100,11 +143,18 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
             raise ConfigError(f"--prompts needs --reward NAME or module:function; registered: "
                               f"{', '.join(registries['reward_functions'])}")  # fmt: skip
         return echo_last_reward, "echo_last"
-    entry = registries["reward_functions"].get(name) or Implementation(name=name, target=name, provider="--reward")
-    reward = entry.load()
+    entry = registries["reward_functions"].get(name)
+    if entry is not None:
+        reward = entry.load()
+    elif is_target(name):
+        reward = import_target(name, what=f"--reward {name!r}")
+    else:
+        raise ConfigError(f"--reward {name!r} is neither a registered reward function (registered: "
+                          f"{', '.join(registries['reward_functions']) or 'none'}) nor module:function")  # fmt: skip
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r}, not a function")
-    return reward, name
+    described = describe_callable(reward)
+    return reward, described if described == name else f"{name} ({described})"
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:

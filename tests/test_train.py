@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from tests.conftest import run_miles, with_pythonpath
@@ -188,7 +189,8 @@ def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: 
         ("corrupt_model", "cannot load"),
         ("bad_jsonl", "prompts.jsonl:2: not valid JSON"),
         ("no_reward", "--prompts needs --reward"),
-        ("unknown_reward_module", "cannot load 'no_such_module:fn'"),
+        ("unknown_reward_module", "--reward 'no_such_module:fn': no module named 'no_such_module' in the working"),
+        ("model_without_tokenizer", "holds no tokenizer files (one of tokenizer.json, tokenizer_config.json"),
     ],
 )
 def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, message: str) -> None:
@@ -204,6 +206,9 @@ def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, mess
         args = args[:4]
     elif setup == "unknown_reward_module":
         args[5] = "no_such_module:fn"
+    elif setup == "model_without_tokenizer":  # a checkpoint as trainers wrote them before they saved tokenizers
+        for name in TOKENIZER_FILES:
+            (model_dir / name).unlink(missing_ok=True)
     result = train(tmp_path / "run", *QUICK, "--num-steps", "1", *args, ok=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr

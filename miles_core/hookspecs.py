@@ -190,7 +190,8 @@ def prepare_rollout(rollout_id: int, controller: Any) -> None:
 
 @hookspec
 def prepare_eval(rollout_id: int, controller: Any) -> None:
-    """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation."""
+    """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation; ``rollout_id`` is the
+    step the eval follows (``0`` for the eval before training, ``N`` for the eval after step ``N``)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -233,18 +234,34 @@ def register_router(router: Any) -> None:
 
 
 @hookspec
-def on_phase(rollout_id: int, phase: str, started: float, ended: float) -> None:
-    """A phase of a step ended (``rollout``, ``train``, ``weight_update``, ``eval``, ...), with wall-clock times."""
+def on_phase(rollout_id: int, step: int, phase: str, started: float, ended: float) -> None:
+    """A phase of a training step ended (``rollout``, ``train``, ``weight_update``, ``eval``, ``checkpoint``), with
+    wall-clock times.
+
+    ``step`` is the step's number everywhere a user sees it (the terminal, ``metrics.jsonl``, the checkpoint
+    ``step_{step:06d}``, the dashboard): step ``N`` trains on rollout ``rollout_id = N - 1`` and publishes weight
+    version ``N``. The eval before training belongs to no training step: it reaches only :func:`on_eval`.
+    """
 
 
 @hookspec
-def on_metrics(rollout_id: int, metrics: dict[str, float]) -> None:
-    """Metrics of a step (reward, loss, KL, entropy, step time, ...), called once per step after training."""
+def on_metrics(rollout_id: int, step: int, metrics: dict[str, float]) -> None:
+    """Metrics of a training step (reward, loss, KL, entropy, step time, and the eval's when one ran), called once
+    per step after training and the step's eval and checkpoint; ``step`` and ``rollout_id`` as in :func:`on_phase`.
+    """
 
 
 @hookspec
-def on_samples(rollout_id: int, samples: list[Any]) -> None:
-    """The samples of a rollout (prompt, response, reward), called once per rollout after rewards are computed."""
+def on_eval(step: int, metrics: dict[str, float], started: float, ended: float) -> None:
+    """An evaluation ended: its metrics (``eval/reward_mean``, ...) and wall-clock times, after the step ``step``
+    (``0``: the eval before training, which no other hook reports). Called for every eval, also when it is part of
+    a training step (then before that step's :func:`on_metrics`, which holds the same ``eval/`` metrics)."""
+
+
+@hookspec
+def on_samples(rollout_id: int, step: int, samples: list[Any]) -> None:
+    """The samples of a training rollout (prompt, response, reward), called once per step after rewards are
+    computed; ``step`` and ``rollout_id`` as in :func:`on_phase`."""
 
 
 # --------------------------------------------------------------------------------------------------------------

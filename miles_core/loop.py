@@ -100,47 +100,60 @@ async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer:
 
 
 async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:
+    """Steps ``start_step + 1 .. num_steps``. Step N (as in the terminal, metrics.jsonl, the checkpoint
+    ``step_N`` and the dashboard) trains on rollout ``N - 1`` and publishes weight version N; step 0 is the eval
+    before training."""
     bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     if setup.start_step == 0:
-        reporter.eval(0, await _evaluate(manager, controller, executor, 0))
+        started = time.time()
+        initial_eval = await _evaluate(manager, controller, executor, 0)
+        manager.hook.on_eval(step=0, metrics=initial_eval, started=started, ended=time.time())
+        reporter.eval(0, initial_eval)
     next_rollout = None
-    for step in range(setup.start_step, config.run.num_steps):
-        phases = _Phases(manager, step)
-        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, step))
-        if config.run.schedule == "one_step_off" and step + 1 < config.run.num_steps:
-            next_rollout = asyncio.create_task(_rollout(manager, controller, executor, step + 1))
+    for rollout_id in range(setup.start_step, config.run.num_steps):
+        step = rollout_id + 1
+        phases = _Phases(manager, rollout_id=rollout_id, step=step)
+        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, rollout_id))
+        if config.run.schedule == "one_step_off" and step < config.run.num_steps:
+            next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
         report = await phases.run("weight_update", controller.update_weights(
-            lambda: trainer.weight_iterator(bucket_bytes), version=step + 1))  # fmt: skip
+            lambda: trainer.weight_iterator(bucket_bytes), version=step))  # fmt: skip
         metrics = {**rollout.stats, **{f"train/{k}": v for k, v in train_metrics.items()},
                    "weight_transfer/gb_per_s": report.gb_per_s, "weight_transfer/seconds": report.seconds,
                    **phases.seconds}  # fmt: skip
-        manager.hook.on_samples(rollout_id=step, samples=rollout.samples)
-        done = step + 1
-        if (config.run.eval_every and done % config.run.eval_every == 0) or done == config.run.num_steps:
-            metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, done)))
-        if (config.run.checkpoint_every and done % config.run.checkpoint_every == 0) or done == config.run.num_steps:
+        manager.hook.on_samples(rollout_id=rollout_id, step=step, samples=rollout.samples)
+        if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
+            evaluation = await phases.run("eval", _evaluate(manager, controller, executor, step))
+            manager.hook.on_eval(step=step, metrics=evaluation, started=phases.started_at["eval"],
+                                 ended=phases.ended_at["eval"])  # fmt: skip
+            metrics.update(evaluation)
+        if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
             await phases.run("checkpoint", asyncio.to_thread(
-                trainer.save_checkpoint, setup.run_dir / CHECKPOINTS / f"step_{done:06d}"))  # fmt: skip
+                trainer.save_checkpoint, setup.run_dir / CHECKPOINTS / f"step_{step:06d}"))  # fmt: skip
         metrics["time/step"] = time.time() - phases.started
-        manager.hook.on_metrics(rollout_id=step, metrics=metrics)
-        reporter.step(done, metrics)
+        manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
+        reporter.step(step, metrics)
 
 
 class _Phases:
     """Times the phases of one step and reports each through the ``on_phase`` hook."""
 
-    def __init__(self, manager: Any, step: int) -> None:
-        self.manager, self.step = manager, step
+    def __init__(self, manager: Any, *, rollout_id: int, step: int) -> None:
+        self.manager, self.rollout_id, self.step = manager, rollout_id, step
         self.started = time.time()
         self.seconds: dict[str, float] = {}
+        self.started_at: dict[str, float] = {}
+        self.ended_at: dict[str, float] = {}
 
     async def run(self, phase: str, awaitable: Any) -> Any:
         started = time.time()
         result = await awaitable
         ended = time.time()
         self.seconds[f"time/{phase}"] = ended - started
-        self.manager.hook.on_phase(rollout_id=self.step, phase=phase, started=started, ended=ended)
+        self.started_at[phase], self.ended_at[phase] = started, ended
+        self.manager.hook.on_phase(rollout_id=self.rollout_id, step=self.step, phase=phase, started=started,
+                                   ended=ended)  # fmt: skip
         return result
 
 

@@ -101,7 +101,18 @@ def provide_reward_functions() -> list[Implementation] | None:
     """Reward functions (``--reward NAME``).
 
     Called once when the registries are built. Each target is a callable
-    ``reward(*, prompt: str, response: str, label: Any, metadata: dict) -> float``.
+    ``reward(*, prompt: str, response: str, label: Any, metadata: dict) -> float``, called once per sample (in the
+    driver, for training and eval samples alike) with:
+
+    * ``prompt``: the prompt's text as in the prompt file (no chat template);
+    * ``response``: the generated token ids decoded with ``skip_special_tokens=True``: no ``<eos>``, pad or bos
+      token, nothing else removed (whitespace is kept);
+    * ``label`` and ``metadata``: the prompt line's ``"label"`` (any JSON value, ``None`` when absent) and
+      ``"metadata"`` (``{}`` when absent).
+
+    It must return a finite ``int`` or ``float``; ``True``/``False`` count as 1.0/0.0. A return value of any other
+    type (a string, ``None``, a tensor) or a NaN/infinite one, and any exception, stop the run with an error naming
+    the sample and the function. The same holds for a ``--reward module:function`` target.
     """
 
 

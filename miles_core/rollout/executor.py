@@ -3,8 +3,10 @@ the same id, so a resumed run sees the same data), generates ``group_size`` samp
 (or through a router), scores them, computes group statistics and returns the training batch.
 
 A request that fails because its engine died is sent again to a running engine once the controller has one, so
-no sample of the step is lost. A reward function that raises stops the run with an error naming the sample and
-the function: a silently wrong reward would be worse than a stopped run.
+no sample of the step is lost. A reward function sees the response decoded without special tokens
+(:func:`decode_response`) and must return a finite number (:func:`checked_reward`); one that raises or returns
+anything else stops the run with an error naming the sample and the function: a silently wrong reward would be
+worse than a stopped run.
 """
 
 from __future__ import annotations

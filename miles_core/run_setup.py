@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import secrets
 import time
@@ -152,9 +153,25 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
         raise ConfigError(f"--reward {name!r} is neither a registered reward function (registered: "
                           f"{', '.join(registries['reward_functions']) or 'none'}) nor module:function")  # fmt: skip
     if not callable(reward):
-        raise ConfigError(f"--reward {name!r} is {reward!r}, not a function")
+        raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
     described = describe_callable(reward)
+    check_reward_signature(reward, what=f"--reward {name!r}" + ("" if described == name else f" ({described})"))
     return reward, described if described == name else f"{name} ({described})"
+
+
+def check_reward_signature(reward: Any, *, what: str) -> None:
+    """The reward can be called as ``reward(*, prompt, response, label, metadata)`` and returns its value (not a
+    coroutine): checked when the run starts rather than at the first sample, minutes later."""
+    if not callable(reward):
+        raise ConfigError(f"{what} is {reward!r:.80}, not a function")
+    if inspect.iscoroutinefunction(reward):
+        raise ConfigError(f"{what} is an async function; a reward is a plain function returning a number")
+    try:
+        inspect.signature(reward).bind(prompt="", response="", label=None, metadata={})
+    except ValueError:  # no signature to inspect (some builtins): the first call tells
+        return
+    except TypeError as exc:
+        raise ConfigError(f"{what} cannot be called as fn(*, prompt, response, label, metadata): {exc}") from None
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -116,7 +117,16 @@ def test_the_response_a_reward_sees_has_no_special_tokens(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(1, 1.0), (0.25, 0.25), (True, 1.0), (False, 0.0), (np.float32(0.5), 0.5), (np.int64(-2), -2.0)],
+    [
+        (1, 1.0),
+        (0.25, 0.25),
+        (True, 1.0),
+        (False, 0.0),
+        (np.float32(0.5), 0.5),
+        (np.int64(-2), -2.0),
+        (np.bool_(True), 1.0),
+        (np.array([1, 2]).sum() == 3, 1.0),
+    ],
 )
 def test_a_reward_is_a_finite_number_or_a_bool(value, expected: float) -> None:
     assert checked_reward(value) == expected and type(checked_reward(value)) is float
@@ -135,10 +145,11 @@ def test_a_reward_is_a_finite_number_or_a_bool(value, expected: float) -> None:
         ({"reward": 1}, "of type dict, not a number"),
         (10**400, "beyond the range of a float"),
         (complex(1, 0), "of type complex, not a number"),
+        (np.array([0.5]), "of type ndarray, not a number (call .item() on it)"),
     ],
 )
 def test_anything_else_is_an_error_naming_the_sample_and_the_function(value, problem: str) -> None:
-    with pytest.raises(ValueError, match=problem.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError, match=re.escape(problem)):
         checked_reward(value)
     executor = scoring_executor(lambda **_: value, name="my_rewards:score")
     sample = Sample(index=5, prompt=Prompt("73915:" + "9" * 200, label="5"), prompt_ids=[2], response="5555")
@@ -169,12 +180,17 @@ def work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                                              "NOT_A_FUNCTION = 3\n")  # fmt: skip
     (tmp_path / "cwd_broken.py").write_text("import not_installed_dependency_xyz\n")
     (tmp_path / "cwd_raising.py").write_text("raise RuntimeError('reward module is broken')\n")
+    (tmp_path / "cwd_shapes.py").write_text(
+        "def positional(prompt, response):\n    return 0.0\n"
+        "async def later(**_):\n    return 0.0\n"
+        "def flexible(prompt, response, label=None, **rest):\n    return 0.0\n"
+    )
     package = tmp_path / "cwd_package"
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "rewards.py").write_text("class Rewards:\n    @staticmethod\n    def exact(**_):\n        return 0.0\n")
     yield tmp_path
-    for name in ("cwd_rewards", "cwd_broken", "cwd_raising", "cwd_package", "cwd_package.rewards"):
+    for name in ("cwd_rewards", "cwd_broken", "cwd_raising", "cwd_shapes", "cwd_package", "cwd_package.rewards"):
         sys.modules.pop(name, None)
 
 
@@ -186,6 +202,8 @@ def test_a_reward_module_in_the_working_directory_is_found(work_dir: Path, manag
     nested, name = load_reward(config(manager, **{"rollout.reward": "cwd_package.rewards:Rewards.exact"}),
                                manager.registries)  # fmt: skip
     assert nested() == 0.0 and name == "cwd_package.rewards:Rewards.exact"
+    flexible, _ = load_reward(config(manager, **{"rollout.reward": "cwd_shapes:flexible"}), manager.registries)
+    assert flexible(prompt="", response="", label=None, metadata={}) == 0.0  # keywords by name or **rest: fine
 
 
 def test_a_registered_reward_is_named_with_its_function(manager) -> None:
@@ -215,6 +233,12 @@ def test_a_registered_reward_is_named_with_its_function(manager) -> None:
         ("cwd_rewards:score:x", "nor module:function"),
         ("score", "rollout.reward (--reward) = 'score': unknown reward function 'score'; available: echo_last"),
         ("../etc:passwd", "nor module:function"),
+        (
+            "cwd_shapes:positional",
+            "--reward 'cwd_shapes:positional' cannot be called as fn(*, prompt, response, "
+            "label, metadata): got an unexpected keyword argument 'label'",
+        ),
+        ("cwd_shapes:later", "--reward 'cwd_shapes:later' is an async function"),
     ],
 )
 def test_a_bad_reward_target_is_a_clear_error_naming_it(work_dir: Path, manager, target: str, message: str) -> None:

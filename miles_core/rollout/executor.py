@@ -20,6 +20,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 
 from miles_core.engines.client import EngineClient
@@ -204,8 +205,11 @@ def checked_reward(value: Any) -> float:
     """``value`` as a float when it is a finite real number (``True``/``False`` count as 1.0/0.0, the reward of an
     exact match); anything else (a string, ``None``, NaN, infinity, a tensor) is a ``ValueError`` saying what was
     returned, since a wrong reward silently trains the wrong thing."""
+    if isinstance(value, numpy.bool_):  # `a == b` on numpy values: a bool too, though not a numbers.Real
+        value = bool(value)
     if not isinstance(value, numbers.Real):  # int, float, bool and numpy's scalars; not str, not None
-        raise ValueError(f"returned {_excerpt(value)} of type {type(value).__name__}, not a number")
+        hint = " (call .item() on it)" if callable(getattr(value, "item", None)) else ""
+        raise ValueError(f"returned {_excerpt(value)} of type {type(value).__name__}, not a number{hint}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range

@@ -10,7 +10,7 @@ import pytest
 from miles_core.models.hf_checkpoint import TOKENIZER_FILES, tokenizer_files
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
-from tests.conftest import run_miles, with_pythonpath
+from tests.conftest import run_miles
 
 pytestmark = pytest.mark.slow
 QUICK = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
@@ -20,8 +20,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True):
-    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env)
+def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True, cwd: Path | None = None):
+    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env, cwd=cwd)
     if ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -167,7 +167,7 @@ def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
     train(tmp_path / "run", *QUICK, "--num-steps", "3", "--model", str(model_dir), "--prompts", str(prompts),
           "--reward", "my_rewards:first_char_reward", "--update-weight-transfer-mode", "broadcast",
-          env=with_pythonpath(module_dir))  # fmt: skip
+          cwd=module_dir)  # fmt: skip
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2, 3]
 
@@ -175,11 +175,11 @@ def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
 def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
     result = train(tmp_path / "run", *QUICK, "--num-steps", "2", "--model", str(model_dir), "--prompts",
-                   str(prompts), "--reward", "my_rewards:broken_reward", env=with_pythonpath(module_dir),
-                   ok=False)  # fmt: skip
+                   str(prompts), "--reward", "my_rewards:broken_reward", cwd=module_dir, ok=False)  # fmt: skip
     assert result.returncode == 2
-    assert "reward function my_rewards:broken_reward raised on sample 0 of rollout 0" in result.stderr
-    assert "KeyError: 'score'" in result.stderr
+    # The eval before training scores first: its sample 0 is the file's first prompt.
+    assert "reward function my_rewards:broken_reward raised on eval sample 0 at step 0 (prompt 'a0:'" in result.stderr
+    assert "KeyError: 'score'" in result.stderr and "Traceback" not in result.stderr
 
 
 WORKING_DIRECTORY_REWARDS = """\

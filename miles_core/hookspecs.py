@@ -46,7 +46,9 @@ def provide_training_backends() -> list[Implementation] | None:
     ``for_run(config, *, model_path, initial_model_path, run_dir, token, registries)`` (a classmethod that builds
     the trainer of a run; ``initial_model_path`` is the KL reference, which a resumed run's checkpoint is not),
     ``train_step(batch) -> metrics`` (called in a worker thread), ``weight_iterator(bucket_bytes)`` (an
-    ``HfWeightIterator``), ``save_checkpoint(directory)``, ``load_checkpoint(directory)`` and ``close()``.
+    ``HfWeightIterator``), ``save_checkpoint(directory)`` (an HF checkpoint directory with the model's tokenizer
+    files: :func:`miles_core.models.hf_checkpoint.save_hf_checkpoint` copies them; the loop adds them when a trainer
+    wrote none), ``load_checkpoint(directory)`` and ``close()``.
     """
 
 

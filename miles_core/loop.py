@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import transformers
 
 from miles_core.errors import ConfigError, MilesError
+from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.controller import InferenceController
@@ -129,11 +131,20 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
                                  ended=phases.ended_at["eval"])  # fmt: skip
             metrics.update(evaluation)
         if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
-            await phases.run("checkpoint", asyncio.to_thread(
-                trainer.save_checkpoint, setup.run_dir / CHECKPOINTS / f"step_{step:06d}"))  # fmt: skip
+            await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step))
         metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
         reporter.step(step, metrics)
+
+
+def save_checkpoint(trainer: Any, setup: RunSetup, step: int) -> Path:
+    """``checkpoints/step_{step:06d}``, written by the trainer; a trainer that wrote no tokenizer (a third-party
+    backend) gets the run model's tokenizer files added, so every checkpoint is a ``--model`` directory."""
+    directory = setup.run_dir / CHECKPOINTS / f"step_{step:06d}"
+    trainer.save_checkpoint(directory)
+    if not tokenizer_files(directory):
+        copy_tokenizer_files(setup.initial_model_path, directory)
+    return directory
 
 
 class _Phases:

@@ -17,17 +17,19 @@ import pytest
 import transformers
 
 from miles_core.config.build import build_config
+from miles_core.config.sections import TrainSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.loop import make_protocol
-from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_files
+from miles_core.loop import make_protocol, save_checkpoint
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_files, tokenizer_files
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward, decode_response
 from miles_core.rollout.prompts import Prompt
-from miles_core.run_setup import check_prompts_encode, default_model, load_reward, load_tokenizer
+from miles_core.run_setup import RunSetup, check_prompts_encode, default_model, load_reward, load_tokenizer
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
+from miles_core.training.torch_trainer import TorchTrainer
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,20 @@ def test_copying_a_tokenizer_from_a_directory_without_one_is_an_error(tmp_path: 
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").encode("abc") == load_tokenizer(model).encode(
         "abc"
     )
+
+
+def test_every_checkpoint_of_a_run_holds_the_tokenizer_also_from_a_trainer_that_writes_none(tmp_path: Path) -> None:
+    """A third-party trainer may write config + weights only: the loop adds the run model's tokenizer files."""
+    model = save_tiny_llama(tmp_path / "model")
+    save_char_tokenizer(model, "abc:0123456")
+    setup = RunSetup(run_dir=tmp_path / "run", model_path=model, initial_model_path=model, tokenizer=None,
+                     train_prompts=[], eval_prompts=[], reward_fn=None, reward_name="", token="")  # fmt: skip
+    bare = TorchTrainer.from_pretrained(save_tiny_llama(tmp_path / "no-tokenizer"), TrainSection())
+    checkpoint = save_checkpoint(bare, setup, 7)
+    assert checkpoint == tmp_path / "run" / "checkpoints" / "step_000007"
+    assert load_tokenizer(checkpoint).encode("ab1:") == load_tokenizer(model).encode("ab1:") != []
+    own = TorchTrainer.from_pretrained(model, TrainSection())  # writes the tokenizer itself: left as written
+    assert {p.name for p in tokenizer_files(save_checkpoint(own, setup, 8))} == {p.name for p in tokenizer_files(model)}
 
 
 # -- what a reward sees and may return ---------------------------------------------------------------------------

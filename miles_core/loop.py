@@ -107,10 +107,7 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
     before training."""
     bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     if setup.start_step == 0:
-        started = time.time()
-        initial_eval = await _evaluate(manager, controller, executor, 0)
-        manager.hook.on_eval(step=0, metrics=initial_eval, started=started, ended=time.time())
-        reporter.eval(0, initial_eval)
+        reporter.eval(0, await _evaluate(manager, controller, executor, 0))
     next_rollout = None
     for rollout_id in range(setup.start_step, config.run.num_steps):
         step = rollout_id + 1
@@ -126,10 +123,7 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
                    **phases.seconds}  # fmt: skip
         manager.hook.on_samples(rollout_id=rollout_id, step=step, samples=rollout.samples)
         if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
-            evaluation = await phases.run("eval", _evaluate(manager, controller, executor, step))
-            manager.hook.on_eval(step=step, metrics=evaluation, started=phases.started_at["eval"],
-                                 ended=phases.ended_at["eval"])  # fmt: skip
-            metrics.update(evaluation)
+            metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, step)))
         if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
             await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step))
         metrics["time/step"] = time.time() - phases.started
@@ -154,25 +148,26 @@ class _Phases:
         self.manager, self.rollout_id, self.step = manager, rollout_id, step
         self.started = time.time()
         self.seconds: dict[str, float] = {}
-        self.started_at: dict[str, float] = {}
-        self.ended_at: dict[str, float] = {}
 
     async def run(self, phase: str, awaitable: Any) -> Any:
         started = time.time()
         result = await awaitable
         ended = time.time()
         self.seconds[f"time/{phase}"] = ended - started
-        self.started_at[phase], self.ended_at[phase] = started, ended
         self.manager.hook.on_phase(rollout_id=self.rollout_id, step=self.step, phase=phase, started=started,
                                    ended=ended)  # fmt: skip
         return result
 
 
-async def _rollout(manager, controller, executor, step: int):
-    manager.hook.prepare_rollout(rollout_id=step, controller=controller)
-    return await executor.get(step)
+async def _rollout(manager, controller, executor, rollout_id: int):
+    manager.hook.prepare_rollout(rollout_id=rollout_id, controller=controller)
+    return await executor.get(rollout_id)
 
 
 async def _evaluate(manager, controller, executor, step: int) -> dict[str, float]:
+    """The eval after step ``step`` (0: before training), reported through ``on_eval``."""
     manager.hook.prepare_eval(rollout_id=step, controller=controller)
-    return (await executor.evaluate(step)).stats
+    started = time.time()
+    metrics = (await executor.evaluate(step)).stats
+    manager.hook.on_eval(step=step, metrics=metrics, started=started, ended=time.time())
+    return metrics

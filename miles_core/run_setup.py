@@ -101,8 +101,12 @@ def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *
     vocab_size = _vocab_size(model_path)
     for kind, prompts in prompt_sets.items():
         for number, prompt in enumerate(prompts):
-            ids = list(tokenizer.encode(prompt.text))
             where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
+            try:
+                ids = list(tokenizer.encode(prompt.text))
+            except Exception as exc:  # tokenizers raise many types (a character outside the vocabulary, ...)
+                raise MilesError(f"the tokenizer of {str(model_path)!r} cannot encode {where}: "
+                                 f"{type(exc).__name__}: {exc}") from None  # fmt: skip
             if not ids:
                 hint = (
                     "the prompt is empty: give it some text"

@@ -88,6 +88,9 @@ def test_the_default_model_holds_the_default_tokenizer_as_hf_files(tmp_path: Pat
     assert decode_response(loaded, answer) == decode_response(digits, answer) == "5555"
     assert loaded.eos_token_id == digits.eos_token_id and loaded.pad_token_id == digits.pad_token_id
     check_prompts_encode(loaded, {"train": train}, model_path=model)
+    for tokenizer in (loaded, digits):  # a character the default does not know: refused, not encoded as padding
+        with pytest.raises(MilesError, match=r"cannot encode train prompt 1 \('7a:'\): "):
+            check_prompts_encode(tokenizer, {"train": [Prompt("1:"), Prompt("7a:")]}, model_path=model)
     (model / "tokenizer.json").unlink()  # an initial model written before tokenizers were saved: rewritten
     (model / "tokenizer_config.json").unlink()
     assert load_tokenizer(default_model(tmp_path, seed=0)).encode("1:") == digits.encode("1:")

@@ -43,7 +43,8 @@ class DigitTokenizer:
         import transformers
 
         vocab = {**{token: index for index, token in enumerate(SPECIALS)}, **self._ids}
-        core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<pad>"))
+        # "<unk>" is not in the vocabulary: an unknown character is an error, as in encode(), not a silent pad
+        core = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
         core.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")  # one token per character
         core.decoder = tokenizers.decoders.Fuse()
         core.post_processor = tokenizers.processors.TemplateProcessing(

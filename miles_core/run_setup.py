@@ -37,17 +37,21 @@ class RunSetup:
 
 
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
+    """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
+    changes, so a refused run moves no earlier run aside."""
     run_dir = Path(config.run.output_dir)
-    if not config.run.resume:
-        archive_previous_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if config.model.path is None:
-        model_path, tokenizer = default_model(run_dir, seed=config.run.seed), DigitTokenizer()
-    else:
-        model_path, tokenizer = Path(config.model.path), load_tokenizer(Path(config.model.path))
+    model_path = Path(config.model.path) if config.model.path is not None else None
+    tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config)
     check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
     reward_fn, reward_name = load_reward(config, registries)
+    if not config.run.resume:
+        archive = archive_previous_run(run_dir)
+        if archive is not None and model_path is not None:  # --model runs/latest/checkpoints/step_000200
+            model_path = moved_with_run(model_path, run_dir=run_dir, archive=archive)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if model_path is None:
+        model_path = default_model(run_dir, seed=config.run.seed)
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
     if config.run.resume:
@@ -55,6 +59,18 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         if latest is not None:
             setup.model_path, setup.start_step = latest, int(latest.name.removeprefix("step_"))
     return setup
+
+
+def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
+    """Where ``path`` is after :func:`archive_previous_run` moved ``run_dir`` to ``archive`` (itself when it was
+    not inside): a checkpoint of the earlier run given as ``--model`` moves with it."""
+    try:
+        inside = path.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        return path
+    moved = archive / inside
+    print(f"miles: --model {path} moved with the earlier run; loading it from {moved}", flush=True)
+    return moved
 
 
 def default_model(run_dir: Path, *, seed: int) -> Path:
@@ -95,30 +111,31 @@ def load_tokenizer(model_path: Path) -> Any:
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
-def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path) -> None:
-    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds: checked before any
-    worker starts, so a wrong tokenizer is an error in seconds instead of a failed request minutes later."""
-    vocab_size = _vocab_size(model_path)
+def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None) -> None:
+    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds (``model_path``
+    ``None``: the default model's built-in tokenizer): checked before any worker starts, so a wrong tokenizer is an
+    error in seconds instead of a failed request minutes later."""
+    source = f"the tokenizer of {str(model_path)!r}" if model_path is not None else "the built-in tokenizer"
+    vocab_size = _vocab_size(model_path) if model_path is not None else getattr(tokenizer, "vocab_size", None)
     for kind, prompts in prompt_sets.items():
         for number, prompt in enumerate(prompts):
             where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
             try:
                 ids = list(tokenizer.encode(prompt.text))
             except Exception as exc:  # tokenizers raise many types (a character outside the vocabulary, ...)
-                raise MilesError(f"the tokenizer of {str(model_path)!r} cannot encode {where}: "
-                                 f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+                raise MilesError(f"{source} cannot encode {where}: {type(exc).__name__}: {exc}") from None
             if not ids:
-                hint = (
-                    "the prompt is empty: give it some text"
-                    if not prompt.text.strip()
-                    else "is it the model's "
-                    f"tokenizer? (its files: {', '.join(p.name for p in tokenizer_files(model_path)) or 'none'})"
-                )
-                raise MilesError(f"the tokenizer of {str(model_path)!r} encodes {where} to no token ids: {hint}")
+                raise MilesError(f"{source} encodes {where} to no token ids: {_no_ids_hint(prompt, model_path)}")
             if vocab_size is not None and max(ids) >= vocab_size:
-                raise MilesError(f"the tokenizer of {str(model_path)!r} encodes {where} to token id {max(ids)}, "
-                                 f"beyond the model's vocab_size {vocab_size} (config.json): the tokenizer files "
-                                 "belong to another model")  # fmt: skip
+                raise MilesError(f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
+                                 f"vocab_size {vocab_size}: the tokenizer is another model's")  # fmt: skip
+
+
+def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
+    if not prompt.text.strip():
+        return "the prompt is empty: give it some text"
+    files = ", ".join(path.name for path in tokenizer_files(model_path)) if model_path is not None else ""
+    return f"is it the model's tokenizer? (its files: {files or 'none'})"
 
 
 def _vocab_size(model_path: Path) -> int | None:
@@ -159,15 +176,14 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
     described = describe_callable(reward)
-    check_reward_signature(reward, what=f"--reward {name!r}" + ("" if described == name else f" ({described})"))
-    return reward, described if described == name else f"{name} ({described})"
+    label = name if described == name else f"{name} ({described})"
+    _check_reward_signature(reward, what=f"--reward {name!r}" + ("" if described == name else f" ({described})"))
+    return reward, label
 
 
-def check_reward_signature(reward: Any, *, what: str) -> None:
+def _check_reward_signature(reward: Callable[..., Any], *, what: str) -> None:
     """The reward can be called as ``reward(*, prompt, response, label, metadata)`` and returns its value (not a
     coroutine): checked when the run starts rather than at the first sample, minutes later."""
-    if not callable(reward):
-        raise ConfigError(f"{what} is {reward!r:.80}, not a function")
     if inspect.iscoroutinefunction(reward):
         raise ConfigError(f"{what} is an async function; a reward is a plain function returning a number")
     try:

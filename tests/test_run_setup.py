@@ -26,7 +26,14 @@ from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_file
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward, decode_response
 from miles_core.rollout.prompts import Prompt
-from miles_core.run_setup import RunSetup, check_prompts_encode, default_model, load_reward, load_tokenizer
+from miles_core.run_setup import (
+    RunSetup,
+    check_prompts_encode,
+    default_model,
+    load_reward,
+    load_tokenizer,
+    prepare_run,
+)
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from miles_core.training.torch_trainer import TorchTrainer
@@ -71,7 +78,7 @@ def test_prompts_that_encode_to_no_ids_or_beyond_the_vocabulary_are_refused(tmp_
 
     small = save_tiny_llama(tmp_path / "small", vocab_size=8)  # its tokenizer files belong to a larger vocabulary
     save_char_tokenizer(small, "abc:0123456")
-    with pytest.raises(MilesError, match=r"encodes train prompt 0 .* to token id 12, beyond the model's vocab_size 8"):
+    with pytest.raises(MilesError, match=r"prompt 0 .* to token id 12, beyond the model's vocab_size 8: the tokenizer"):
         check_prompts_encode(load_tokenizer(small), {"train": [Prompt("c5:")]}, model_path=small)
 
 
@@ -121,6 +128,46 @@ def test_every_checkpoint_of_a_run_holds_the_tokenizer_also_from_a_trainer_that_
     assert load_tokenizer(checkpoint).encode("ab1:") == load_tokenizer(model).encode("ab1:") != []
     own = TorchTrainer.from_pretrained(model, TrainSection())  # writes the tokenizer itself: left as written
     assert {p.name for p in tokenizer_files(save_checkpoint(own, setup, 8))} == {p.name for p in tokenizer_files(model)}
+
+
+def earlier_run(run_dir: Path) -> Path:
+    """A run directory holding an earlier run: metrics and a checkpoint with its tokenizer."""
+    checkpoint = save_tiny_llama(run_dir / "checkpoints" / "step_000002", vocab_size=16)
+    save_char_tokenizer(checkpoint, "abc:0123456")
+    (run_dir / "metrics.jsonl").write_text('{"step": 2}\n')
+    return checkpoint
+
+
+def test_a_refused_run_moves_no_earlier_run_aside(tmp_path: Path, manager) -> None:
+    run_dir = tmp_path / "latest"
+    earlier_run(run_dir)
+    bare = save_tiny_llama(tmp_path / "bare")  # no tokenizer: refused
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a1:", "label": "a"}\n')
+    refused = config(manager, **{"run.output_dir": str(run_dir), "model.path": str(bare),
+                                 "rollout.prompts": str(prompts), "rollout.reward": "echo_last"})  # fmt: skip
+    with pytest.raises(MilesError, match="holds no tokenizer files"):
+        prepare_run(refused, manager.registries)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "latest", "prompts.jsonl"]  # nothing moved
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 2}\n'
+
+
+def test_a_checkpoint_of_the_earlier_run_in_the_same_directory_is_the_model(tmp_path: Path, manager, capsys) -> None:
+    """`miles train --model runs/latest/checkpoints/step_000002` with the default --output-dir runs/latest: the
+    earlier run moves aside, and the model is loaded from where it moved."""
+    run_dir = tmp_path / "latest"
+    earlier_run(run_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a1:", "label": "a"}\n')
+    given = run_dir / "checkpoints" / "step_000002"
+    setup = prepare_run(config(manager, **{"run.output_dir": str(run_dir), "model.path": str(given),
+                                           "rollout.prompts": str(prompts), "rollout.reward": "echo_last"}),
+                        manager.registries)  # fmt: skip
+    (archive,) = [p for p in tmp_path.iterdir() if p.name.startswith("latest-")]
+    assert setup.model_path == setup.initial_model_path == archive / "checkpoints" / "step_000002"
+    assert (setup.model_path / "model.safetensors").is_file() and not given.exists()
+    assert setup.tokenizer.encode("a1:") == load_tokenizer(setup.model_path).encode("a1:")
+    assert f"moved with the earlier run; loading it from {setup.model_path}" in capsys.readouterr().out
 
 
 # -- what a reward sees and may return ---------------------------------------------------------------------------

@@ -46,7 +46,9 @@ def provide_training_backends() -> list[Implementation] | None:
     ``for_run(config, *, model_path, initial_model_path, run_dir, token, registries)`` (a classmethod that builds
     the trainer of a run; ``initial_model_path`` is the KL reference, which a resumed run's checkpoint is not),
     ``train_step(batch) -> metrics`` (called in a worker thread), ``weight_iterator(bucket_bytes)`` (an
-    ``HfWeightIterator``), ``save_checkpoint(directory)``, ``load_checkpoint(directory)`` and ``close()``.
+    ``HfWeightIterator``), ``save_checkpoint(directory)`` (an HF checkpoint directory with the model's tokenizer
+    files: :func:`miles_core.models.hf_checkpoint.save_hf_checkpoint` copies them; the loop adds them when a trainer
+    wrote none), ``load_checkpoint(directory)`` and ``close()``.
     """
 
 
@@ -101,7 +103,18 @@ def provide_reward_functions() -> list[Implementation] | None:
     """Reward functions (``--reward NAME``).
 
     Called once when the registries are built. Each target is a callable
-    ``reward(*, prompt: str, response: str, label: Any, metadata: dict) -> float``.
+    ``reward(*, prompt: str, response: str, label: Any, metadata: dict) -> float``, called once per sample (in the
+    driver, for training and eval samples alike) with:
+
+    * ``prompt``: the prompt's text as in the prompt file (no chat template);
+    * ``response``: the generated token ids decoded with ``skip_special_tokens=True``: no ``<eos>``, pad or bos
+      token, nothing else removed (whitespace is kept);
+    * ``label`` and ``metadata``: the prompt line's ``"label"`` (any JSON value, ``None`` when absent) and
+      ``"metadata"`` (``{}`` when absent).
+
+    It must return a finite ``int`` or ``float``; ``True``/``False`` count as 1.0/0.0. A return value of any other
+    type (a string, ``None``, a tensor) or a NaN/infinite one, and any exception, stop the run with an error naming
+    the sample and the function. The same holds for a ``--reward module:function`` target.
     """
 
 
@@ -190,7 +203,8 @@ def prepare_rollout(rollout_id: int, controller: Any) -> None:
 
 @hookspec
 def prepare_eval(rollout_id: int, controller: Any) -> None:
-    """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation."""
+    """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation; ``rollout_id`` is the
+    step the eval follows (``0`` for the eval before training, ``N`` for the eval after step ``N``)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -233,18 +247,34 @@ def register_router(router: Any) -> None:
 
 
 @hookspec
-def on_phase(rollout_id: int, phase: str, started: float, ended: float) -> None:
-    """A phase of a step ended (``rollout``, ``train``, ``weight_update``, ``eval``, ...), with wall-clock times."""
+def on_phase(rollout_id: int, step: int, phase: str, started: float, ended: float) -> None:
+    """A phase of a training step ended (``rollout``, ``train``, ``weight_update``, ``eval``, ``checkpoint``), with
+    wall-clock times.
+
+    ``step`` is the step's number everywhere a user sees it (the terminal, ``metrics.jsonl``, the checkpoint
+    ``step_{step:06d}``, the dashboard): step ``N`` trains on rollout ``rollout_id = N - 1`` and publishes weight
+    version ``N``. The eval before training belongs to no training step: it reaches only :func:`on_eval`.
+    """
 
 
 @hookspec
-def on_metrics(rollout_id: int, metrics: dict[str, float]) -> None:
-    """Metrics of a step (reward, loss, KL, entropy, step time, ...), called once per step after training."""
+def on_metrics(rollout_id: int, step: int, metrics: dict[str, float]) -> None:
+    """Metrics of a training step (reward, loss, KL, entropy, step time, and the eval's when one ran), called once
+    per step after training and the step's eval and checkpoint; ``step`` and ``rollout_id`` as in :func:`on_phase`.
+    """
 
 
 @hookspec
-def on_samples(rollout_id: int, samples: list[Any]) -> None:
-    """The samples of a rollout (prompt, response, reward), called once per rollout after rewards are computed."""
+def on_eval(step: int, metrics: dict[str, float], started: float, ended: float) -> None:
+    """An evaluation ended: its metrics (``eval/reward_mean``, ...) and wall-clock times, after the step ``step``
+    (``0``: the eval before training, which no other hook reports). Called for every eval, also when it is part of
+    a training step (then before that step's :func:`on_metrics`, which holds the same ``eval/`` metrics)."""
+
+
+@hookspec
+def on_samples(rollout_id: int, step: int, samples: list[Any]) -> None:
+    """The samples of a training rollout (prompt, response, reward), called once per step after rewards are
+    computed; ``step`` and ``rollout_id`` as in :func:`on_phase`."""
 
 
 # --------------------------------------------------------------------------------------------------------------

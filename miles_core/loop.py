@@ -8,17 +8,21 @@ for it). Step k's data depends only on k, so a resumed run continues with the sa
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import transformers
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesError
+from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
+from miles_core.targets import describe_callable
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
@@ -62,13 +66,16 @@ def _rank_names(trainer: Any) -> list[str]:
 
 
 def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:
-    """The configured weight-transfer protocol, built from ``weight_transfer.settings``."""
-    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(config.weight_transfer.mode).load()
+    """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
+    refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
+    mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
+    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(mode).load()
     try:
-        return protocol_cls(**config.weight_transfer.settings)
-    except TypeError as exc:  # an unknown or missing keyword argument
-        raise ConfigError(f"weight_transfer.settings {config.weight_transfer.settings} do not fit the protocol "
-                          f"{config.weight_transfer.mode!r}: {exc}") from None  # fmt: skip
+        return protocol_cls(**settings)
+    except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
+        raise ConfigError(f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
+                          f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
+                          f"{type(exc).__name__}: {exc}") from None  # fmt: skip
 
 
 async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any,
@@ -95,38 +102,50 @@ async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer:
 
 
 async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:
+    """Steps ``start_step + 1 .. num_steps``. Step N (as in the terminal, metrics.jsonl, the checkpoint
+    ``step_N`` and the dashboard) trains on rollout ``N - 1`` and publishes weight version N; step 0 is the eval
+    before training."""
     bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     if setup.start_step == 0:
         reporter.eval(0, await _evaluate(manager, controller, executor, 0))
     next_rollout = None
-    for step in range(setup.start_step, config.run.num_steps):
-        phases = _Phases(manager, step)
-        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, step))
-        if config.run.schedule == "one_step_off" and step + 1 < config.run.num_steps:
-            next_rollout = asyncio.create_task(_rollout(manager, controller, executor, step + 1))
+    for rollout_id in range(setup.start_step, config.run.num_steps):
+        step = rollout_id + 1
+        phases = _Phases(manager, rollout_id=rollout_id, step=step)
+        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, rollout_id))
+        if config.run.schedule == "one_step_off" and step < config.run.num_steps:
+            next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
         report = await phases.run("weight_update", controller.update_weights(
-            lambda: trainer.weight_iterator(bucket_bytes), version=step + 1))  # fmt: skip
+            lambda: trainer.weight_iterator(bucket_bytes), version=step))  # fmt: skip
         metrics = {**rollout.stats, **{f"train/{k}": v for k, v in train_metrics.items()},
                    "weight_transfer/gb_per_s": report.gb_per_s, "weight_transfer/seconds": report.seconds,
                    **phases.seconds}  # fmt: skip
-        manager.hook.on_samples(rollout_id=step, samples=rollout.samples)
-        done = step + 1
-        if (config.run.eval_every and done % config.run.eval_every == 0) or done == config.run.num_steps:
-            metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, done)))
-        if (config.run.checkpoint_every and done % config.run.checkpoint_every == 0) or done == config.run.num_steps:
-            await phases.run("checkpoint", asyncio.to_thread(
-                trainer.save_checkpoint, setup.run_dir / CHECKPOINTS / f"step_{done:06d}"))  # fmt: skip
+        manager.hook.on_samples(rollout_id=rollout_id, step=step, samples=rollout.samples)
+        if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
+            metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, step)))
+        if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
+            await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step))
         metrics["time/step"] = time.time() - phases.started
-        manager.hook.on_metrics(rollout_id=step, metrics=metrics)
-        reporter.step(done, metrics)
+        manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
+        reporter.step(step, metrics)
+
+
+def save_checkpoint(trainer: Any, setup: RunSetup, step: int) -> Path:
+    """``checkpoints/step_{step:06d}``, written by the trainer; a trainer that wrote no tokenizer (a third-party
+    backend) gets the run model's tokenizer files added, so every checkpoint is a ``--model`` directory."""
+    directory = setup.run_dir / CHECKPOINTS / f"step_{step:06d}"
+    trainer.save_checkpoint(directory)
+    if not tokenizer_files(directory):
+        copy_tokenizer_files(setup.initial_model_path, directory)
+    return directory
 
 
 class _Phases:
     """Times the phases of one step and reports each through the ``on_phase`` hook."""
 
-    def __init__(self, manager: Any, step: int) -> None:
-        self.manager, self.step = manager, step
+    def __init__(self, manager: Any, *, rollout_id: int, step: int) -> None:
+        self.manager, self.rollout_id, self.step = manager, rollout_id, step
         self.started = time.time()
         self.seconds: dict[str, float] = {}
 
@@ -135,15 +154,20 @@ class _Phases:
         result = await awaitable
         ended = time.time()
         self.seconds[f"time/{phase}"] = ended - started
-        self.manager.hook.on_phase(rollout_id=self.step, phase=phase, started=started, ended=ended)
+        self.manager.hook.on_phase(rollout_id=self.rollout_id, step=self.step, phase=phase, started=started,
+                                   ended=ended)  # fmt: skip
         return result
 
 
-async def _rollout(manager, controller, executor, step: int):
-    manager.hook.prepare_rollout(rollout_id=step, controller=controller)
-    return await executor.get(step)
+async def _rollout(manager, controller, executor, rollout_id: int):
+    manager.hook.prepare_rollout(rollout_id=rollout_id, controller=controller)
+    return await executor.get(rollout_id)
 
 
 async def _evaluate(manager, controller, executor, step: int) -> dict[str, float]:
+    """The eval after step ``step`` (0: before training), reported through ``on_eval``."""
     manager.hook.prepare_eval(rollout_id=step, controller=controller)
-    return (await executor.evaluate(step)).stats
+    started = time.time()
+    metrics = (await executor.evaluate(step)).stats
+    manager.hook.on_eval(step=step, metrics=metrics, started=started, ended=time.time())
+    return metrics

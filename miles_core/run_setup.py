@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import secrets
 import time
 from collections.abc import Callable
@@ -12,9 +14,10 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import require_checkpoint_dir
-from miles_core.registry import Implementation, Registries
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES, require_checkpoint_dir, tokenizer_files
+from miles_core.registry import Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.targets import describe_callable, import_target, is_target
 
 CHECKPOINTS = "checkpoints"
 
@@ -34,16 +37,21 @@ class RunSetup:
 
 
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
+    """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
+    changes, so a refused run moves no earlier run aside."""
     run_dir = Path(config.run.output_dir)
-    if not config.run.resume:
-        archive_previous_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if config.model.path is None:
-        model_path, tokenizer = default_model(run_dir, seed=config.run.seed), DigitTokenizer()
-    else:
-        model_path, tokenizer = Path(config.model.path), load_tokenizer(Path(config.model.path))
+    model_path = Path(config.model.path) if config.model.path is not None else None
+    tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config)
+    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
     reward_fn, reward_name = load_reward(config, registries)
+    if not config.run.resume:
+        archive = archive_previous_run(run_dir)
+        if archive is not None and model_path is not None:  # --model runs/latest/checkpoints/step_000200
+            model_path = moved_with_run(model_path, run_dir=run_dir, archive=archive)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if model_path is None:
+        model_path = default_model(run_dir, seed=config.run.seed)
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
     if config.run.resume:
@@ -53,9 +61,24 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     return setup
 
 
+def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
+    """Where ``path`` is after :func:`archive_previous_run` moved ``run_dir`` to ``archive`` (itself when it was
+    not inside): a checkpoint of the earlier run given as ``--model`` moves with it."""
+    try:
+        inside = path.resolve().relative_to(run_dir.resolve())
+    except ValueError:
+        return path
+    moved = archive / inside
+    print(f"miles: --model {path} moved with the earlier run; loading it from {moved}", flush=True)
+    return moved
+
+
 def default_model(run_dir: Path, *, seed: int) -> Path:
-    """The embedded default's tiny Llama, built from a config and saved once per run directory."""
+    """The embedded default's tiny Llama, built from a config and saved once per run directory, with its
+    tokenizer's HF files (so that its checkpoints are model directories of their own)."""
     path = run_dir / "initial_model"
+    if not tokenizer_files(path):  # also an initial model written before tokenizer files were saved with it
+        DigitTokenizer().save_pretrained(path)
     if not (path / "config.json").is_file():
         import torch  # deferred: only the default run builds a model here
         import transformers
@@ -73,13 +96,55 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
 
 
 def load_tokenizer(model_path: Path) -> Any:
+    """The tokenizer of the model directory; a directory without tokenizer files, or one transformers cannot
+    load, is an error naming the directory and what is missing."""
     require_checkpoint_dir(model_path)
+    if not tokenizer_files(model_path):
+        raise MilesError(f"model directory {str(model_path)!r} holds no tokenizer files (one of "
+                         f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
+                         "it (checkpoints of miles train hold theirs)")  # fmt: skip
     import transformers  # deferred: heavy
 
     try:
         return transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as exc:  # transformers raises many types
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None) -> None:
+    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds (``model_path``
+    ``None``: the default model's built-in tokenizer): checked before any worker starts, so a wrong tokenizer is an
+    error in seconds instead of a failed request minutes later."""
+    source = f"the tokenizer of {str(model_path)!r}" if model_path is not None else "the built-in tokenizer"
+    vocab_size = _vocab_size(model_path) if model_path is not None else getattr(tokenizer, "vocab_size", None)
+    for kind, prompts in prompt_sets.items():
+        for number, prompt in enumerate(prompts):
+            where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
+            try:
+                ids = list(tokenizer.encode(prompt.text))
+            except Exception as exc:  # tokenizers raise many types (a character outside the vocabulary, ...)
+                raise MilesError(f"{source} cannot encode {where}: {type(exc).__name__}: {exc}") from None
+            if not ids:
+                raise MilesError(f"{source} encodes {where} to no token ids: {_no_ids_hint(prompt, model_path)}")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise MilesError(f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
+                                 f"vocab_size {vocab_size}: the tokenizer is another model's")  # fmt: skip
+
+
+def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
+    if not prompt.text.strip():
+        return "the prompt is empty: give it some text"
+    files = ", ".join(path.name for path in tokenizer_files(model_path)) if model_path is not None else ""
+    return f"is it the model's tokenizer? (its files: {files or 'none'})"
+
+
+def _vocab_size(model_path: Path) -> int | None:
+    """``vocab_size`` of the model's ``config.json`` (``None`` when it has none at the top level)."""
+    try:
+        value = json.loads((model_path / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return None  # loading the model reports an unreadable config.json with its own message
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def load_prompts(config: Any) -> tuple[list[Prompt], list[Prompt]]:
@@ -100,11 +165,33 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
             raise ConfigError(f"--prompts needs --reward NAME or module:function; registered: "
                               f"{', '.join(registries['reward_functions'])}")  # fmt: skip
         return echo_last_reward, "echo_last"
-    entry = registries["reward_functions"].get(name) or Implementation(name=name, target=name, provider="--reward")
-    reward = entry.load()
+    entry = registries["reward_functions"].get(name)
+    if entry is not None:
+        reward = entry.load()
+    elif is_target(name):
+        reward = import_target(name, what=f"--reward {name!r}")
+    else:
+        raise ConfigError(f"--reward {name!r} is neither a registered reward function (registered: "
+                          f"{', '.join(registries['reward_functions']) or 'none'}) nor module:function")  # fmt: skip
     if not callable(reward):
-        raise ConfigError(f"--reward {name!r} is {reward!r}, not a function")
-    return reward, name
+        raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
+    described = describe_callable(reward)
+    label = name if described == name else f"{name} ({described})"
+    _check_reward_signature(reward, what=f"--reward {name!r}" + ("" if described == name else f" ({described})"))
+    return reward, label
+
+
+def _check_reward_signature(reward: Callable[..., Any], *, what: str) -> None:
+    """The reward can be called as ``reward(*, prompt, response, label, metadata)`` and returns its value (not a
+    coroutine): checked when the run starts rather than at the first sample, minutes later."""
+    if inspect.iscoroutinefunction(reward):
+        raise ConfigError(f"{what} is an async function; a reward is a plain function returning a number")
+    try:
+        inspect.signature(reward).bind(prompt="", response="", label=None, metadata={})
+    except ValueError:  # no signature to inspect (some builtins): the first call tells
+        return
+    except TypeError as exc:
+        raise ConfigError(f"{what} cannot be called as fn(*, prompt, response, label, metadata): {exc}") from None
 
 
 def archive_previous_run(run_dir: Path) -> Path | None:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES, tokenizer_files
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
-from tests.conftest import run_miles, with_pythonpath
+from tests.conftest import run_miles
 
 pytestmark = pytest.mark.slow
 QUICK = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
@@ -19,8 +20,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True):
-    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env)
+def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True, cwd: Path | None = None):
+    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env, cwd=cwd)
     if ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -166,7 +167,7 @@ def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
     train(tmp_path / "run", *QUICK, "--num-steps", "3", "--model", str(model_dir), "--prompts", str(prompts),
           "--reward", "my_rewards:first_char_reward", "--update-weight-transfer-mode", "broadcast",
-          env=with_pythonpath(module_dir))  # fmt: skip
+          cwd=module_dir)  # fmt: skip
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2, 3]
 
@@ -174,11 +175,59 @@ def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
 def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
     result = train(tmp_path / "run", *QUICK, "--num-steps", "2", "--model", str(model_dir), "--prompts",
-                   str(prompts), "--reward", "my_rewards:broken_reward", env=with_pythonpath(module_dir),
-                   ok=False)  # fmt: skip
+                   str(prompts), "--reward", "my_rewards:broken_reward", cwd=module_dir, ok=False)  # fmt: skip
     assert result.returncode == 2
-    assert "reward function my_rewards:broken_reward raised on sample 0 of rollout 0" in result.stderr
-    assert "KeyError: 'score'" in result.stderr
+    # The eval before training scores first: its sample 0 is the file's first prompt.
+    assert "reward function my_rewards:broken_reward raised on eval sample 0 at step 0 (prompt 'a0:'" in result.stderr
+    assert "KeyError: 'score'" in result.stderr and "Traceback" not in result.stderr
+
+
+WORKING_DIRECTORY_REWARDS = """\
+import json
+
+
+def exact(*, prompt, response, label, metadata):
+    with open("responses.jsonl", "a") as out:  # the working directory: what the reward saw, for the test
+        out.write(json.dumps(response) + "\\n")
+    return response[:1] == label  # a bool: the usual exact-match reward
+
+
+def not_a_number(*, prompt, response, label, metadata):
+    return float("nan")
+"""
+
+
+def test_a_checkpoint_is_a_model_and_a_reward_from_the_working_directory_sees_plain_text(tmp_path: Path) -> None:
+    """A new user's path: train, then train on from a checkpoint (its tokenizer is in it) with a reward module
+    next to the prompts (not on PYTHONPATH); the reward sees responses without special tokens."""
+    first = tmp_path / "first"
+    train(first, *QUICK, "--num-steps", "2")
+    checkpoint = first / "checkpoints" / "step_000002"
+    assert {p.name for p in tokenizer_files(checkpoint)} == {"tokenizer.json", "tokenizer_config.json"}
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "cwd_rewards.py").write_text(WORKING_DIRECTORY_REWARDS)
+    (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{n}:", "label": str(n)[-1]}) + "\n"
+                                                for n in range(73910, 73918)))  # fmt: skip
+    result = run_miles("train", "--output-dir", str(tmp_path / "second"), *QUICK, "--num-steps", "2", "--model",
+                       str(checkpoint), "--prompts", "prompts.jsonl", "--reward", "cwd_rewards:exact",
+                       cwd=work)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in metrics(tmp_path / "second") if "train/loss" in row] == [1, 2]
+    responses = [json.loads(line) for line in (work / "responses.jsonl").read_text().splitlines()]
+    assert len(responses) == 2 * 16 + 2 * 8  # two steps of 4 x 4 samples, two evals of the 8 prompts
+    assert not [r for r in responses if any(token in r for token in ("<eos>", "<pad>", "<bos>"))]
+    assert any(len(r) < 8 for r in responses)  # some stopped at <eos> (max_new_tokens 8), which they do not show
+
+
+def test_a_reward_that_is_not_a_finite_number_stops_the_run_naming_sample_and_function(tmp_path: Path) -> None:
+    (tmp_path / "cwd_rewards.py").write_text(WORKING_DIRECTORY_REWARDS)
+    result = run_miles("train", "--output-dir", str(tmp_path / "run"), *QUICK, "--num-steps", "2", "--reward",
+                       "cwd_rewards:not_a_number", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert ("reward function cwd_rewards:not_a_number returned nan, not a finite number on eval sample 0 at step 0 "
+            "(prompt '") in result.stderr  # fmt: skip
+    assert "a reward must be a finite int or float" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -188,7 +237,8 @@ def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: 
         ("corrupt_model", "cannot load"),
         ("bad_jsonl", "prompts.jsonl:2: not valid JSON"),
         ("no_reward", "--prompts needs --reward"),
-        ("unknown_reward_module", "cannot load 'no_such_module:fn'"),
+        ("unknown_reward_module", "--reward 'no_such_module:fn': no module named 'no_such_module' in the working"),
+        ("model_without_tokenizer", "holds no tokenizer files (one of tokenizer.json, tokenizer_config.json"),
     ],
 )
 def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, message: str) -> None:
@@ -204,6 +254,9 @@ def test_bad_input_is_a_clear_error(real_model, tmp_path: Path, setup: str, mess
         args = args[:4]
     elif setup == "unknown_reward_module":
         args[5] = "no_such_module:fn"
+    elif setup == "model_without_tokenizer":  # a checkpoint as trainers wrote them before they saved tokenizers
+        for name in TOKENIZER_FILES:
+            (model_dir / name).unlink(missing_ok=True)
     result = train(tmp_path / "run", *QUICK, "--num-steps", "1", *args, ok=False)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr

@@ -1,6 +1,7 @@
 """The dashboard's JSON API: every view's data, read from a run's dashboard database.
 
-Routes (all ``GET``; steps are rollout ids, the ``rollout_id`` of the hooks):
+Routes (all ``GET``; steps are numbered as in the terminal and metrics.jsonl: step N trains on rollout N - 1, and
+step 0 holds the eval before training; the ``step`` of the hooks):
 
 * ``/api/run``: status (``empty``, ``running``, ``finished``, ``failed``, or ``interrupted`` for a run whose
   process is gone), start and end, the steps recorded, the config.

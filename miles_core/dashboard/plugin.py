@@ -119,17 +119,26 @@ class DashboardPlugin:
     def register_router(self, router: Any) -> None:
         self._record("register_router", "set_router", router)
 
-    @hookimpl
-    def on_phase(self, rollout_id: int, phase: str, started: float, ended: float) -> None:
-        self._record("on_phase", "add_phase", step=rollout_id, phase=phase, started=started, ended=ended)
+    # Events are stored under ``step``, the number the terminal and metrics.jsonl show (rollout_id + 1), so that
+    # the terminal's step 160 is /api/steps/160 and the eval before training is step 0.
 
     @hookimpl
-    def on_metrics(self, rollout_id: int, metrics: dict[str, float]) -> None:
-        self._record("on_metrics", "add_metrics", step=rollout_id, metrics=metrics)
+    def on_phase(self, step: int, phase: str, started: float, ended: float) -> None:
+        if phase != "eval":  # every eval is recorded by on_eval, which also sees the one before training
+            self._record("on_phase", "add_phase", step=step, phase=phase, started=started, ended=ended)
 
     @hookimpl
-    def on_samples(self, rollout_id: int, samples: list[Any]) -> None:
-        self._record("on_samples", "add_samples", step=rollout_id, samples=samples)
+    def on_eval(self, step: int, metrics: dict[str, float], started: float, ended: float) -> None:
+        self._record("on_eval", "add_phase", step=step, phase="eval", started=started, ended=ended)
+        self._record("on_eval", "add_metrics", step=step, metrics=metrics)
+
+    @hookimpl
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self._record("on_metrics", "add_metrics", step=step, metrics=metrics)
+
+    @hookimpl
+    def on_samples(self, step: int, samples: list[Any]) -> None:
+        self._record("on_samples", "add_samples", step=step, samples=samples)
 
     @hookimpl
     def before_weight_update(self, version: int, protocol: Any) -> None:

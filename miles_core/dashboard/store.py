@@ -2,7 +2,8 @@
 
 The run writes through one :class:`DashboardStore` (WAL mode, one commit per event, so a killed run keeps
 everything recorded until then); servers open their own read connections (:func:`open_for_reading`), so a live run
-can be viewed while it writes.
+can be viewed while it writes. Every ``step`` column holds the step as the terminal and metrics.jsonl number it
+(step N trains on rollout N - 1; step 0 is the eval before training).
 """
 
 from __future__ import annotations

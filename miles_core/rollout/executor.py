@@ -3,19 +3,24 @@ the same id, so a resumed run sees the same data), generates ``group_size`` samp
 (or through a router), scores them, computes group statistics and returns the training batch.
 
 A request that fails because its engine died is sent again to a running engine once the controller has one, so
-no sample of the step is lost. A reward function that raises stops the run with an error naming the sample and
-the function: a silently wrong reward would be worse than a stopped run.
+no sample of the step is lost. A reward function sees the response decoded without special tokens
+(:func:`decode_response`) and must return a finite number (:func:`checked_reward`); one that raises or returns
+anything else stops the run with an error naming the sample and the function: a silently wrong reward would be
+worse than a stopped run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
+import numbers
 import random
 import statistics
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 
 from miles_core.engines.client import EngineClient
@@ -84,7 +89,7 @@ class RolloutExecutor:
                    for i, p in enumerate(self.prompts_for(rollout_id)) for k in range(group)]  # fmt: skip
         params = self._sampling(temperature=self.config.rollout.temperature)
         await self._generate(samples, params, seed_base=(self.config.run.seed * 1_000_003 + rollout_id) * 4096)
-        self._score(samples, rollout_id)
+        self._score(samples, f"sample {{index}} of rollout {rollout_id} (step {rollout_id + 1})")
         rewards = torch.tensor([s.reward for s in samples])
         advantages = grpo_advantages(rewards, group, normalize_std=self.config.train.normalize_advantages)
         batch = TrainBatch([TrainSample(s.prompt_ids, s.response_ids, s.logprobs, float(a), s.reward)
@@ -95,7 +100,7 @@ class RolloutExecutor:
         """Greedy answers to the held-out prompts."""
         samples = [Sample(index=i, prompt=p, prompt_ids=self.encode(p.text)) for i, p in enumerate(self.eval_prompts)]
         await self._generate(samples, self._sampling(temperature=0.0), seed_base=0)
-        self._score(samples, rollout_id)
+        self._score(samples, f"eval sample {{index}} at step {rollout_id}")
         return Rollout(rollout_id, samples, None, self._stats(samples, "eval"))
 
     def encode(self, text: str) -> list[int]:
@@ -157,24 +162,28 @@ class RolloutExecutor:
             sample.finish_reason = meta["finish_reason"]["type"]
             sample.weight_version = meta["weight_version"]
             sample.engine = client.name
-            sample.response = self.tokenizer.decode(sample.response_ids)
+            sample.response = decode_response(self.tokenizer, sample.response_ids)
         failed = [output for output in outputs if isinstance(output, BaseException)]
         if failed:
             raise failed[0]
 
     # -- rewards --------------------------------------------------------------------------------------------
 
-    def _score(self, samples: list[Sample], rollout_id: int) -> None:
+    def _score(self, samples: list[Sample], where: str) -> None:
+        """Every sample's reward, checked; ``where`` (``"sample {index} of rollout 2 (step 3)"``) names the sample in
+        errors."""
         for sample in samples:
             try:
                 reward = self.reward_fn(prompt=sample.prompt.text, response=sample.response,
                                         label=sample.prompt.label, metadata=sample.prompt.metadata)  # fmt: skip
-                sample.reward = float(reward)
             except Exception as exc:
-                raise MilesError(
-                    f"reward function {self.reward_name} raised on sample {sample.index} of rollout {rollout_id} "
-                    f"(prompt {sample.prompt.text!r}, response {sample.response!r}): {type(exc).__name__}: {exc}"
-                ) from exc
+                raise MilesError(f"reward function {self.reward_name} raised on {_describe(sample, where)}: "
+                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+            try:
+                sample.reward = checked_reward(reward)
+            except ValueError as exc:
+                raise MilesError(f"reward function {self.reward_name} {exc} on {_describe(sample, where)}: a reward "
+                                 "must be a finite int or float (or a bool, counted as 1.0/0.0)") from None  # fmt: skip
 
     @staticmethod
     def _stats(samples: list[Sample], prefix: str) -> dict[str, float]:
@@ -184,3 +193,37 @@ class RolloutExecutor:
                 f"{prefix}/reward_std": statistics.pstdev(rewards),
                 f"{prefix}/response_length": statistics.fmean(lengths),
                 f"{prefix}/samples": float(len(samples))}  # fmt: skip
+
+
+def decode_response(tokenizer: Any, ids: list[int]) -> str:
+    """The text a reward function sees: the generated ids decoded without special tokens (no ``<eos>``, pad or
+    bos), otherwise as generated (whitespace kept)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def checked_reward(value: Any) -> float:
+    """``value`` as a float when it is a finite real number (``True``/``False`` count as 1.0/0.0, the reward of an
+    exact match); anything else (a string, ``None``, NaN, infinity, a tensor) is a ``ValueError`` saying what was
+    returned, since a wrong reward silently trains the wrong thing."""
+    if isinstance(value, numpy.bool_):  # `a == b` on numpy values: a bool too, though not a numbers.Real
+        value = bool(value)
+    if not isinstance(value, numbers.Real):  # int, float, bool and numpy's scalars; not str, not None
+        hint = " (call .item() on it)" if callable(getattr(value, "item", None)) else ""
+        raise ValueError(f"returned {_excerpt(value)} of type {type(value).__name__}, not a number{hint}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(f"returned {_excerpt(value)}, beyond the range of a float") from None
+    if not math.isfinite(number):
+        raise ValueError(f"returned {number!r}, not a finite number")
+    return number
+
+
+def _describe(sample: Sample, where: str) -> str:
+    location = where.format(index=sample.index)
+    return f"{location} (prompt {_excerpt(sample.prompt.text)}, response {_excerpt(sample.response)})"
+
+
+def _excerpt(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...' (cut)"

@@ -7,10 +7,13 @@ Any protocol, built-in or third-party, is checked by subclassing :class:`Protoco
     class TestMyProtocol(ProtocolContract):
         protocol_name = "my-protocol"          # its name in the registry
         protocol_settings = {"option": 1}      # keyword arguments of its constructor
+        bad_settings = [{"option": -1}]        # settings its constructor must refuse (an unknown one is added)
 
 The suite starts real local engines (a tiny model made on the spot) and checks round trips with checksums,
 versioning, reports, and failures (a bad tensor, a dead engine), after which a good transfer must restore every
-engine to exactly the trainer's weights.
+engine to exactly the trainer's weights; and, without engines, that the constructor refuses bad settings the way
+:class:`~miles_core.weight_transfer.WeightTransferProtocol` documents (``TypeError``, ``ValueError`` or a
+``MilesError``), so that a run reports them as a configuration error.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import transformers
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.weights import checksum
+from miles_core.errors import MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -80,11 +84,20 @@ class ProtocolContract:
 
     protocol_name: ClassVar[str]
     protocol_settings: ClassVar[dict[str, Any]] = {}
+    bad_settings: ClassVar[list[dict[str, Any]]] = []  # beyond an unknown setting, which every protocol refuses
 
     def make_protocol(self) -> WeightTransferProtocol:
         registries = MilesPluginManager.load().registries
         protocol_cls = registries["weight_transfer_protocols"].get_or_raise(self.protocol_name).load()
         return protocol_cls(**self.protocol_settings)
+
+    def test_bad_settings_are_refused_as_documented(self) -> None:
+        registries = MilesPluginManager.load().registries
+        protocol_cls = registries["weight_transfer_protocols"].get_or_raise(self.protocol_name).load()
+        for bad in [{**self.protocol_settings, "no_such_setting_for_the_contract": 1}, *self.bad_settings]:
+            with pytest.raises((TypeError, ValueError, MilesError)) as refused:
+                protocol_cls(**bad)
+            assert str(refused.value), f"{self.protocol_name} refused {bad} with an empty message"
 
     @staticmethod
     def trainer_model(engines: ContractEngines, seed: int) -> torch.nn.Module:

@@ -16,7 +16,12 @@ import transformers
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
-from miles_core.models.hf_checkpoint import load_causal_lm, require_checkpoint_dir, save_hf_checkpoint
+from miles_core.models.hf_checkpoint import (
+    load_causal_lm,
+    require_checkpoint_dir,
+    save_hf_checkpoint,
+    tokenizer_files,
+)
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
@@ -31,10 +36,12 @@ DEFAULT_IMPLEMENTATION = "transformers"
 class TorchTrainer:
     """Trains ``model`` (a :class:`CausalLM`, or a transformers causal LM) with a ``train`` config section's
     settings. ``hf_config`` (the checkpoint's config) is written into checkpoints; a transformers model brings its
-    own."""
+    own. Checkpoints get a copy of the tokenizer files of the model directory ``tokenizer_from`` (none when
+    ``None``)."""
 
     def __init__(self, model: CausalLM | transformers.PreTrainedModel, settings: Any, *, seed: int = 0,
-                 reference: CausalLM | None = None, hf_config: Any = None) -> None:  # fmt: skip
+                 reference: CausalLM | None = None, hf_config: Any = None,
+                 tokenizer_from: str | Path | None = None) -> None:  # fmt: skip
         torch.manual_seed(seed)
         if isinstance(model, transformers.PreTrainedModel):
             hf_config = hf_config or model.config
@@ -43,6 +50,7 @@ class TorchTrainer:
             raise MilesError("TorchTrainer needs the checkpoint's hf_config for a non-transformers model")
         self.model = model.train()
         self.hf_config = hf_config
+        self.tokenizer_from = tokenizer_from
         self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
         self.optimizer = build_optimizer(model.parameters(), settings)
@@ -51,7 +59,7 @@ class TorchTrainer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, settings: Any, *, seed: int = 0) -> TorchTrainer:
-        return cls(load_causal_lm(path), settings, seed=seed)
+        return cls(load_causal_lm(path), settings, seed=seed, tokenizer_from=path if tokenizer_files(path) else None)
 
     @classmethod
     def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
@@ -63,7 +71,8 @@ class TorchTrainer:
         name = config.model.implementations.get(hf_config.model_type, DEFAULT_IMPLEMENTATION)
         load = _loader(registries, hf_config.model_type, name)
         reference = load(initial_model_path) if config.train.kl_coef > 0 else None
-        trainer = cls(load(model_path), config.train, seed=config.run.seed, reference=reference, hf_config=hf_config)
+        trainer = cls(load(model_path), config.train, seed=config.run.seed, reference=reference, hf_config=hf_config,
+                      tokenizer_from=initial_model_path)  # fmt: skip
         trainer.implementation = f"{hf_config.model_type}/{name}"
         return trainer
 
@@ -114,10 +123,12 @@ class TorchTrainer:
         return CausalLMWeightIterator(self.model, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
-        """HF checkpoint (config + safetensors) plus optimizer state and the trainer's step, written atomically."""
+        """HF checkpoint (config, safetensors, the tokenizer's files) plus optimizer state and the trainer's step,
+        written atomically."""
         directory = Path(directory)
         partial = directory.with_name(directory.name + ".partial")
-        save_hf_checkpoint(partial, dict(self.weight_iterator(1 << 62).named_tensors()), self.hf_config)
+        save_hf_checkpoint(partial, dict(self.weight_iterator(1 << 62).named_tensors()), self.hf_config,
+                           tokenizer_from=self.tokenizer_from)  # fmt: skip
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
         (partial / STATE_FILE).write_text(json.dumps({"step": self.step, **(extra or {})}))
         if directory.exists():

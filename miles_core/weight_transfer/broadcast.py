@@ -14,7 +14,13 @@ from collections.abc import Iterable, Sequence
 
 from miles_core.engines.weights import broadcast, group_device, new_weight_update_group, resolve_group_backend
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_core.weight_transfer.protocol import (
+    EngineEndpoint,
+    TransferReport,
+    WeightBucket,
+    check_setting,
+    is_positive_number,
+)
 from miles_core.workers.process import free_ports
 
 GROUP_NAME = "miles_weight_update"
@@ -24,6 +30,11 @@ class BroadcastProtocol(HttpEngineProtocol):
     name = "broadcast"
 
     def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0, backend: str = "auto") -> None:
+        check_setting("broadcast", "master_address", master_address,
+                      valid=isinstance(master_address, str) and bool(master_address),
+                      allowed="this machine's address that the engines can reach (a non-empty string)")  # fmt: skip
+        check_setting("broadcast", "timeout_s", timeout_s, valid=is_positive_number(timeout_s),
+                      allowed="a number of seconds above 0")  # fmt: skip
         super().__init__(master_address=master_address, timeout_s=timeout_s, backend=backend)
         self.master_address = master_address
         self.timeout_s = timeout_s

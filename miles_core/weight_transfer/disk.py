@@ -12,13 +12,18 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import TransferReport, WeightBucket
+from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting, is_whole_number
 
 
 class DiskProtocol(HttpEngineProtocol):
     name = "disk"
 
     def __init__(self, *, work_dir: str | None = None, keep_versions: int = 2) -> None:
+        check_setting("disk", "work_dir", work_dir, valid=work_dir is None or isinstance(work_dir, str),
+                      allowed="a directory path (a string) or null")  # fmt: skip
+        check_setting("disk", "keep_versions", keep_versions,
+                      valid=is_whole_number(keep_versions) and keep_versions >= 1,
+                      allowed="a whole number of at least 1 (the versions kept on disk)")  # fmt: skip
         super().__init__(work_dir=work_dir, keep_versions=keep_versions)
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
         self.keep_versions = keep_versions

@@ -50,7 +50,15 @@ class TransferReport:
 
 
 class WeightTransferProtocol(abc.ABC):
-    """Base class of every protocol. Subclasses set :attr:`name` and implement the three steps."""
+    """Base class of every protocol. Subclasses set :attr:`name` and implement the three steps.
+
+    The constructor takes the run's ``weight_transfer.settings`` (``--weight-transfer-settings '{...}'``) as
+    keyword-only arguments and checks them there, before any engine starts. For settings it refuses it raises
+    ``TypeError`` (an unknown or missing setting: Python's own error for a bad keyword), ``ValueError`` (a known
+    setting with a bad value or type, the message naming the setting, the value and what is allowed) or a
+    :class:`~miles_core.errors.ConfigError`; the run reports any of these as a configuration error naming the
+    protocol and its settings. Anything else it raises is a bug of the protocol.
+    """
 
     name: ClassVar[str]
 
@@ -67,3 +75,20 @@ class WeightTransferProtocol(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional step, most protocols hold nothing to release
         """Release the channel. The default does nothing."""
+
+
+def check_setting(protocol: str, name: str, value: Any, *, valid: bool, allowed: str) -> None:
+    """Raise the ``ValueError`` that the protocol constructor contract asks for when ``valid`` is false: it names the
+    protocol, the setting, the value and what is allowed."""
+    if not valid:
+        raise ValueError(f"{protocol} setting {name} = {value!r}: expected {allowed}")
+
+
+def is_whole_number(value: Any) -> bool:
+    """An ``int`` that is not a ``bool`` (JSON settings give ``true`` for a mistyped number)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_number(value: Any) -> bool:
+    """A finite real number above zero, not a ``bool``."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")

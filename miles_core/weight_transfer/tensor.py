@@ -29,7 +29,7 @@ import torch
 from miles_core.engines.client import EngineClient
 from miles_core.engines.weights import map_staging_file, staging_layout
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import TransferReport, WeightBucket
+from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -40,6 +40,12 @@ class TensorProtocol(HttpEngineProtocol):
     def __init__(
         self, *, shared_memory: bool | None = None, zero_copy: bool = True, shm_dir: str | None = None
     ) -> None:
+        check_setting("tensor", "shared_memory", shared_memory,
+                      valid=shared_memory is None or isinstance(shared_memory, bool),
+                      allowed="true, false or null (null: shared memory for engines on this machine)")  # fmt: skip
+        check_setting("tensor", "zero_copy", zero_copy, valid=isinstance(zero_copy, bool), allowed="true or false")
+        check_setting("tensor", "shm_dir", shm_dir, valid=shm_dir is None or isinstance(shm_dir, str),
+                      allowed="a directory path (a string) or null")  # fmt: skip
         super().__init__(shared_memory=shared_memory, zero_copy=zero_copy, shm_dir=shm_dir)
         self.shared_memory = shared_memory
         self.zero_copy = zero_copy

@@ -44,8 +44,9 @@ class MegatronTrainer:
     """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor and data parallel)."""
 
     def __init__(self, *, model_path: Path, hf_config: Any, layout: MegatronSection, ranks: _Ranks,
-                 export_dir: Path) -> None:  # fmt: skip
+                 export_dir: Path, tokenizer_from: Path | None = None) -> None:  # fmt: skip
         self.model_path, self.hf_config, self.layout = model_path, hf_config, layout
+        self.tokenizer_from = tokenizer_from  # checkpoints copy this model directory's tokenizer files
         self.ranks, self.export_dir = ranks, export_dir
         self.step = 0
         self.implementation = f"{hf_config.model_type}/megatron"
@@ -59,7 +60,7 @@ class MegatronTrainer:
         provider_cls = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()
         trainer = cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
                           provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
-                          reference_path=initial_model_path)  # fmt: skip
+                          reference_path=initial_model_path, tokenizer_from=initial_model_path)  # fmt: skip
         print(f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
               f"{trainer.ranks.describe()}", flush=True)  # fmt: skip
         return trainer
@@ -67,9 +68,11 @@ class MegatronTrainer:
     @classmethod
     def launch(cls, model_path: str | Path, *, train: Any, layout: MegatronSection, seed: int,
                provider_factory: Callable[[], Any],
-               reference_path: str | Path | None = None) -> MegatronTrainer:  # fmt: skip
+               reference_path: str | Path | None = None,
+               tokenizer_from: str | Path | None = None) -> MegatronTrainer:  # fmt: skip
         """Check the checkpoint and layout, start every rank and load the checkpoint into it. The KL reference
-        is ``reference_path`` (default: the checkpoint itself)."""
+        is ``reference_path`` (default: the checkpoint itself); checkpoints copy the tokenizer files of the model
+        directory ``tokenizer_from`` (none when ``None``)."""
         model_path = Path(model_path)
         hf_config = load_hf_config(model_path)
         check_tensor_parallel(hf_config, layout.tensor_parallel)
@@ -84,7 +87,8 @@ class MegatronTrainer:
             ranks.close()
             shutil.rmtree(export_dir, ignore_errors=True)
             raise
-        return cls(model_path=model_path, hf_config=hf_config, layout=layout, ranks=ranks, export_dir=export_dir)
+        return cls(model_path=model_path, hf_config=hf_config, layout=layout, ranks=ranks, export_dir=export_dir,
+                   tokenizer_from=Path(tokenizer_from) if tokenizer_from is not None else None)  # fmt: skip
 
     # -- the training-backend interface ------------------------------------------------------------------------
 
@@ -106,7 +110,8 @@ class MegatronTrainer:
         return _ExportedWeights(self._weights, bucket_bytes=bucket_bytes)
 
     def save_checkpoint(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
-        """HF checkpoint (config + safetensors), every rank's optimizer state and the step, written atomically."""
+        """HF checkpoint (config, safetensors, the tokenizer's files), every rank's optimizer state and the step,
+        written atomically."""
         directory = Path(directory)
         if directory.exists():
             raise MilesError(f"checkpoint {directory} already exists")
@@ -114,7 +119,7 @@ class MegatronTrainer:
         shutil.rmtree(partial, ignore_errors=True)
         if self._weights is None:
             self._export()
-        save_hf_checkpoint(partial, dict(self._weights), self.hf_config)
+        save_hf_checkpoint(partial, dict(self._weights), self.hf_config, tokenizer_from=self.tokenizer_from)
         self.ranks.call("save_optimizer", str(partial))
         state = {"step": self.step, "tensor_parallel": self.layout.tensor_parallel,
                  "data_parallel": self.layout.data_parallel, **(extra or {})}  # fmt: skip

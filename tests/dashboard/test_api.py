@@ -4,7 +4,9 @@ what it recorded."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,22 +43,28 @@ def test_empty_run(tmp_path: Path, serve) -> None:
 
 
 def test_running_run(recording_run, serve) -> None:
+    """Events are stored under the step the terminal and metrics.jsonl show (rollout_id + 1); the eval before
+    training is step 0; an eval within a step is recorded once."""
     run_dir, hooks = recording_run
     hooks.register_trainer(trainer={"backend": "torch", "implementation": "llama/transformers", "ranks": ["driver"]})
     hooks.register_router(router={"name": "router", "url": "http://127.0.0.1:2", "pid": 2})
     hooks.register_engines(engines=[ENGINE, {**ENGINE, "cell_id": "engine-1", "state": "failed"}])
-    hooks.on_phase(rollout_id=0, phase="rollout", started=100.0, ended=101.5)
-    hooks.on_samples(rollout_id=0, samples=[sample(0, "77"), sample(1, "12", reward=0.0)])
-    hooks.on_phase(rollout_id=0, phase="train", started=101.5, ended=102.0)
+    hooks.on_eval(step=0, metrics={"eval/reward_mean": 0.125}, started=99.0, ended=100.0)  # before training
+    hooks.on_phase(rollout_id=0, step=1, phase="rollout", started=100.0, ended=101.5)
+    hooks.on_samples(rollout_id=0, step=1, samples=[sample(0, "77"), sample(1, "12", reward=0.0)])
+    hooks.on_phase(rollout_id=0, step=1, phase="train", started=101.5, ended=102.0)
     hooks.before_weight_update(version=1, protocol=None)
     hooks.after_weight_update(version=1, protocol=None, report=TransferReport("tensor", 1, 2_000_000, 0.001, 1))
-    hooks.on_metrics(rollout_id=0, metrics={"rollout/reward_mean": 0.25, "train/loss": float("nan"), "bad": "x"})
-    hooks.on_phase(rollout_id=1, phase="rollout", started=102.0, ended=103.0)  # step 1: no samples yet
+    hooks.on_phase(rollout_id=0, step=1, phase="eval", started=102.0, ended=102.25)
+    hooks.on_eval(step=1, metrics={"eval/reward_mean": 0.5}, started=102.0, ended=102.25)
+    hooks.on_metrics(rollout_id=0, step=1, metrics={"rollout/reward_mean": 0.25, "train/loss": float("nan"),
+                                                    "bad": "x", "eval/reward_mean": 0.5})  # fmt: skip
+    hooks.on_phase(rollout_id=1, step=2, phase="rollout", started=103.0, ended=104.0)  # step 2: no samples yet
     url = serve(run_dir)
 
     status, run = get_json(url + "api/run")
-    assert (status, run["status"], run["steps_recorded"], run["last_step"], run["num_steps"]) == (200, "running", 2,
-                                                                                                    1, 4)  # fmt: skip
+    assert (status, run["status"], run["steps_recorded"], run["last_step"], run["num_steps"]) == (200, "running", 3,
+                                                                                                    2, 4)  # fmt: skip
     assert run["config"]["run"]["output_dir"] == str(run_dir)
     topology = get_json(url + "api/topology")[1]
     assert [(e["cell_id"], e["state"], e["weight_version"]) for e in topology["engines"]] == [
@@ -65,28 +73,36 @@ def test_running_run(recording_run, serve) -> None:
     ]  # the failed engine did not get version 1
     assert topology["routers"] == [{"name": "router", "url": "http://127.0.0.1:2", "pid": 2}]
     assert topology["trainer"]["ranks"] == ["driver"]
-    assert get_json(url + "api/metrics")[1]["series"] == {"bad": [[0, None]], "rollout/reward_mean": [[0, 0.25]],
-                                                          "train/loss": [[0, None]]}  # fmt: skip
+    assert get_json(url + "api/metrics")[1]["series"] == {
+        "bad": [[1, None]],
+        "eval/reward_mean": [[0, 0.125], [1, 0.5]],
+        "rollout/reward_mean": [[1, 0.25]],
+        "train/loss": [[1, None]],
+    }
     assert [(p["step"], p["phase"], p["seconds"]) for p in get_json(url + "api/phases")[1]["phases"]] == [
-        (0, "rollout", 1.5),
-        (0, "train", 0.5),
-        (1, "rollout", 1.0),
+        (0, "eval", 1.0),
+        (1, "rollout", 1.5),
+        (1, "train", 0.5),
+        (1, "eval", 0.25),  # once, though both on_phase and on_eval reported it
+        (2, "rollout", 1.0),
     ]
     update = get_json(url + "api/weight_updates")[1]["weight_updates"][0]
     assert (update["version"], update["gb_per_s"], update["num_bytes"]) == (1, 2.0, 2_000_000)
     assert get_json(url + "api/steps")[1]["steps"] == [
-        {"step": 0, "num_samples": 2, "reward_mean": 0.25},
-        {"step": 1, "num_samples": 0, "reward_mean": None},
+        {"step": 0, "num_samples": 0, "reward_mean": None},
+        {"step": 1, "num_samples": 2, "reward_mean": 0.25},
+        {"step": 2, "num_samples": 0, "reward_mean": None},
     ]
+    assert get_json(url + "api/steps/0")[1]["metrics"] == {"eval/reward_mean": 0.125}
     # A step with no samples yet: an empty list, not an error.
-    assert get_json(url + "api/steps/1/samples")[1] | {"samples": None} == {
-        "step": 1,
+    assert get_json(url + "api/steps/2/samples")[1] | {"samples": None} == {
+        "step": 2,
         "total": 0,
         "offset": 0,
         "limit": 100,
         "samples": None,
     }
-    assert get_json(url + "api/steps/1/samples")[1]["samples"] == []
+    assert get_json(url + "api/steps/2/samples")[1]["samples"] == []
     hooks.register_engines(engines=[])  # the engines stop: they keep their description, marked stopped
     assert [e["state"] for e in get_json(url + "api/topology")[1]["engines"]] == ["stopped", "stopped"]
 
@@ -98,13 +114,14 @@ def test_finished_run(finished_run: FinishedRun, serve) -> None:
     assert "serves it again" in finished_run.stdout  # the live server stopped with the run, saying how to reopen
     url = serve(finished_run.run_dir)
     run = get_json(url + "api/run")[1]
-    assert (run["status"], run["steps_recorded"], run["last_step"], run["error"]) == ("finished", RUN_STEPS,
-                                                                                      RUN_STEPS - 1, None)  # fmt: skip
+    assert (run["status"], run["steps_recorded"], run["last_step"], run["error"]) == ("finished", RUN_STEPS + 1,
+                                                                                      RUN_STEPS, None)  # fmt: skip
     assert run["ended"] > run["started"]
     series = get_json(url + "api/metrics")[1]["series"]
     for name in ("rollout/reward_mean", "train/loss", "train/kl", "train/entropy", "time/step", "time/rollout",
                  "weight_transfer/gb_per_s"):  # fmt: skip
-        assert [step for step, _ in series[name]] == list(range(RUN_STEPS)), name
+        assert [step for step, _ in series[name]] == list(range(1, RUN_STEPS + 1)), name
+    assert [step for step, _ in series["eval/reward_mean"]] == [0, RUN_STEPS]  # before training, and at the end
     assert all(value > 0 for _, value in series["weight_transfer/gb_per_s"])
     topology = get_json(url + "api/topology")[1]
     assert [(e["cell_id"], e["state"], e["weight_version"]) for e in topology["engines"]] == [
@@ -112,28 +129,57 @@ def test_finished_run(finished_run: FinishedRun, serve) -> None:
     ]
     assert topology["trainer"] == {"backend": "torch", "implementation": "llama/transformers", "ranks": ["driver"]}
     phases = get_json(url + "api/phases")[1]["phases"]
-    assert [p["phase"] for p in phases if p["step"] == 0] == ["rollout", "train", "weight_update"]
+    assert [p["phase"] for p in phases if p["step"] == 0] == ["eval"]
+    assert [p["phase"] for p in phases if p["step"] == 1] == ["rollout", "train", "weight_update"]
+    assert [p["phase"] for p in phases if p["step"] == RUN_STEPS][-2:] == ["eval", "checkpoint"]
     assert [u["version"] for u in get_json(url + "api/weight_updates")[1]["weight_updates"]] == [1, 2, 3]
-    samples = get_json(url + "api/steps/0/samples")[1]
+    samples = get_json(url + "api/steps/1/samples")[1]
     assert samples["total"] == 16  # 4 prompts x 4 samples
     assert [(s["sample_index"], s["occurrence"]) for s in samples["samples"]] == [(i, 0) for i in range(16)]
-    one = get_json(url + "api/steps/0/samples/5/0")[1]
+    one = get_json(url + "api/steps/1/samples/5/0")[1]
     assert one["response"] == samples["samples"][5]["response"]
     assert one["data"]["engine"] == "engine-0" and len(one["data"]["response_ids"]) == len(one["data"]["logprobs"])
 
 
 @pytest.mark.slow
+def test_one_step_numbering_in_the_terminal_metrics_jsonl_checkpoints_and_dashboard(finished_run: FinishedRun,
+                                                                                    serve) -> None:  # fmt: skip
+    """The terminal's step N is metrics.jsonl's step N, the checkpoint step_N and the dashboard's /api/steps/N."""
+    url = serve(finished_run.run_dir)
+    terminal = dict(re.findall(r"^step +(\d+) +reward (\d\.\d{3})", finished_run.stdout, flags=re.MULTILINE))
+    assert sorted(map(int, terminal)) == list(range(1, RUN_STEPS + 1)), finished_run.stdout
+    rows = [json.loads(line) for line in (finished_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        recorded = get_json(url + f"api/steps/{row['step']}")[1]["metrics"]
+        for name, value in row.items():
+            if name not in ("step", "time"):
+                assert recorded[name] == pytest.approx(value, rel=1e-12), (row["step"], name)
+        if "train/loss" in row:
+            step = get_json(url + "api/steps")[1]["steps"][row["step"]]
+            assert f"{step['reward_mean']:.3f}" == f"{row['rollout/reward_mean']:.3f}" == terminal[str(row["step"])]
+    initial = get_json(url + "api/steps/0")[1]
+    assert (initial["num_samples"], [p["phase"] for p in initial["phases"]]) == (0, ["eval"])
+    assert initial["metrics"]["eval/reward_mean"] == rows[0]["eval/reward_mean"] and rows[0]["step"] == 0
+    assert f"eval at step 0: reward {rows[0]['eval/reward_mean']:.3f}" in finished_run.stdout
+    checkpoints = sorted(p.name for p in (finished_run.run_dir / "checkpoints").iterdir())
+    assert checkpoints == [f"step_{RUN_STEPS:06d}"]
+    state = json.loads((finished_run.run_dir / "checkpoints" / checkpoints[0] / "trainer_state.json").read_text())
+    assert state["step"] == RUN_STEPS == get_json(url + "api/run")[1]["last_step"]
+
+
+@pytest.mark.slow
 def test_unknown_steps_and_samples_are_404(finished_run: FinishedRun, serve) -> None:
     url = serve(finished_run.run_dir)
-    last = RUN_STEPS - 1
-    for path in (f"api/steps/{RUN_STEPS}", f"api/steps/{RUN_STEPS}/samples", "api/steps/999999/samples/0/0"):
+    unknown = RUN_STEPS + 1
+    for path in (f"api/steps/{unknown}", f"api/steps/{unknown}/samples", "api/steps/999999/samples/0/0"):
         assert get_json(url + path) == (404, {"error": f"step {path.split('/')[2]} is not recorded (steps "
-                                                       f"recorded: 0..{last})"})  # fmt: skip
-    assert get_json(url + "api/steps/0/samples/16/0") == (
+                                                       f"recorded: 0..{RUN_STEPS})"})  # fmt: skip
+    assert get_json(url + "api/steps/1/samples/16/0") == (
         404,
-        {"error": "step 0 has no sample (16, 0) (sample_index, occurrence)"},
+        {"error": "step 1 has no sample (16, 0) (sample_index, occurrence)"},
     )
-    assert get_json(url + "api/steps/0/samples/0/1")[0] == 404
+    assert get_json(url + "api/steps/1/samples/0/1")[0] == 404
+    assert get_json(url + "api/steps/0/samples/0/0")[0] == 404  # the eval before training keeps no samples
 
 
 @pytest.mark.parametrize(
@@ -167,10 +213,10 @@ def test_bad_requests_answer_json_errors(tmp_path: Path, serve, path: str, statu
 
 def test_repeated_sample_indices_stay_apart(recording_run, serve) -> None:
     run_dir, hooks = recording_run
-    hooks.on_samples(rollout_id=3, samples=[sample(0, "first"), sample(0, "second"), sample(1, "other"),
-                                            sample(0, "third")])  # fmt: skip
-    hooks.on_samples(rollout_id=3, samples=[sample(0, "resent")])  # a second call for the same step
-    hooks.on_samples(rollout_id=4, samples=[sample(0, "next step")])  # occurrences count per step
+    hooks.on_samples(rollout_id=2, step=3, samples=[sample(0, "first"), sample(0, "second"), sample(1, "other"),
+                                                    sample(0, "third")])  # fmt: skip
+    hooks.on_samples(rollout_id=2, step=3, samples=[sample(0, "resent")])  # a second call for the same step
+    hooks.on_samples(rollout_id=3, step=4, samples=[sample(0, "next step")])  # occurrences count per step
     url = serve(run_dir)
     listed = get_json(url + "api/steps/3/samples")[1]["samples"]
     assert [(s["sample_index"], s["occurrence"], s["response"]) for s in listed] == [
@@ -193,8 +239,8 @@ def test_a_failing_dashboard_never_stops_training(tmp_path: Path, caplog: pytest
     plugin.store.close()  # every write now raises sqlite3.ProgrammingError
     with caplog.at_level(logging.WARNING, logger="miles.dashboard"):
         for step in range(5):
-            plugin.on_phase(rollout_id=step, phase="rollout", started=0.0, ended=1.0)
-            plugin.on_samples(rollout_id=step, samples=[object()])
+            plugin.on_phase(step=step, phase="rollout", started=0.0, ended=1.0)
+            plugin.on_samples(step=step, samples=[object()])
         plugin.on_run_end(status="finished", error=None)
     warnings = [r.getMessage() for r in caplog.records]
     assert len([w for w in warnings if w.startswith("dashboard: on_phase failed: ProgrammingError")]) == 1

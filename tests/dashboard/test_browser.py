@@ -20,7 +20,7 @@ CHARTS = ("reward", "loss", "kl", "entropy", "step-time", "transfer")
 
 def test_dashboard_of_a_finished_run_in_chromium(finished_run: FinishedRun, serve, tmp_path: Path) -> None:
     url = serve(finished_run.run_dir)
-    last = RUN_STEPS - 1
+    last = RUN_STEPS  # steps as in the terminal: 0 (the eval before training), 1..RUN_STEPS
     api_samples = httpx.get(f"{url}api/steps/{last}/samples").json()["samples"]
     with browser_page() as page:
         errors: list[str] = []
@@ -55,10 +55,10 @@ def test_dashboard_of_a_finished_run_in_chromium(finished_run: FinishedRun, serv
         wait_for_view(page, "samples")
         assert page.url == f"{url}samples/{last}"
 
-        first = httpx.get(f"{url}api/steps/0/samples/7/0").json()
-        page.goto(f"{url}samples/0/7/0")  # a deep link, loaded from scratch
+        first = httpx.get(f"{url}api/steps/1/samples/7/0").json()
+        page.goto(f"{url}samples/1/7/0")  # a deep link, loaded from scratch
         wait_for_view(page, "sample")
-        assert page.inner_text("h2") == "Step 0, sample 7 (occurrence 0)"
+        assert page.inner_text("h2") == "Step 1, sample 7 (occurrence 0)"
         assert page.inner_text("[data-field='response']") == first["response"]
         assert page.inner_text("[data-field='prompt']") == first["prompt"]
 

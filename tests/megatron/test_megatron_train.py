@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.default.tokenizer import DigitTokenizer
+from miles_core.run_setup import load_tokenizer
 from tests.conftest import run_miles
 
 pytestmark = pytest.mark.slow
@@ -52,6 +54,9 @@ def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3, 4]
     state = json.loads((tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["tensor_parallel"] == 2
+    for checkpoint in ("step_000002", "step_000004"):  # each is a model directory: its tokenizer is in it
+        tokenizer = load_tokenizer(tmp_path / "checkpoints" / checkpoint)
+        assert tokenizer.encode("73915:") == DigitTokenizer().encode("73915:")
 
 
 def test_megatron_trainer_refuses_other_model_implementations(tmp_path: Path) -> None:

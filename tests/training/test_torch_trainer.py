@@ -10,8 +10,11 @@ import transformers
 
 from miles_core.config.sections import RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
+from miles_core.models.hf_checkpoint import tokenizer_files
 from miles_core.rollout.executor import RolloutExecutor
-from miles_core.testkit.tiny_models import tiny_llama_config
+from miles_core.run_setup import load_tokenizer
+from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
+from miles_core.testkit.tokenizers import save_char_tokenizer
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import grpo_advantages, kl_k3, ppo_clip_loss
 from miles_core.training.torch_trainer import TorchTrainer
@@ -90,6 +93,20 @@ def test_checkpoint_and_resume_restore_weights_optimizer_and_step(tmp_path) -> N
         torch.testing.assert_close(a, b, msg=name)  # same weights and same Adam moments give the same step
     with pytest.raises(Exception, match="already exists"):
         original.save_checkpoint(tmp_path / "step_000001")
+
+
+def test_a_checkpoint_holds_the_tokenizer_of_the_run_s_model(tmp_path) -> None:
+    """``--model CHECKPOINT`` needs the tokenizer: every checkpoint copies the run model's tokenizer files."""
+    model_dir = save_tiny_llama(tmp_path / "model")
+    save_char_tokenizer(model_dir, "abc:0123456")
+    from_run = TorchTrainer.from_pretrained(model_dir, TrainSection(lr=1e-2))
+    from_run.train_step(batch(1))
+    saved = from_run.save_checkpoint(tmp_path / "step_000001")
+    assert {p.name for p in tokenizer_files(saved)} == {p.name for p in tokenizer_files(model_dir)} != set()
+    reloaded = load_tokenizer(saved)  # what a run given --model CHECKPOINT loads
+    assert reloaded.encode("ab1:") == load_tokenizer(model_dir).encode("ab1:") != []
+    without = trainer()  # a trainer told of no tokenizer (a bare model in a test) writes none
+    assert tokenizer_files(without.save_checkpoint(tmp_path / "bare")) == []
 
 
 def test_data_order_depends_on_the_step_alone() -> None:

@@ -11,10 +11,12 @@ pytestmark = pytest.mark.slow
 
 class TestDisk(ProtocolContract):
     protocol_name = "disk"
+    bad_settings = [{"keep_versions": 0}, {"keep_versions": "2"}, {"keep_versions": 1.5}, {"work_dir": ["/tmp"]}]
 
 
 class TestTensorSharedMemory(ProtocolContract):
     protocol_name = "tensor"
+    bad_settings = [{"zero_copy": "false"}, {"shared_memory": 0}, {"shm_dir": 3}]
 
 
 class TestTensorOverHttp(ProtocolContract):
@@ -25,9 +27,11 @@ class TestTensorOverHttp(ProtocolContract):
 class TestBroadcastGloo(ProtocolContract):
     protocol_name = "broadcast"
     protocol_settings = {"timeout_s": 30.0}
+    bad_settings = [{"timeout_s": 0}, {"timeout_s": float("nan")}, {"backend": "mpi"}, {"master_address": None}]
 
 
 class TestExampleShardedDisk(ProtocolContract):
     """The third-party example, registered only through the ``miles.weight_transfer`` entry point."""
 
     protocol_name = "sharded-disk"
+    bad_settings = [{"keep_versions": 0}]

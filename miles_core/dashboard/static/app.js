@@ -99,7 +99,7 @@ function renderHeader() {
   const status = document.getElementById("run-status");
   status.textContent = run.status;
   status.className = "badge " + run.status;
-  const done = run.last_step === null ? 0 : run.last_step + 1;
+  const done = run.last_step === null ? 0 : run.last_step; // steps count from 1; step 0 is the eval before training
   document.getElementById("run-progress").textContent = run.num_steps ? `step ${done} / ${run.num_steps}` : "";
   document.title = `Miles dashboard: ${run.run_dir || ""} (${run.status})`;
 }

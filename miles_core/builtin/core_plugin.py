@@ -7,11 +7,10 @@ from typing import Any
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
 from miles_core.hookspecs import hookimpl
-from miles_core.registry import Implementation, Registries, model_implementation
+from miles_core.registry import ANY_FAMILY, Implementation, Registries, find_model_implementation, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
 
 DSV4_FAMILY = "deepseek_v4"
-TRANSFORMERS_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 @hookimpl
@@ -93,12 +92,13 @@ def validate_config(config: Any, registries: Registries) -> None:
 
 
 def check_model_implementation(registries: Registries, family: str, impl: str) -> Implementation:
-    """The registry entry for ``FAMILY/IMPL``, or a :class:`ConfigError` that lists what is installed."""
+    """The registry entry for ``FAMILY/IMPL`` (or ``*/IMPL``, which serves every family), or a
+    :class:`ConfigError` that lists what is installed."""
     registry = registries["model_implementations"]
-    name = f"{family}/{impl}"
-    if name in registry:
-        return registry[name]
-    same_family = [entry.split("/", 1)[1] for entry in registry if entry.startswith(f"{family}/")]
+    entry = find_model_implementation(registry, family, impl)
+    if entry is not None:
+        return entry
+    same_family = [name.split("/", 1)[1] for name in registry if name.split("/", 1)[0] in (family, ANY_FAMILY)]
     flag = f"--dsv4-impl {impl}" if family == DSV4_FAMILY else f"--model-impl {family}={impl}"
     raise ConfigError(
         f"model.implementations.{family} = {impl!r} ({flag}): no such implementation of model family {family!r}; "
@@ -123,12 +123,11 @@ def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
 def provide_model_implementations() -> list[Implementation]:
     return [
         model_implementation(
-            family,
+            ANY_FAMILY,
             "transformers",
             "miles_core.models.transformers_impl:TransformersCausalLM",
-            f"Hugging Face transformers' {family} model",
+            "any family transformers can load",
         )
-        for family in TRANSFORMERS_FAMILIES
     ]
 
 

@@ -180,7 +180,22 @@ def _collect_one(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[st
                     f"block one with --plugin no:NAME or uninstall it"
                 )
             merged[entry.name] = entry
+    if kind == "model_implementations":
+        _check_any_family_names(merged)
     return merged
+
+
+def _check_any_family_names(merged: dict[str, Implementation]) -> None:
+    """``FAMILY/IMPL`` next to another plugin's ``*/IMPL`` would silently take that family from it: a duplicate."""
+    for name, entry in merged.items():
+        family, _, impl = name.partition("/")
+        other = merged.get(f"{ANY_FAMILY}/{impl}")
+        if family != ANY_FAMILY and other is not None and other.provider != entry.provider:
+            raise RegistryError(
+                f"model implementations: {impl!r} is provided twice for family {family!r}, by plugin "
+                f"{other.provider!r} ({other.name!r}, every family) and by plugin {entry.provider!r} ({name!r}); "
+                f"name the implementation differently, or block one with --plugin no:NAME"
+            )
 
 
 def call_each_plugin(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:

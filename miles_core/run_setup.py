@@ -12,11 +12,13 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import require_checkpoint_dir
+from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
+from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 
 CHECKPOINTS = "checkpoints"
+DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
 
 
 @dataclasses.dataclass
@@ -34,6 +36,7 @@ class RunSetup:
 
 
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
+    check_model_family(config)  # before an earlier run is moved aside: nothing moves for a refused run
     run_dir = Path(config.run.output_dir)
     if not config.run.resume:
         archive_previous_run(run_dir)
@@ -51,6 +54,15 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         if latest is not None:
             setup.model_path, setup.start_step = latest, int(latest.name.removeprefix("step_"))
     return setup
+
+
+def check_model_family(config: Any) -> None:
+    """An implementation given for a family other than the model's would be ignored by every trainer: refuse it."""
+    if config.model.path is None:
+        family, description = DEFAULT_MODEL_FAMILY, "the default model (a tiny Llama)"
+    else:
+        family, description = checkpoint_family(config.model.path), f"the checkpoint {config.model.path!r}"
+    check_families_given(config.model.implementations, family=family, checkpoint=description)
 
 
 def default_model(run_dir: Path, *, seed: int) -> Path:

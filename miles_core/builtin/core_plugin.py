@@ -7,10 +7,9 @@ from typing import Any
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
 from miles_core.hookspecs import hookimpl
-from miles_core.registry import ANY_FAMILY, Implementation, Registries, find_model_implementation, model_implementation
+from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
+from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
-
-DSV4_FAMILY = "deepseek_v4"
 
 
 @hookimpl
@@ -89,22 +88,6 @@ def validate_config(config: Any, registries: Registries) -> None:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
             ) from exc
-
-
-def check_model_implementation(registries: Registries, family: str, impl: str) -> Implementation:
-    """The registry entry for ``FAMILY/IMPL`` (or ``*/IMPL``, which serves every family), or a
-    :class:`ConfigError` that lists what is installed."""
-    registry = registries["model_implementations"]
-    entry = find_model_implementation(registry, family, impl)
-    if entry is not None:
-        return entry
-    same_family = [name.split("/", 1)[1] for name in registry if name.split("/", 1)[0] in (family, ANY_FAMILY)]
-    flag = f"--dsv4-impl {impl}" if family == DSV4_FAMILY else f"--model-impl {family}={impl}"
-    raise ConfigError(
-        f"model.implementations.{family} = {impl!r} ({flag}): no such implementation of model family {family!r}; "
-        f"installed for {family}: {', '.join(same_family) or '(none)'}; "
-        f"all installed implementations: {', '.join(registry) or '(none)'}"
-    )
 
 
 def check_weight_transfer_protocol(registries: Registries, name: str) -> type:

@@ -20,6 +20,9 @@ _MODEL_NAME = re.compile(rf"^(?:[a-z0-9_]+|{re.escape(ANY_FAMILY)})/[^\s/]+$")
 _SECTION = re.compile(r"^[a-z][a-z0-9_]*$")
 _FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 _CONFIG_PATH = re.compile(r"^[a-z][a-z0-9_]*(?:\.[A-Za-z0-9_]+)+$")
+# The options of the command itself (cli/main.py, cli/config_args.py): a config flag named so would clash with
+# argparse, or (--plugin, taken out of the command line first) never receive its value.
+COMMAND_FLAGS = frozenset({"--plugin", "--config", "--help", "--json", "--no-progress"})
 
 
 def problem_with(hook: str, result: Any) -> str | None:
@@ -76,9 +79,13 @@ def _config_sections(result: Any) -> str | None:
         return None
     if not isinstance(result, dict):
         return f"{shown(result)}; expected {{section_name: Section subclass}} or None"
-    for name in result:
+    from miles_core.config.section import Section  # deferred: pydantic; this hook runs only when a config is built
+
+    for name, model in result.items():
         if not isinstance(name, str) or not _SECTION.match(name):
             return f"the section name {shown(name)}; allowed: lowercase letters, digits and '_', starting with a letter"
+        if not (isinstance(model, type) and issubclass(model, Section)):
+            return f"the section {name!r} as {shown(model)}; expected a subclass of miles_core.config.Section"
     return None
 
 
@@ -100,6 +107,8 @@ def config_flag_problem(flag: ConfigFlag) -> str | None:
     """What is malformed in a :class:`ConfigFlag`."""
     if not isinstance(flag.flag, str) or not _FLAG.match(flag.flag):
         return "a malformed flag (allowed: '--' then lowercase letters, digits and '-', like '--my-flag')"
+    if flag.flag in COMMAND_FLAGS:
+        return f"a flag of the miles command itself (taken: {', '.join(sorted(COMMAND_FLAGS))})"
     if not isinstance(flag.path, str) or not _CONFIG_PATH.match(flag.path):
         return f"path {flag.path!r} (allowed: a dotted config path 'section.field', like 'rollout.batch_size')"
     if not isinstance(flag.help, str) or not (flag.metavar is None or isinstance(flag.metavar, str)):

@@ -155,11 +155,24 @@ BAD_RESULTS = {
     ),
     "sections: a list": ("config_sections", "[]", "returned [] (list); expected {section_name: Section subclass}"),
     "sections: a bad name": ("config_sections", "{'My-Section': object}", "the section name 'My-Section' (str)"),
+    "sections: not a Section": (
+        "config_sections", "{'mine': dict}", "the section 'mine' as <class 'dict'> (type); expected a subclass of",
+    ),
+    "sections: an instance": ("config_sections", "{'mine': 5}", "the section 'mine' as 5 (int); expected a subclass"),
     "flags: not a list": ("config_flags", "ConfigFlag(flag='--x', path='run.seed')", "expected a list of"),
     "flags: a string item": ("config_flags", "['--x']", "returned '--x' (str) in its list; expected"),
     "flags: no dashes": (
         "config_flags", "[ConfigFlag(flag='seed', path='run.seed')]", "the flag 'seed' with a malformed flag",
     ),
+    "flags: --config": (
+        "config_flags", "[ConfigFlag(flag='--config', path='run.seed')]",
+        "the flag '--config' with a flag of the miles command itself (taken: --config, --help, --json,",
+    ),
+    "flags: --plugin": (
+        "config_flags", "[ConfigFlag(flag='--plugin', path='run.seed')]", "the flag '--plugin' with a flag of the",
+    ),
+    "flags: --json": ("config_flags", "[ConfigFlag(flag='--json', path='run.seed')]", "the flag '--json' with a flag"),
+    "flags: --help": ("config_flags", "[ConfigFlag(flag='--help', path='run.seed')]", "the flag '--help' with a flag"),
     "flags: a bad path": (
         "config_flags", "[ConfigFlag(flag='--my-seed', path='seed')]", "the flag '--my-seed' with path 'seed'",
     ),

@@ -148,6 +148,8 @@ class MilesPluginManager:
                     f"--plugin no:{name}: the {name} plugin cannot be blocked: {UNBLOCKABLE[name]}; block the plugin "
                     f"that conflicts with it instead (`miles plugins` lists them)"
                 )
+            if _is_file_spec(name):
+                name = str(Path(name).resolve())  # a file plugin is registered under its absolute path
             self.blocked.add(name)
             self.pm.set_blocked(name)
 
@@ -240,7 +242,7 @@ class MilesPluginManager:
             self._register(EntryPointProtocols(eps), info)
 
     def _load_plugin_spec(self, spec: str, *, source: str) -> None:
-        if spec.endswith(".py") or os.sep in spec:
+        if _is_file_spec(spec):
             path = Path(spec).resolve()
             self._candidates.add(str(path))
             if self.pm.is_blocked(str(path)) or self.pm.get_plugin(str(path)) is not None:
@@ -253,6 +255,11 @@ class MilesPluginManager:
         with plugin_code(f"plugin module {spec!r} (from {source}) failed to import", PluginLoadError):
             module = importlib.import_module(spec)
         self._register_module(module, name=spec, source=source)
+
+
+def _is_file_spec(spec: str) -> bool:
+    """``--plugin`` names a file (``plugin.py``, ``dir/plugin.py``) rather than a module."""
+    return spec.endswith(".py") or os.sep in spec
 
 
 def _builtin_plugin(target: str) -> Any:

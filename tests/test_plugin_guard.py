@@ -290,6 +290,14 @@ def test_the_core_plugin_cannot_be_blocked(command: tuple[str, ...]) -> None:
                                "sections (run, model, train, ...) and its registries")  # fmt: skip
 
 
+def test_blocking_a_file_plugin_by_the_path_it_was_given_with(tmp_path: Path) -> None:
+    write_module(tmp_path, "blocked_file", "raise RuntimeError('must not be imported')\n")
+    args = ("--plugin", "blocked_file.py", "--plugin", "no:blocked_file.py")
+    result = run_miles("plugins", "--json", *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert str(tmp_path / "blocked_file.py") in result.stdout  # listed as blocked, under its absolute path
+
+
 def test_blocking_with_no_name() -> None:
     assert_clean_error(run_miles("plugins", "--plugin", "no:"), "--plugin no: needs the name of the plugin to block")
 

@@ -187,13 +187,11 @@ class MilesPluginManager:
                 f"{self.infos[info.name].location}, and {info.label}, at {info.location}; rename one, or block one "
                 "with --plugin no:NAME"
             )
-        try:
-            with plugin_code(f"{info.label} cannot be registered", PluginLoadError):
+        with plugin_code(f"{info.label} cannot be registered", PluginLoadError):  # pluggy reads its attributes
+            try:
                 self.pm.register(plugin, name=info.name)
-        except PluginLoadError as exc:
-            if isinstance(exc.__cause__, pluggy.PluginValidationError):
-                raise PluginLoadError(f"{info.label} is invalid: {exc.__cause__}") from exc
-            raise
+            except pluggy.PluginValidationError as exc:
+                raise PluginLoadError(f"{info.label} is invalid: {exc}") from exc
         self.infos[info.name] = info
         guard_hook_calls(self.pm, plugin, label=info.label, check=hook_results.problem_with)
 

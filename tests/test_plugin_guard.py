@@ -238,6 +238,16 @@ def test_run_time_hooks_are_guarded_too(tmp_path: Path) -> None:
         manager.hook.weight_update_wrapper(version=1, protocol=None)
 
 
+def test_hook_with_an_argument_its_spec_lacks(tmp_path: Path) -> None:
+    path = write_module(tmp_path, "bad_signature", hook_module("""\
+        @hookimpl
+        def on_metrics(rollout_id, metrics, extra):
+            pass
+        """))  # fmt: skip
+    result = run_miles("plugins", "--plugin", str(path))
+    assert_clean_error(result, f"plugin {str(path)!r} (from --plugin) is invalid: ", "{'extra'} are declared")
+
+
 def test_a_pluggy_wrapper_is_refused(tmp_path: Path) -> None:
     path = write_module(tmp_path, "wrapping", hook_module("""\
         @hookimpl(wrapper=True)

@@ -28,9 +28,9 @@ def checkpoint_family(path: str | Path) -> str:
     try:
         model_type = json.loads(config_file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as exc:
-        raise MilesError(f"cannot read the model family from {str(config_file)!r}: {exc}") from None
+        raise MilesError(f"cannot load model from {str(path)!r}: config.json is not a JSON object: {exc}") from None
     if not isinstance(model_type, str) or not model_type:
-        raise MilesError(f"{str(config_file)!r} has no model_type (the model family), so no implementation fits it")
+        raise MilesError(f"cannot load model from {str(path)!r}: config.json has no model_type (the model family)")
     return model_type
 
 

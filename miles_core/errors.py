@@ -17,3 +17,7 @@ class RegistryError(MilesError):
 
 class ConfigError(MilesError):
     """The configuration is malformed or invalid."""
+
+
+class PluginHookError(MilesError):
+    """A plugin's hook implementation raised, or returned something its hook does not allow."""

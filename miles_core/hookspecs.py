@@ -12,7 +12,9 @@ this module is their documentation. Conventions:
   it is built.
 * **Run-time hooks** (engine launch, rollout preparation, dashboard, weight updates) are called by the RL loop.
 
-None of the hooks is historic: plugins register before any hook is called.
+None of the hooks is historic: plugins register before any hook is called. Every call goes through
+:mod:`miles_core.plugin_guard`: what an implementation raises, or returns outside what its hook allows (checked by
+:mod:`miles_core.hook_results`), is an error naming the plugin and the hook. Wrapper implementations are refused.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ def provide_model_implementations() -> list[Implementation] | None:
 
     Called once when the registries are built. A family may have several implementations; all of them load the
     same HF checkpoint names. The user picks one per family with ``--model-impl FAMILY=IMPL`` (``--dsv4-impl IMPL``
-    for ``deepseek_v4``). Build entries with :func:`miles_core.registry.model_implementation`.
+    for ``deepseek_v4``). Build entries with :func:`miles_core.registry.model_implementation`; the family ``"*"``
+    serves every family (the core's ``*/transformers``: any family transformers can load).
     """
 
 

@@ -1,12 +1,17 @@
 """Loading plugins: built-ins, then entry points, then ``MILES_PLUGINS``, then ``--plugin`` arguments.
 
 * Built-in plugins are modules of ``miles_core`` (:data:`BUILTIN_PLUGINS`).
-* Entry points of the group ``miles.plugins`` are plugin modules, loaded through stevedore unless
-  ``MILES_DISABLE_PLUGIN_AUTOLOAD=1``. Entry points of the group ``miles.weight_transfer`` name protocol classes;
-  they are listed without importing them and fed into the protocol registry.
+* Entry points of the group ``miles.plugins`` are plugin modules, loaded unless ``MILES_DISABLE_PLUGIN_AUTOLOAD=1``.
+  Entry points of the group ``miles.weight_transfer`` name protocol classes; they are listed without importing
+  them and fed into the protocol registry.
 * ``MILES_PLUGINS=mod1,mod2`` and each ``--plugin MODULE`` or ``--plugin path/to/file.py`` follow, in that order.
 * ``--plugin no:NAME`` blocks the plugin registered under ``NAME`` (an entry-point name, a module name, or a
-  distribution that only provides ``miles.weight_transfer`` entries).
+  distribution that only provides ``miles.weight_transfer`` entries). A name that no plugin has is an error, and so
+  is ``no:core``: every command needs the core's config sections and registries.
+
+Every import of plugin code and every call of a hook implementation goes through :mod:`miles_core.plugin_guard`,
+so whatever a plugin raises (``sys.exit`` and ``KeyboardInterrupt`` included) or returns in the wrong shape is an
+error naming the plugin and its distribution. Two plugins under one name are an error too.
 """
 
 from __future__ import annotations
@@ -25,10 +30,10 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
-import stevedore
 
-from miles_core import hookspecs
+from miles_core import hook_results, hookspecs
 from miles_core.errors import PluginLoadError
+from miles_core.plugin_guard import guard_hook_calls, plugin_code
 from miles_core.registry import Implementation, Registries
 
 PLUGIN_GROUP = "miles.plugins"
@@ -40,6 +45,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "dashboard": "miles_core.dashboard.plugin:DashboardPlugin",
 }
 """Built-in plugin name -> module, or ``module:Class`` for a plugin with state (one instance per manager)."""
+UNBLOCKABLE = {"core": "every command needs its config sections (run, model, train, ...) and its registries"}
+"""Plugins that ``--plugin no:NAME`` cannot block, and why."""
 CORE_DISTRIBUTION = "miles-core"
 
 
@@ -52,6 +59,12 @@ class PluginInfo:
     distribution: str | None
     version: str | None
     location: str
+
+    @property
+    def label(self) -> str:
+        """The plugin for messages: ``plugin 'x' (distribution x-dist 1.0, entry point)``."""
+        where = [f"distribution {self.distribution} {self.version or '(unknown version)'}"] if self.distribution else []
+        return f"plugin {self.name!r} ({', '.join([*where, f'from {self.source}'])})"
 
 
 class MilesPluginManager:
@@ -66,17 +79,20 @@ class MilesPluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self.blocked: set[str] = set()
+        self._candidates: set[str] = set()  # every name a plugin goes by, loaded or blocked (for no:NAME checks)
 
     @classmethod
     def load(cls, plugin_args: Sequence[str] = (), environ: dict[str, str] | None = None) -> MilesPluginManager:
         """Load every plugin in the documented order. ``plugin_args`` are the ``--plugin`` values."""
         environ = dict(os.environ if environ is None else environ)
         manager = cls()
-        manager.blocked = {arg[3:] for arg in plugin_args if arg.startswith("no:")}
-        for name in manager.blocked:
-            manager.pm.set_blocked(name)
+        manager._block([arg[3:] for arg in plugin_args if arg.startswith("no:")])
         for name, target in BUILTIN_PLUGINS.items():
-            manager._register_module(_builtin_plugin(target), name=name, source="builtin")
+            info = PluginInfo(name, "builtin", CORE_DISTRIBUTION, _version_of(CORE_DISTRIBUTION), target)
+            with plugin_code(f"built-in {info.label} failed to load", PluginLoadError):
+                plugin = _builtin_plugin(target)
+            manager._register(plugin, info)
+        manager._note_entry_point_names()
         if environ.get(AUTOLOAD_ENV, "") not in ("1", "true", "yes"):
             manager._load_entry_point_plugins()
             manager._register_weight_transfer_entry_points()
@@ -86,6 +102,7 @@ class MilesPluginManager:
         for spec in plugin_args:
             if not spec.startswith("no:"):
                 manager._load_plugin_spec(spec, source="--plugin")
+        manager._check_blocked_names()
         manager._check_unknown_hooks()
         return manager
 
@@ -120,46 +137,87 @@ class MilesPluginManager:
                     f"hook{f'; did you mean {close[0]!r}?' if close else ''} (the hooks are in miles_core.hookspecs)"
                 )
 
+    # -- blocking -------------------------------------------------------------------------------------------
+
+    def _block(self, names: list[str]) -> None:
+        for name in names:
+            if not name:
+                raise PluginLoadError("--plugin no: needs the name of the plugin to block, like no:example-hooks")
+            if name in UNBLOCKABLE:
+                raise PluginLoadError(
+                    f"--plugin no:{name}: the {name} plugin cannot be blocked: {UNBLOCKABLE[name]}; block the plugin "
+                    f"that conflicts with it instead (`miles plugins` lists them)"
+                )
+            if _is_file_spec(name):
+                name = str(Path(name).resolve())  # a file plugin is registered under its absolute path
+            self.blocked.add(name)
+            self.pm.set_blocked(name)
+
+    def _note_entry_point_names(self) -> None:
+        """Entry-point plugins can be blocked also when autoloading is off (blocking them is then a no-op)."""
+        for ep in metadata.entry_points(group=PLUGIN_GROUP):
+            self._candidates.add(ep.name)
+        for ep in metadata.entry_points(group=WEIGHT_TRANSFER_GROUP):
+            self._candidates.update(n for n in (ep.name, ep.dist.name if ep.dist else ep.module) if n)
+
+    def _check_blocked_names(self) -> None:
+        """``no:NAME`` for a name that no plugin has blocks nothing: a typo, to be said rather than ignored."""
+        unknown = sorted(self.blocked - self._candidates)
+        if unknown:
+            names = sorted(self._candidates - set(UNBLOCKABLE))
+            raise PluginLoadError(
+                f"--plugin no:{unknown[0]}: no plugin is named {unknown[0]!r}, so this blocks nothing; "
+                f"plugins that can be blocked: {', '.join(names) or '(none)'}"
+            )
+
     # -- loading --------------------------------------------------------------------------------------------
 
-    def _register_module(self, module: Any, *, name: str, source: str, dist: Any = None) -> None:
-        if self.pm.is_blocked(name):
+    def _register(self, plugin: Any, info: PluginInfo) -> None:
+        """Register ``plugin`` under ``info.name`` with every hook call guarded; a second, different plugin under
+        one name is an error naming both."""
+        self._candidates.add(info.name)
+        if self.pm.is_blocked(info.name):
             return
-        if self.pm.get_plugin(name) is not None:
+        existing = self.pm.get_plugin(info.name)
+        if existing is plugin or (existing is None and self.pm.is_registered(plugin)):
             return  # the same module named twice (say, by MILES_PLUGINS and --plugin) is loaded once
-        try:
-            self.pm.register(module, name=name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginLoadError(f"plugin {name!r} ({_describe_source(source, dist)}) is invalid: {exc}") from exc
-        self.infos[name] = PluginInfo(
+        if existing is not None:
+            raise PluginLoadError(
+                f"two plugins are named {info.name!r}: {self.infos[info.name].label}, at "
+                f"{self.infos[info.name].location}, and {info.label}, at {info.location}; rename one, or block one "
+                "with --plugin no:NAME"
+            )
+        with plugin_code(f"{info.label} cannot be registered", PluginLoadError):  # pluggy reads its attributes
+            try:
+                self.pm.register(plugin, name=info.name)
+            except pluggy.PluginValidationError as exc:
+                raise PluginLoadError(f"{info.label} is invalid: {exc}") from exc
+        self.infos[info.name] = info
+        guard_hook_calls(self.pm, plugin, label=info.label, check=hook_results.problem_with)
+
+    def _register_module(self, module: Any, *, name: str, source: str, dist: Any = None) -> None:
+        distribution = dist.name if dist is not None else _distribution_of(module)
+        info = PluginInfo(
             name=name,
             source=source,
-            distribution=dist.name if dist is not None else _distribution_of(module),
-            version=dist.version if dist is not None else _version_of(_distribution_of(module)),
+            distribution=distribution,
+            version=dist.version if dist is not None else _version_of(distribution),
             location=str(getattr(module, "__file__", None) or type(module).__module__),
         )
+        self._register(module, info)
 
     def _load_entry_point_plugins(self) -> None:
         entry_points = sorted(
             (ep for ep in metadata.entry_points(group=PLUGIN_GROUP) if ep.name not in self.blocked),
             key=lambda ep: (ep.dist.name if ep.dist else "", ep.name),
         )
-        if not entry_points:
-            return
-        extensions = stevedore.NamedExtensionManager(
-            namespace=PLUGIN_GROUP,
-            names=[ep.name for ep in entry_points],
-            name_order=True,
-            on_load_failure_callback=_raise_load_failure,
-            on_missing_entrypoints_callback=None,
-        )
-        for extension in extensions:
-            self._register_module(
-                extension.plugin,
-                name=extension.name,
-                source="entry point",
-                dist=_distribution_of_entry_point(extension.entry_point),
-            )
+        for ep in entry_points:
+            if ep.name in BUILTIN_PLUGINS:
+                raise PluginLoadError(
+                    f"{_describe_entry_point(ep)} is named like the built-in plugin {ep.name!r}; rename the entry "
+                    f"point (the built-in plugins are {', '.join(BUILTIN_PLUGINS)})"
+                )
+            self._register_module(_load_entry_point(ep), name=ep.name, source="entry point", dist=ep.dist)
 
     def _register_weight_transfer_entry_points(self) -> None:
         entry_points = [
@@ -171,33 +229,35 @@ class MilesPluginManager:
         for ep in entry_points:
             by_distribution.setdefault(ep.dist.name if ep.dist else ep.module, []).append(ep)
         for dist_name, eps in sorted(by_distribution.items()):
-            plugin = EntryPointProtocols(eps)
-            self.pm.register(plugin, name=dist_name)
             dist = eps[0].dist
-            self.infos[dist_name] = PluginInfo(
+            info = PluginInfo(
                 name=dist_name,
                 source=f"entry point ({WEIGHT_TRANSFER_GROUP})",
                 distribution=dist.name if dist else None,
                 version=dist.version if dist else None,
                 location=", ".join(f"{ep.name} = {ep.value}" for ep in eps),
             )
+            self._register(EntryPointProtocols(eps), info)
 
     def _load_plugin_spec(self, spec: str, *, source: str) -> None:
-        if spec.endswith(".py") or os.sep in spec:
+        if _is_file_spec(spec):
             path = Path(spec).resolve()
-            if self.pm.is_blocked(str(path)):
-                return
+            self._candidates.add(str(path))
+            if self.pm.is_blocked(str(path)) or self.pm.get_plugin(str(path)) is not None:
+                return  # blocked, or already loaded: a file is executed once
             self._register_module(_import_file(path, source=source), name=str(path), source=source)
             return
+        self._candidates.add(spec)
         if self.pm.is_blocked(spec):
             return
-        try:
+        with plugin_code(f"plugin module {spec!r} (from {source}) failed to import", PluginLoadError):
             module = importlib.import_module(spec)
-        except Exception as exc:
-            raise PluginLoadError(
-                f"plugin module {spec!r} (from {source}) failed to import: {type(exc).__name__}: {exc}"
-            ) from exc
         self._register_module(module, name=spec, source=source)
+
+
+def _is_file_spec(spec: str) -> bool:
+    """``--plugin`` names a file (``plugin.py``, ``dir/plugin.py``) rather than a module."""
+    return spec.endswith(".py") or os.sep in spec
 
 
 def _builtin_plugin(target: str) -> Any:
@@ -209,7 +269,7 @@ def _builtin_plugin(target: str) -> Any:
 
 class EntryPointProtocols:
     """A plugin object that feeds one distribution's ``miles.weight_transfer`` entry points into the protocol
-    registry. The classes are imported, through stevedore, only when a protocol is used."""
+    registry. The classes are imported only when a protocol is used."""
 
     def __init__(self, entry_points: Iterable[metadata.EntryPoint]) -> None:
         self.entry_points = list(entry_points)
@@ -221,35 +281,23 @@ class EntryPointProtocols:
                 name=ep.name,
                 target=ep.value,
                 description=f"entry point {WEIGHT_TRANSFER_GROUP}",
-                loader=functools.partial(_load_weight_transfer_entry_point, ep.name),
+                loader=functools.partial(_load_entry_point, ep),
             )
             for ep in self.entry_points
         ]
 
 
-def _load_weight_transfer_entry_point(name: str) -> Any:
-    manager = stevedore.DriverManager(
-        namespace=WEIGHT_TRANSFER_GROUP, name=name, on_load_failure_callback=_raise_load_failure
+def _load_entry_point(entry_point: metadata.EntryPoint) -> Any:
+    """Import what ``entry_point`` names; whatever the import raises is an error naming it and its distribution."""
+    with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
+        return entry_point.load()
+
+
+def _describe_entry_point(entry_point: metadata.EntryPoint) -> str:
+    return (
+        f"plugin {entry_point.name!r} ({_describe_source('entry point', entry_point.dist)}, "
+        f"entry point {entry_point.group}: {entry_point.name} = {entry_point.value})"
     )
-    return manager.driver
-
-
-def _raise_load_failure(_manager: Any, entry_point: metadata.EntryPoint, exc: BaseException) -> None:
-    raise PluginLoadError(
-        f"plugin {entry_point.name!r} ({_describe_source('entry point', _distribution_of_entry_point(entry_point))}, "
-        f"entry point {entry_point.group}: {entry_point.name} = {entry_point.value}) failed to load: "
-        f"{type(exc).__name__}: {exc}"
-    ) from exc
-
-
-def _distribution_of_entry_point(entry_point: metadata.EntryPoint) -> Any:
-    """The distribution that declares ``entry_point`` (stevedore's cached entry points do not carry it)."""
-    if entry_point.dist is not None:
-        return entry_point.dist
-    for candidate in metadata.entry_points(group=entry_point.group, name=entry_point.name):
-        if candidate.value == entry_point.value:
-            return candidate.dist
-    return None
 
 
 def _describe_source(source: str, dist: Any) -> str:
@@ -260,7 +308,8 @@ def _describe_source(source: str, dist: Any) -> str:
 
 def _import_file(path: Path, *, source: str) -> ModuleType:
     if not path.is_file():
-        raise PluginLoadError(f"plugin file {str(path)!r} (from {source}) does not exist")
+        what = "is a directory, not a .py file" if path.is_dir() else "does not exist"
+        raise PluginLoadError(f"plugin file {str(path)!r} (from {source}) {what}")
     module_name = f"miles_plugin_file_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
@@ -268,12 +317,11 @@ def _import_file(path: Path, *, source: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
+        with plugin_code(f"plugin file {str(path)!r} (from {source}) failed to import", PluginLoadError):
+            spec.loader.exec_module(module)
+    except PluginLoadError:
         del sys.modules[module_name]
-        raise PluginLoadError(
-            f"plugin file {str(path)!r} (from {source}) failed to import: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise
     return module
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pluggy
 
 from miles_core.errors import RegistryError
+from miles_core.plugin_guard import plugin_code
 
 REGISTRY_HOOKS: dict[str, str] = {
     "training_backends": "provide_training_backends",
@@ -26,6 +27,9 @@ REGISTRY_HOOKS: dict[str, str] = {
     "tasks": "provide_tasks",
 }
 """Registry name -> the hook that fills it."""
+
+ANY_FAMILY = "*"
+"""The family of a model implementation that loads every family (``transformers``: whatever transformers loads)."""
 
 # The first-party plugin distribution that provides a well-known name, for "pip install ..." hints.
 FIRST_PARTY_PROVIDERS: dict[str, dict[str, str]] = {
@@ -41,8 +45,8 @@ class Implementation:
 
     ``target`` is ``"package.module:attribute"`` (imported lazily by :meth:`load`) or the object itself.
     ``provider`` is the name of the plugin that registered it; the core fills it in.
-    ``loader``, when set, replaces the import (the core uses it to load entry points through stevedore, which
-    reports the distribution on failure).
+    ``loader``, when set, replaces the import (the core uses it to load entry points under the plugin guard, which
+    names the entry point and its distribution on failure).
     """
 
     name: str
@@ -58,15 +62,12 @@ class Implementation:
         if not isinstance(self.target, str):
             return self.target
         module_name, _, attribute = self.target.partition(":")
-        try:
+        # Importing runs the plugin's code: whatever it raises is named like a failing hook.
+        with plugin_code(f"cannot load {self.name!r} (target {self.target!r}, from plugin {self.provider!r})",
+                         RegistryError):  # fmt: skip
             obj: Any = importlib.import_module(module_name)
             for part in filter(None, attribute.split(".")):
                 obj = getattr(obj, part)
-        except (ImportError, AttributeError) as exc:
-            raise RegistryError(
-                f"cannot load {self.name!r} (target {self.target!r}, from plugin {self.provider!r}): "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
         return obj
 
     @property
@@ -78,8 +79,14 @@ class Implementation:
 
 
 def model_implementation(family: str, impl: str, target: str | Any, description: str = "") -> Implementation:
-    """An entry of the model-implementation registry, named ``"FAMILY/IMPL"``."""
+    """An entry of the model-implementation registry, named ``"FAMILY/IMPL"``; ``family`` :data:`ANY_FAMILY`
+    (``"*"``) provides ``IMPL`` for every family that has no implementation of that name of its own."""
     return Implementation(name=f"{family}/{impl}", target=target, description=description)
+
+
+def find_model_implementation(registry: Mapping[str, Implementation], family: str, impl: str) -> Implementation | None:
+    """The entry ``FAMILY/IMPL``, else ``*/IMPL`` (an implementation of every family), else ``None``."""
+    return registry.get(f"{family}/{impl}") or registry.get(f"{ANY_FAMILY}/{impl}")
 
 
 class Registry(Mapping[str, Implementation]):
@@ -173,7 +180,22 @@ def _collect_one(pm: pluggy.PluginManager, kind: str, hook_name: str) -> dict[st
                     f"block one with --plugin no:NAME or uninstall it"
                 )
             merged[entry.name] = entry
+    if kind == "model_implementations":
+        _check_any_family_names(merged)
     return merged
+
+
+def _check_any_family_names(merged: dict[str, Implementation]) -> None:
+    """``FAMILY/IMPL`` next to another plugin's ``*/IMPL`` would silently take that family from it: a duplicate."""
+    for name, entry in merged.items():
+        family, _, impl = name.partition("/")
+        other = merged.get(f"{ANY_FAMILY}/{impl}")
+        if family != ANY_FAMILY and other is not None and other.provider != entry.provider:
+            raise RegistryError(
+                f"model implementations: {impl!r} is provided twice for family {family!r}, by plugin "
+                f"{other.provider!r} ({other.name!r}, every family) and by plugin {entry.provider!r} ({name!r}); "
+                f"name the implementation differently, or block one with --plugin no:NAME"
+            )
 
 
 def call_each_plugin(pm: pluggy.PluginManager, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:

@@ -14,12 +14,14 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import TOKENIZER_FILES, require_checkpoint_dir, tokenizer_files
+from miles_core.models.hf_checkpoint import TOKENIZER_FILES, checkpoint_family, require_checkpoint_dir, tokenizer_files
+from miles_core.models.selection import check_families_given
 from miles_core.registry import Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.targets import describe_callable, import_target, is_target
 
 CHECKPOINTS = "checkpoints"
+DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
 
 
 @dataclasses.dataclass
@@ -39,6 +41,7 @@ class RunSetup:
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
     """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
     changes, so a refused run moves no earlier run aside."""
+    check_model_family(config)  # before an earlier run is moved aside: nothing moves for a refused run
     run_dir = Path(config.run.output_dir)
     model_path = Path(config.model.path) if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
@@ -71,6 +74,15 @@ def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
     moved = archive / inside
     print(f"miles: --model {path} moved with the earlier run; loading it from {moved}", flush=True)
     return moved
+
+
+def check_model_family(config: Any) -> None:
+    """An implementation given for a family other than the model's would be ignored by every trainer: refuse it."""
+    if config.model.path is None:
+        family, description = DEFAULT_MODEL_FAMILY, "the default model (a tiny Llama)"
+    else:
+        family, description = checkpoint_family(config.model.path), f"the checkpoint {config.model.path!r}"
+    check_families_given(config.model.implementations, family=family, checkpoint=description)
 
 
 def default_model(run_dir: Path, *, seed: int) -> Path:

@@ -89,5 +89,7 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 
 def with_pythonpath(*paths: Path) -> dict[str, str]:
-    """An environment overlay putting ``paths`` on PYTHONPATH."""
-    return {"PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+    """An environment overlay putting ``paths`` on PYTHONPATH, before what it already holds (a checkout under test
+    may be on it)."""
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return {"PYTHONPATH": os.pathsep.join([*(str(p) for p in paths), *inherited])}

@@ -131,7 +131,7 @@ def test_unknown_model_implementation_lists_installed_ones() -> None:
 def test_dsv4_impl_without_any_deepseek_v4_implementation() -> None:
     stderr = show_error("--dsv4-impl", "miles")
     assert "model.implementations.deepseek_v4 = 'miles' (--dsv4-impl miles)" in stderr
-    assert "installed for deepseek_v4: (none)" in stderr
+    assert "installed for deepseek_v4: transformers;" in stderr  # the transformers implementation serves every family
     assert "llama/minimal" in stderr
 
 

@@ -7,11 +7,9 @@ from typing import Any
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
 from miles_core.hookspecs import hookimpl
-from miles_core.registry import Implementation, Registries, model_implementation
+from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
+from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
-
-DSV4_FAMILY = "deepseek_v4"
-TRANSFORMERS_FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 @hookimpl
@@ -92,21 +90,6 @@ def validate_config(config: Any, registries: Registries) -> None:
             ) from exc
 
 
-def check_model_implementation(registries: Registries, family: str, impl: str) -> Implementation:
-    """The registry entry for ``FAMILY/IMPL``, or a :class:`ConfigError` that lists what is installed."""
-    registry = registries["model_implementations"]
-    name = f"{family}/{impl}"
-    if name in registry:
-        return registry[name]
-    same_family = [entry.split("/", 1)[1] for entry in registry if entry.startswith(f"{family}/")]
-    flag = f"--dsv4-impl {impl}" if family == DSV4_FAMILY else f"--model-impl {family}={impl}"
-    raise ConfigError(
-        f"model.implementations.{family} = {impl!r} ({flag}): no such implementation of model family {family!r}; "
-        f"installed for {family}: {', '.join(same_family) or '(none)'}; "
-        f"all installed implementations: {', '.join(registry) or '(none)'}"
-    )
-
-
 def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
     """Load the protocol class called ``name``; a :class:`ConfigError` names the flag and lists what exists."""
     field = f"weight_transfer.mode (--update-weight-transfer-mode) = {name!r}"
@@ -123,12 +106,11 @@ def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
 def provide_model_implementations() -> list[Implementation]:
     return [
         model_implementation(
-            family,
+            ANY_FAMILY,
             "transformers",
             "miles_core.models.transformers_impl:TransformersCausalLM",
-            f"Hugging Face transformers' {family} model",
+            "any family transformers can load",
         )
-        for family in TRANSFORMERS_FAMILIES
     ]
 
 

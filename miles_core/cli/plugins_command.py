@@ -7,6 +7,7 @@ from typing import Any
 
 from miles_core import __version__
 from miles_core.plugin_manager import MilesPluginManager
+from miles_core.registry import ANY_FAMILY, Registries
 
 
 def describe_plugins(manager: MilesPluginManager) -> list[dict[str, Any]]:
@@ -38,7 +39,7 @@ def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
             p["name"],
             f"{p['distribution'] or '-'} {p['version'] or ''}".strip(),
             p["source"],
-            "; ".join(f"{kind}: {', '.join(names)}" for kind, names in p["provides"].items()) or "-",
+            _provides_text(manager.registries, p["provides"]),
         )
         for p in plugins
     ]
@@ -46,6 +47,18 @@ def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
     if manager.blocked:
         print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
     return 0
+
+
+def _provides_text(registries: Registries, provides: dict[str, list[str]]) -> str:
+    """The PROVIDES cell; a model implementation of every family (``*/IMPL``) shows as ``IMPL: what it loads``."""
+    prefix = f"{ANY_FAMILY}/"
+
+    def shown(kind: str, name: str) -> str:
+        if kind != "model_implementations" or not name.startswith(prefix):
+            return name
+        return f"{name.removeprefix(prefix)}: {registries[kind][name].description or 'any family'}"
+
+    return "; ".join(f"{kind}: {', '.join(shown(kind, n) for n in names)}" for kind, names in provides.items()) or "-"
 
 
 def print_versions(plugin_args: list[str]) -> int:

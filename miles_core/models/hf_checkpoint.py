@@ -3,6 +3,7 @@ clear errors, and written by trainers."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,18 @@ def require_checkpoint_dir(path: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
     return path
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """The model family (``model_type`` of ``config.json``) of a checkpoint directory, read without transformers."""
+    config_file = require_checkpoint_dir(path) / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise MilesError(f"cannot load model from {str(path)!r}: config.json is not a JSON object: {exc}") from None
+    if not isinstance(model_type, str) or not model_type:
+        raise MilesError(f"cannot load model from {str(path)!r}: config.json has no model_type (the model family)")
+    return model_type
 
 
 def load_causal_lm(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from miles_core.models.hf_checkpoint import (
     save_hf_checkpoint,
     tokenizer_files,
 )
+from miles_core.models.selection import model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
+from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
 from miles_core.training.optimizer import build_optimizer
@@ -68,8 +71,9 @@ class TorchTrainer:
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
         ``model_path`` is a checkpoint to resume from."""
         hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)
-        name = config.model.implementations.get(hf_config.model_type, DEFAULT_IMPLEMENTATION)
-        load = _loader(registries, hf_config.model_type, name)
+        name, entry = model_implementation_for(config.model.implementations, registries, family=hf_config.model_type,
+                                               checkpoint=model_path, default=DEFAULT_IMPLEMENTATION)  # fmt: skip
+        load = _loader(entry)
         reference = load(initial_model_path) if config.train.kl_coef > 0 else None
         trainer = cls(load(model_path), config.train, seed=config.run.seed, reference=reference, hf_config=hf_config,
                       tokenizer_from=initial_model_path)  # fmt: skip
@@ -159,14 +163,12 @@ class CausalLMWeightIterator(HfWeightIterator):
             yield name, tensor.detach()
 
 
-def _loader(registries: Any, family: str, name: str):
-    """A function loading a checkpoint with implementation ``FAMILY/NAME`` (the transformers one with the model's
-    default attention, which is what the engines use too)."""
-    if name == DEFAULT_IMPLEMENTATION:
+def _loader(entry: Implementation) -> Callable[[str | Path], CausalLM]:
+    """A function loading a checkpoint with the implementation ``entry`` (the core's transformers one with the
+    model's default attention, which is what the engines use too)."""
+    if entry.name == f"{ANY_FAMILY}/{DEFAULT_IMPLEMENTATION}":
         return lambda path: TransformersCausalLM(load_causal_lm(path))
-    from miles_core.builtin.core_plugin import check_model_implementation  # deferred: avoids an import cycle
-
-    return check_model_implementation(registries, family, name).load().from_pretrained
+    return entry.load().from_pretrained
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:

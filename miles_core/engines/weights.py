@@ -1,13 +1,16 @@
 """Loading HF-named tensors into a live model, all or nothing, and the wire formats that carry them.
 
 Tensors travel as safetensors bytes (never pickle). A weight-update group for ``update_weights_from_distributed``
-is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group.
+is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group. Its store
+(unauthenticated) listens on the master address alone, and its gloo connections on the address that reaches it:
+with a master address of 127.0.0.1, nothing of the group is reachable from another machine.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import socket
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -150,13 +153,44 @@ def new_weight_update_group(
     tensors, or NCCL over CUDA tensors (every rank on a GPU of its own)."""
     backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    # torch's TCPStore binds every interface when it opens its own socket: rank 0 hands it one bound to the
+    # master address (the store takes the descriptor over and closes it).
+    listen_fd = listening_socket(master_address, master_port).detach() if rank == 0 else None
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          master_listen_fd=listen_fd)  # fmt: skip
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # gloo's default device listens on the address of the machine's host name; this one, on the address that
+    # reaches the master (127.0.0.1 for a master on 127.0.0.1).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` and on no other address (``host`` a name or an IPv4/IPv6 address)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (``127.0.0.1`` for ``127.0.0.1``); nothing is sent."""
+    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # a UDP connect only picks the route
+        return probe.getsockname()[0]
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -110,7 +111,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", text) or int(text) > 65535:  # ASCII: isdigit() takes "١٢" and "²" too
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0 picks a free one)")
     return int(text)
 

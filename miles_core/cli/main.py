@@ -64,7 +64,11 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
 
     dashboard = commands.add_parser("dashboard", help="serve the dashboard of a run directory (127.0.0.1 by default)")
     dashboard.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (its --output-dir)")
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    dashboard.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1; 0.0.0.0 for every interface, on purpose)",
+    )
     dashboard.add_argument("--port", type=_port, default=0, help="port to bind (default: 0, a free port)")
 
     finish = None

@@ -2,8 +2,9 @@
 
 * DNS rebinding: a request whose ``Host`` is not a name the dashboard serves (``evil.example``, a look-alike, the
   right name with the wrong port, none at all) is refused with a 421 that carries nothing of the run;
-* slow clients (slowloris: connections that never finish their request, or send nothing) cost no thread each and
-  keep nobody else waiting; an idle keep-alive connection is closed by the server;
+* slow clients (slowloris: connections that never finish their request, or send nothing) cost no thread each,
+  keep nobody else waiting, and are disconnected once the request head's deadline passes, as is an idle keep-alive
+  connection;
 * an empty or blank host (which would bind every interface) is refused by ``miles dashboard --host``, the
   ``dashboard.host`` setting and ``DashboardServer`` alike;
 * paths, query parameters and ``--port`` take ASCII digits only (``int("١٢")`` is 12: ``/api/steps/١٢`` must not
@@ -14,13 +15,14 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from miles_core.dashboard.hosts import DashboardHostError, allowed_host_names, host_header_matches
-from miles_core.dashboard.server import KEEP_ALIVE_S, DashboardServer
+from miles_core.dashboard.server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, DashboardServer
 from miles_core.dashboard.store import DashboardStore
 from tests.conftest import run_miles
 from tests.dashboard.test_api import sample
@@ -128,6 +130,32 @@ def test_an_idle_keep_alive_connection_is_closed_by_the_server(served) -> None:
         assert answer.startswith(b"HTTP/1.1 200")
         while connection.recv(65536):  # the rest of the body, then the server's close (or the socket timeout)
             pass
+
+
+@pytest.mark.parametrize("sent", [b"", b"GET /api/run HTTP/1.1\r\nHost: 127.0.0.1"], ids=["nothing", "half a head"])
+def test_a_client_that_does_not_finish_its_request_head_is_disconnected(served, sent: bytes) -> None:
+    _, port = served
+    with socket.create_connection(("127.0.0.1", port), timeout=HEAD_TIMEOUT_S + 30) as connection:
+        connection.sendall(sent)
+        assert connection.recv(65536) == b""  # closed by the server (a socket timeout fails the test instead)
+
+
+def test_a_client_that_trickles_its_request_head_is_disconnected(served) -> None:
+    """One header byte a second keeps no connection open past the head's deadline."""
+    _, port = served
+    give_up = time.monotonic() + HEAD_TIMEOUT_S + 30
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+        connection.sendall(b"GET /api/run HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nX-Slow: " % port)
+        while time.monotonic() < give_up:
+            try:
+                connection.sendall(b"x")
+                if connection.recv(65536) == b"":
+                    return  # closed by the server
+            except TimeoutError:
+                continue  # nothing to read yet: the next byte
+            except (BrokenPipeError, ConnectionResetError):
+                return
+    pytest.fail(f"a trickling client was still connected {HEAD_TIMEOUT_S + 30} s later")
 
 
 # -- the bound host ------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ import json
 import logging
 import mimetypes
 import re
-import socket
 import threading
 import time
 import urllib.parse
@@ -36,6 +35,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from miles_core.dashboard import hosts
 from miles_core.dashboard.api import DashboardApi
 from miles_core.dashboard.store import DashboardDatabaseError, db_path
+from miles_core.workers.process import listening_socket
 
 logger = logging.getLogger("miles.dashboard")
 
@@ -67,19 +67,6 @@ def static_files() -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 class DashboardServer:
     """Serves the dashboard of the run in ``run_dir`` on ``host:port`` (port 0: a free port). The socket is bound
     here, so a taken port is an ``OSError`` of the constructor, and an empty host a
@@ -89,7 +76,7 @@ class DashboardServer:
         self.run_dir = Path(run_dir)
         self.host = hosts.check_host(host)
         self.app = DashboardApp(DashboardApi(db_path(self.run_dir)), static_files())
-        self.socket = _listening_socket(self.host, port)
+        self.socket = listening_socket(self.host, port)
         self.port = self.socket.getsockname()[1]
         self.app.allowed_names = hosts.allowed_host_names(self.host)
         self.app.port = self.port

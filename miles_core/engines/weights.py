@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import socket
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load, load_file, save
 
+from miles_core.distributed import local_address_towards, tcp_store
 from miles_core.errors import MilesError
 
 
@@ -153,11 +153,8 @@ def new_weight_update_group(
     tensors, or NCCL over CUDA tensors (every rank on a GPU of its own)."""
     backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    # torch's TCPStore binds every interface when it opens its own socket: rank 0 hands it one bound to the
-    # master address (the store takes the descriptor over and closes it).
-    listen_fd = listening_socket(master_address, master_port).detach() if rank == 0 else None
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          master_listen_fd=listen_fd)  # fmt: skip
+    # rank 0's store listens on the master address alone (torch's own socket would take every interface)
+    store = tcp_store(master_address, master_port, world_size=world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -169,28 +166,6 @@ def new_weight_update_group(
     # reaches the master (127.0.0.1 for a master on 127.0.0.1).
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
     return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` and on no other address (``host`` a name or an IPv4/IPv6 address)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def local_address_towards(host: str) -> str:
-    """This machine's address on the route to ``host`` (``127.0.0.1`` for ``127.0.0.1``); nothing is sent."""
-    family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect(address)  # a UDP connect only picks the route
-        return probe.getsockname()[0]
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:

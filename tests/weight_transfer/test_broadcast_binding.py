@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 import sys
 import threading
@@ -16,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from miles_core.distributed import tcp_init_method_address
 from miles_core.engines.client import EngineClient
 from miles_core.engines.weights import broadcast, new_weight_update_group
 from miles_core.testkit.tiny_models import save_tiny_llama
@@ -119,3 +121,15 @@ def test_the_protocol_with_a_real_engine_listens_on_loopback_only(tmp_path: Path
     assert opened["trainer"] and opened["engine"], opened  # the store and gloo on one side, gloo on the other
     for side, addresses in opened.items():
         assert all(is_loopback(address) for address, _ in addresses), f"{side} listens beyond loopback: {addresses}"
+
+
+@pytest.mark.parametrize("init_method", ["tcp://127.0.0.1:29500", "tcp://[::1]:80", "tcp://localhost:1"])
+def test_tcp_init_methods_are_read(init_method: str) -> None:
+    host, port = tcp_init_method_address(init_method)
+    assert f"{host}:{port}" in init_method.replace("[::1]", "::1")
+
+
+@pytest.mark.parametrize("init_method", ["env://", "tcp://127.0.0.1", "tcp://:80", "tcp://h:99999", "file:///x"])
+def test_other_init_methods_are_refused_by_name(init_method: str) -> None:
+    with pytest.raises(ValueError, match=f"init method {re.escape(repr(init_method))}: expected tcp://HOST:PORT"):
+        tcp_init_method_address(init_method)

@@ -5,14 +5,19 @@ from __future__ import annotations
 import signal
 import sys
 
+from miles_core.dashboard.hosts import DashboardHostError, check_host
 from miles_core.dashboard.server import DashboardServer
 from miles_core.dashboard.store import check_run_dir
 from miles_core.errors import MilesError
 
 
 def serve_dashboard(run_dir: str, *, host: str, port: int) -> int:
-    """Check the run directory and its database (a clear :class:`MilesError` otherwise), then serve until
-    interrupted."""
+    """Check the host (an empty one would bind every interface), the run directory and its database (a clear
+    :class:`MilesError` otherwise), then serve until interrupted."""
+    try:
+        check_host(host)
+    except DashboardHostError as exc:
+        raise MilesError(f"--host: {exc}") from None
     check_run_dir(run_dir)
     try:
         server = DashboardServer(run_dir, host=host, port=port)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -63,7 +64,11 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
 
     dashboard = commands.add_parser("dashboard", help="serve the dashboard of a run directory (127.0.0.1 by default)")
     dashboard.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (its --output-dir)")
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    dashboard.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: 127.0.0.1; 0.0.0.0 for every interface, on purpose)",
+    )
     dashboard.add_argument("--port", type=_port, default=0, help="port to bind (default: 0, a free port)")
 
     finish = None
@@ -110,7 +115,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
+    if not re.fullmatch(r"[0-9]{1,5}", text) or int(text) > 65535:  # ASCII: isdigit() takes "١٢" and "²" too
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0 picks a free one)")
     return int(text)
 

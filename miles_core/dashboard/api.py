@@ -163,7 +163,7 @@ def _known_step(db: sqlite3.Connection, text: str) -> int:
 
 
 def _int_path(text: str, what: str) -> int:
-    if not re.fullmatch(r"\d{1,9}", text):
+    if not re.fullmatch(r"[0-9]{1,9}", text):  # ASCII digits: int() and \d take other scripts' digits too
         raise ApiError(400, f"{what} must be a non-negative integer, got {text[:40]!r}")
     return int(text)
 
@@ -173,7 +173,7 @@ def _int_param(query: Query, name: str, *, default: int, low: int, high: int | N
     if not values:
         return default
     text = values[-1]
-    if not re.fullmatch(r"-?\d{1,9}", text) or int(text) < low or (high is not None and int(text) > high):
+    if not re.fullmatch(r"-?[0-9]{1,9}", text) or int(text) < low or (high is not None and int(text) > high):
         allowed = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
         raise ApiError(400, f"query parameter {name} must be {allowed}, got {text[:40]!r}")
     return int(text)

@@ -1,8 +1,14 @@
 """The dashboard's HTTP server: the JSON API (:mod:`miles_core.dashboard.api`), the page and its scripts.
 
-A standard-library ``ThreadingHTTPServer``: the dashboard is read-only and small, runs inside the training process
-(``miles train --dashboard``, in a daemon thread) or on its own (``miles dashboard RUN_DIR``), and must work with no
-network, so everything it serves ships in this package (``static/``). It binds 127.0.0.1 unless told otherwise.
+An ASGI app served by uvicorn (asyncio: a slow or idle connection costs a socket, not a thread, so a flood of slow
+clients does not keep anyone else waiting; a client that does not send its request head within 10 s, or idles on a
+keep-alive connection for 5 s, is disconnected). The dashboard is read-only and small, runs inside the training
+process (``miles train --dashboard``, in a daemon thread) or on its own (``miles dashboard RUN_DIR``), and must
+work with no network, so everything it serves ships in this package (``static/``).
+
+It binds 127.0.0.1 unless told otherwise (an empty host is refused), and answers only requests whose ``Host``
+names it (:mod:`miles_core.dashboard.hosts`: a page that rebinds its own domain name to 127.0.0.1 cannot read the
+run's config and samples).
 
 Every view of the page has its own URL (``/samples/3/12/1`` is step 3's sample with index 12, occurrence 1); the
 server answers each of them with the page, which renders the view the URL names.
@@ -10,24 +16,42 @@ server answers each of them with the page, which renders the view the URL names.
 
 from __future__ import annotations
 
-import http.server
+import asyncio
 import json
 import logging
 import mimetypes
 import re
 import threading
+import time
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from miles_core.dashboard import hosts
 from miles_core.dashboard.api import DashboardApi
 from miles_core.dashboard.store import DashboardDatabaseError, db_path
+from miles_core.workers.process import listening_socket
 
 logger = logging.getLogger("miles.dashboard")
 
-PAGE_ROUTES = re.compile(r"/(|topology|charts|timeline|samples(/\d{1,9}(/\d{1,9}/\d{1,9})?)?)")
-"""The page's views: ``/``, ``/topology``, ``/charts``, ``/timeline``, ``/samples[/STEP[/INDEX/OCCURRENCE]]``."""
+PAGE_ROUTES = re.compile(r"/(|topology|charts|timeline|samples(/[0-9]{1,9}(/[0-9]{1,9}/[0-9]{1,9})?)?)")
+"""The page's views: ``/``, ``/topology``, ``/charts``, ``/timeline``, ``/samples[/STEP[/INDEX/OCCURRENCE]]``
+(ASCII digits only: ``int`` would read other scripts' digits too)."""
+
+KEEP_ALIVE_S = 5
+"""An idle keep-alive connection is closed after this many seconds."""
+HEAD_TIMEOUT_S = 10
+"""A client that has not sent a whole request head (request line and headers) this long after connecting, or after
+its previous answer, is disconnected (slowloris: uvicorn waits for a head forever)."""
+START_TIMEOUT_S = 30.0
+
+Scope = dict[str, Any]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def static_files() -> dict[str, tuple[bytes, str]]:
@@ -44,81 +68,142 @@ def static_files() -> dict[str, tuple[bytes, str]]:
 
 
 class DashboardServer:
-    """Serves the dashboard of the run in ``run_dir`` on ``host:port`` (port 0: a free port)."""
+    """Serves the dashboard of the run in ``run_dir`` on ``host:port`` (port 0: a free port). The socket is bound
+    here, so a taken port is an ``OSError`` of the constructor, and an empty host a
+    :class:`~miles_core.dashboard.hosts.DashboardHostError`."""
 
     def __init__(self, run_dir: Path | str, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.run_dir = Path(run_dir)
-        handler = type("Handler", (_Handler,), {"api": DashboardApi(db_path(self.run_dir)), "files": static_files()})
-        self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.host = hosts.check_host(host)
+        self.app = DashboardApp(DashboardApi(db_path(self.run_dir)), static_files())
+        self.socket = listening_socket(self.host, port)
+        self.port = self.socket.getsockname()[1]
+        self.app.allowed_names = hosts.allowed_host_names(self.host)
+        self.app.port = self.port
+        if not hosts.is_loopback_host(self.host):
+            logger.warning("dashboard: serving on %s: reachable from other machines, with no authentication", host)
+        config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                http=_HeadDeadlineProtocol, timeout_keep_alive=KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=5)  # fmt: skip
+        self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
-        return f"http://{host}:{port}/"
+        name = "127.0.0.1" if self.host in hosts.WILDCARD_HOSTS else hosts.url_name(self.host)
+        return f"http://{name}:{self.port}/"
 
     def start(self) -> DashboardServer:
-        """Serve in a daemon thread (inside a training run)."""
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="miles-dashboard", daemon=True)
+        """Serve in a daemon thread (inside a training run); returns once it answers."""
+        self.thread = threading.Thread(target=self._serve, name="miles-dashboard", daemon=True)
         self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the dashboard server on {self.url} did not start within {START_TIMEOUT_S:.0f} s")
         return self
 
     def serve_forever(self) -> None:
-        """Serve in this thread until interrupted (``miles dashboard``)."""
+        """Serve in this thread until SIGINT or SIGTERM (``miles dashboard``); the signal is raised again once the
+        server has stopped, so the handler in place before (``KeyboardInterrupt``) still runs."""
+        self._serve()
+
+    def _serve(self) -> None:
         try:
-            self.httpd.serve_forever()
+            self.server.run(sockets=[self.socket])
         finally:
-            self.httpd.server_close()
+            self.socket.close()
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.should_exit = True
         if self.thread is not None:
-            self.thread.join(timeout=5)
+            self.thread.join(timeout=10)
+        self.socket.close()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    api: DashboardApi
-    files: dict[str, tuple[bytes, str]]
-    server_version = "miles-dashboard"
+class _HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's head (:data:`HEAD_TIMEOUT_S`)."""
 
-    def do_GET(self) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not self._cycle_at_deadline:  # a new request's head has arrived
+            self._disarm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_deadline()  # the next request on this keep-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._cycle_at_deadline = self.cycle
+        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self.transport.close)
+
+    def _disarm_head_deadline(self) -> None:
+        if getattr(self, "_head_deadline", None) is not None:
+            self._head_deadline.cancel()
+        self._head_deadline = None
+
+
+class DashboardApp:
+    """The ASGI app: the ``Host`` check, then the API, the static files and the page's views (``GET``/``HEAD``)."""
+
+    def __init__(self, api: DashboardApi, files: dict[str, tuple[bytes, str]]) -> None:
+        self.api = api
+        self.files = files
+        self.allowed_names: frozenset[str] = frozenset(hosts.LOOPBACK_NAMES)
+        self.port = 0
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[dict]], send: Send) -> None:
+        if scope["type"] != "http":
+            return
         try:
-            self._get()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the browser went away
+            status, body, content_type, headers = await asyncio.to_thread(self.answer, scope)
         except Exception as exc:  # a bug must answer as JSON, and never stop the server (or a training run)
-            logger.warning("dashboard: %s %s failed: %s: %s", self.command, self.path, type(exc).__name__, exc)
-            self._json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
+            logger.warning("dashboard: %s %s failed: %s: %s", scope["method"], scope["path"][:200],
+                           type(exc).__name__, exc)  # fmt: skip
+            status, body, content_type, headers = _json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
+            (b"x-content-type-options", b"nosniff"), *headers]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
-    def _get(self) -> None:
-        url = urllib.parse.urlsplit(self.path)
-        path = urllib.parse.unquote(url.path)
+    def answer(self, scope: Scope) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
+        """``(status, body, content type, extra headers)`` for one request."""
+        host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), None)
+        if not hosts.host_header_matches(host, names=self.allowed_names, port=self.port):
+            served = ", ".join(f"{name}:{self.port}" for name in sorted(self.allowed_names))
+            return _json(421, {"error": f"Host {(host or '')[:100]!r} is not a name this dashboard serves ({served}); "
+                                        f"open http://127.0.0.1:{self.port}/ on this machine"})  # fmt: skip
+        if scope["method"] not in ("GET", "HEAD"):
+            status, body, content_type, headers = _json(405, {"error": f"method {scope['method'][:20]} not allowed: "
+                                                                       "the dashboard is read-only (GET)"})  # fmt: skip
+            return status, body, content_type, [*headers, (b"allow", b"GET, HEAD")]
+        path = scope["path"]
         if path.startswith("/api/"):
+            query = urllib.parse.parse_qs(scope["query_string"].decode("latin-1"))
             try:
-                status, body = self.api.answer(path, urllib.parse.parse_qs(url.query))
+                return _json(*self.api.answer(path, query))
             except DashboardDatabaseError as exc:  # the database went bad while serving
-                status, body = 503, {"error": str(exc)}
-            self._json(status, body)
-        elif path.startswith("/static/") and path[len("/static/") :] in self.files:
-            self._send(200, *self.files[path[len("/static/") :]], cache="max-age=60")
-        elif PAGE_ROUTES.fullmatch(path):
-            self._send(200, *self.files["index.html"])
-        else:
-            self._json(404, {"error": f"no such page {path[:200]!r}"})
+                return _json(503, {"error": str(exc)})
+        name = path[len("/static/") :] if path.startswith("/static/") else None
+        if name in self.files:
+            body, content_type = self.files[name]
+            return 200, body, content_type, [(b"cache-control", b"max-age=60")]
+        if PAGE_ROUTES.fullmatch(path):
+            body, content_type = self.files["index.html"]
+            return 200, body, content_type, [(b"cache-control", b"no-store")]
+        return _json(404, {"error": f"no such page {path[:200]!r}"})
 
-    def _json(self, status: int, body: dict[str, Any]) -> None:
-        self._send(status, json.dumps(body).encode(), "application/json")
 
-    def _send(self, status: int, body: bytes, content_type: str, *, cache: str = "no-store") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", cache)
-        self.send_header("X-Content-Type-Options", "nosniff")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("dashboard: " + format, *args)
+def _json(status: int, body: dict[str, Any]) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
+    return status, json.dumps(body).encode(), "application/json", [(b"cache-control", b"no-store")]

@@ -1,7 +1,9 @@
 """Loading HF-named tensors into a live model, all or nothing, and the wire formats that carry them.
 
 Tensors travel as safetensors bytes (never pickle). A weight-update group for ``update_weights_from_distributed``
-is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group.
+is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group. Its store
+(unauthenticated) listens on the master address alone, and its gloo connections on the address that reaches it:
+with a master address of 127.0.0.1, nothing of the group is reachable from another machine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load, load_file, save
 
+from miles_core.distributed import local_address_towards, tcp_store
 from miles_core.errors import MilesError
 
 
@@ -150,13 +153,19 @@ def new_weight_update_group(
     tensors, or NCCL over CUDA tensors (every rank on a GPU of its own)."""
     backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    # rank 0's store listens on the master address alone (torch's own socket would take every interface)
+    store = tcp_store(master_address, master_port, world_size=world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(group_name, store)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    # gloo's default device listens on the address of the machine's host name; this one, on the address that
+    # reaches the master (127.0.0.1 for a master on 127.0.0.1).
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:

@@ -17,17 +17,33 @@ LOG_TAIL_BYTES = 4096
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that are free on ``host`` right now (all held open until all are chosen)."""
+    """``count`` distinct ports that are free on ``host`` (a name, an IPv4 or an IPv6 address) right now (all held
+    open until all are chosen)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sockets = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
+            sock = socket.socket(family, kind, proto)
             sockets.append(sock)
+            sock.bind(address)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` and on no other address (``host`` a name or an IPv4/IPv6 address)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def log_tail(path: str | Path | None, max_bytes: int = LOG_TAIL_BYTES) -> str:

@@ -5,6 +5,10 @@ placement group, starts one actor in each bundle, asks each where it landed, and
 deterministic order: by node address, then device id, then bundle index. A Python worker is hosted inside its
 actor (so it can use Ray itself, which RDT weight transfer needs); a command worker is a child process that its
 actor starts, watches and, on stop, kills with its whole process tree.
+
+Network: with no cluster address (``address``, or Ray's own ``RAY_ADDRESS``), the provider starts a local Ray
+whose node address is 127.0.0.1, so every port Ray opens (GCS, raylet, object manager, workers, runtime-env agent)
+listens on loopback only; it starts no dashboard. Given a cluster address, it joins that cluster as configured.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import signal
 from pathlib import Path
@@ -19,6 +24,7 @@ from typing import Any
 
 import psutil
 import ray
+from ray._private import ray_constants
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -124,13 +130,14 @@ class _Slot:
 
 
 class RayWorkerProvider(BaseWorkerProvider):
-    """Places workers with Ray placement groups; connects to ``address`` or starts a local Ray."""
+    """Places workers with Ray placement groups; connects to ``address`` (or ``RAY_ADDRESS``) or starts a local
+    Ray on 127.0.0.1 (:func:`init_ray`)."""
 
     def __init__(self, *, token: str, run_dir: str | Path, address: str | None = None, **ray_init: Any) -> None:
         super().__init__(token=token)
         self.run_dir = Path(run_dir)
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
+            init_ray(address, **ray_init)
         self.driver_ip = ray.util.get_node_ip_address()
         self.slots: dict[str, _Slot] = {}
         self.groups: list[PlacementGroup] = []
@@ -236,6 +243,46 @@ class RayWorkerProvider(BaseWorkerProvider):
     async def _kill_actor(self, slot: _Slot) -> None:
         ray.kill(slot.actor, no_restart=True)
         slot.actor = None
+
+
+CLUSTER_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+"""``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``: ``0`` makes Ray keep a loopback node address (see :func:`init_ray`)."""
+
+
+def init_ray(address: str | None = None, **ray_init: Any) -> None:
+    """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``); with neither, start a local Ray (never one that a
+    ``ray start`` left running) whose node address, and so every port, is on 127.0.0.1 only."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
+        return
+    with _loopback_node_address():
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                 **ray_init)  # fmt: skip
+    node_ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node_ip).is_loopback:
+        ray.shutdown()
+        raise WorkerError(f"the local Ray took the node address {node_ip} instead of 127.0.0.1, so its ports would "
+                          "be reachable from other machines; set RAY_ADDRESS to use a cluster on purpose")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _loopback_node_address():
+    """While a local Ray starts: Ray turns a node address of 127.0.0.1 into the machine's routable address (and
+    its servers bind the node address) unless clusters are switched off, as they are by default on macOS and
+    Windows. Its constant is read at import in this process, and from the environment in the processes it
+    starts (GCS, raylet, agents, workers: they inherit it)."""
+    saved_env, saved_constant = os.environ.get(CLUSTER_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[CLUSTER_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_constant
+        if saved_env is None:
+            os.environ.pop(CLUSTER_ENV, None)
+        else:
+            os.environ[CLUSTER_ENV] = saved_env
 
 
 def _running(pid: int) -> bool:

@@ -7,11 +7,13 @@ state; when torch.distributed is not initialised it creates a one-rank gloo worl
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from miles_core.distributed import tcp_store
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
 from miles_core.workers.process import free_ports
@@ -67,7 +69,8 @@ def ensure_single_rank_parallel_state() -> None:
 
     if not dist.is_initialized():
         (port,) = free_ports(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        store = tcp_store("127.0.0.1", port, world_size=1, is_master=True, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     seed_model_parallel_rng(0)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
@@ -58,8 +59,11 @@ class MegatronRank:
         if torch.cuda.is_available():  # each rank its own GPU (under Ray each actor sees only its own)
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(self.backend, init_method=self.init_method, rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(minutes=10))  # fmt: skip
+        timeout = datetime.timedelta(minutes=10)
+        host, port = tcp_init_method_address(self.init_method)
+        store = tcp_store(host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timeout)  # fmt: skip
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tensor_parallel)
         seed_model_parallel_rng(self.seed)
         self.hf_config = load_hf_config(self.model_path)

@@ -8,10 +8,10 @@ import typing
 from typing import Any
 
 import pydantic
-import yaml
 
 from miles_core.config.build import config_model
 from miles_core.config.flags import ConfigFlag
+from miles_core.config.yaml_input import load_yaml
 from miles_core.errors import ConfigError
 from miles_core.registry import call_each_plugin
 
@@ -112,7 +112,4 @@ def _convert(binding: _Binding, raw: str) -> Any:
         return None
     if not binding.structured:
         return raw  # pydantic converts and validates scalars, naming the field on error
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{binding.flag}: {raw!r} is not valid YAML: {exc}") from exc
+    return load_yaml(raw, source=f"the value of {binding.flag}")

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
-import yaml
 
 from miles_core.config.section import Section
+from miles_core.config.yaml_input import read_config_file
 from miles_core.errors import ConfigError
 from miles_core.registry import call_each_plugin
 
@@ -48,19 +48,9 @@ def config_model(manager: Any) -> type[MilesConfig]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a mapping of sections; a parse error names the file, line and column."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from exc
+    """Read a YAML config file into a mapping of sections; every problem is a :class:`ConfigError` naming the
+    file (and the line and column of a parse error)."""
+    data = read_config_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -41,9 +41,6 @@ def validate_config(config: Any) -> None:
                           "stock SGLang's /update_weights_from_tensor does not read (it takes pickled tensors, which "
                           "Miles never sends); with sglang.launch_server use --update-weight-transfer-mode disk or "
                           "broadcast")  # fmt: skip
-    if config.sglang.router and config.engine.router_url:
-        raise ConfigError("sglang.router = true starts a router; engine.router_url names an external one: "
-                          "set only one")  # fmt: skip
 
 
 @hookimpl

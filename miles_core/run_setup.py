@@ -41,7 +41,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # checked at config time, but the file system may have changed since
         raise ConfigError(f"run.output_dir (--output-dir) = {str(run_dir)!r}: cannot create the run directory: "
-                          f"{exc.strerror or exc}; name a directory you can write")  # fmt: skip
+                          f"{exc.strerror or exc}; name a directory you can write") from exc  # fmt: skip
     if config.model.path is None:
         model_path, tokenizer = default_model(run_dir, seed=config.run.seed), DigitTokenizer()
     else:

@@ -38,13 +38,14 @@ def read_config_file(path: str | Path) -> Any:
 
 def load_yaml(text: str, *, source: str) -> Any:
     """Parse ``text`` as plain-data YAML within the bounds of this module; errors name ``source``."""
-    loader = _BoundedLoader(text)
     try:
-        data = loader.get_single_data()
+        loader = _BoundedLoader(text)  # the reader checks every character here
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML{_where(exc, text)}: {_problem(exc)}") from None
-    finally:
-        loader.dispose()
     _check_plain_data(data, source=source, budget=[MAX_NODES], path=(), ancestors=set())
     return data
 
@@ -164,7 +165,7 @@ def _check_plain_data(value: Any, *, source: str, budget: list[int], path: tuple
     for key, item in items:
         if isinstance(value, dict) and not isinstance(key, str):
             raise ConfigError(
-                f"{source}: key {_short(key)} of {where} is a {type(key).__name__}, not a string; quote it"
+                f"{source}: key {_short(key)} of {where} is not a string ({type(key).__name__}); quote it"
             )
         _check_plain_data(item, source=source, budget=budget, path=(*path, str(key)), ancestors=ancestors)
     ancestors.discard(id(value))
@@ -180,7 +181,8 @@ def _where(exc: yaml.YAMLError, text: str) -> str:
 
 def _problem(exc: yaml.YAMLError) -> str:
     if isinstance(exc, yaml.reader.ReaderError):
-        return f"character {exc.character!r} is not allowed in YAML (binary data?)"
+        character = chr(exc.character) if isinstance(exc.character, int) else exc.character
+        return f"character {character!r} is not allowed in YAML (binary data?)"
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     context = getattr(exc, "context", None)
     return f"{problem} ({context})" if context and problem != context else problem

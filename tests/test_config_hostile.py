@@ -403,3 +403,14 @@ def test_the_sglang_readme_first_command_is_valid() -> None:
 def test_every_readme_command_has_a_valid_config(source: str, flags: list[str], tmp_path: Path) -> None:
     result = miles("config", "show", *flags, cwd=tmp_path)
     assert result.returncode == 0, (source, flags, result.stderr)
+
+
+def test_output_into_a_closed_pipe_is_no_traceback() -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `miles config show | head -1` once head has exited
+    try:
+        result = subprocess.run([str(MILES), "config", "show"], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=TIMEOUT_S, check=False)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]

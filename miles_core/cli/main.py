@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MilesError as exc:
         print(f"miles: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `miles config show | head`: the reader has gone, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python reports it again at exit
+        return 1
 
 
 def _run(argv: list[str]) -> int:

@@ -202,6 +202,17 @@ def test_a_huge_key_or_value_is_cut_in_the_error(tmp_path: Path) -> None:
     assert "rollout.batch_size = 'xxx" in stderr and "...: Input should be a valid integer" in stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--model-impl", "l" * 3000 + "=x"], ["--reward", "x" * 50_000], ["--run-seed", "9" * 5000]],
+    ids=["model-impl", "reward", "seed"],
+)
+def test_an_error_quoting_a_huge_value_stays_short(args: list[str]) -> None:
+    stderr = refused(*args)
+    assert len(stderr) < 1500, len(stderr)
+    assert "characters cut" in stderr or "..." in stderr
+
+
 def test_thousands_of_unknown_flags_are_summarised() -> None:
     stderr = refused(*(f"--unknown-{i}" for i in range(3000)))
     assert "unrecognized arguments: --unknown-0 --unknown-1" in stderr

@@ -102,11 +102,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except MilesError as exc:
-        print(f"miles: error: {exc}", file=sys.stderr)
+        print(f"miles: error: {_bounded(str(exc))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `miles config show | head`: the reader has gone, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python reports it again at exit
         return 1
+
+
+def _bounded(message: str, *, max_lines: int = 40, max_line: int = 600) -> str:
+    """An error message of bounded size: a user's value may be megabytes long, and errors quote values. Long lines
+    lose their middle (the start names the field, the end says what to do); extra lines are counted."""
+    lines = message.splitlines()
+    kept = [
+        line
+        if len(line) <= max_line
+        else f"{line[: max_line // 2]} ... ({len(line) - max_line} characters cut) ... {line[-max_line // 2 :]}"
+        for line in lines[:max_lines]
+    ]
+    if len(lines) > max_lines:
+        kept.append(f"... and {len(lines) - max_lines} more lines")
+    return "\n".join(kept)
 
 
 def _run(argv: list[str]) -> int:

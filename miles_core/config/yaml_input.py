@@ -114,13 +114,6 @@ class _BoundedLoader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def flatten_mapping(self, node: Any) -> None:
-        # A merge key copies the merged pairs: nested merges grow exponentially before any count could stop them.
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                problem = "merge keys ('<<') are not supported in a config; write the keys out"
-                raise ConstructorError(None, None, problem, key_node.start_mark)
-
     def construct_yaml_int(self, node: Any) -> int:
         text = self.construct_scalar(node)
         if sum(char.isalnum() for char in text) > MAX_INT_DIGITS:

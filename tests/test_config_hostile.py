@@ -54,6 +54,7 @@ def refused(*args: str, max_lines: int = 3) -> str:
 NESTED = 10_000
 LEVELS = "abcdefghi"
 BOMB = "".join(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in itertools.pairwise(LEVELS))
+MERGE_CHAIN = "a0: &a0 {k0: 1}\n" + "".join(f"a{i}: &a{i} {{<<: *a{i - 1}, k{i}: 1}}\n" for i in range(1, 3000))
 LOL = 'a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
 EXPANDED = "more than 100000 values once its aliases are expanded"
 DEEP_32 = "[" * 32 + "{}" + "]" * 32
@@ -72,6 +73,7 @@ HOSTILE_FILES = {
     "alias_bomb": ((LOL + BOMB).encode(), EXPANDED),
     "alias_bomb_in_settings": (f"weight_transfer:\n  settings:\n    {LOL}{INDENTED_BOMB}".encode(), EXPANDED),
     "aliases_nest_deeper_than_the_text": (ALIASES_IN_ALIASES.encode(), "deeper than 64 levels once aliases are"),
+    "merge_chain": (MERGE_CHAIN.encode(), "merge keys ('<<') copy more than 100000 values"),
     "recursive_alias_mapping": (b"weight_transfer:\n  settings: &s {x: *s}\n", "contains itself (a recursive alias)"),
     "recursive_alias_list": (b"weight_transfer:\n  settings: {x: &l [1, *l]}\n", "contains itself (a recursive alias)"),
     "recursive_root": (b"&r {run: *r}\n", "contains itself (a recursive alias)"),

@@ -96,11 +96,13 @@ def _decode(raw: bytes, shown: str) -> str:
 
 
 class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, bounded in nesting depth, limited to plain data, with timestamps kept as text."""
+    """PyYAML's safe loader, bounded in nesting depth and in what merge keys copy, limited to plain data, with
+    timestamps kept as text."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
+        self._merged = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         # The composer recurses once per level: bound it before Python's recursion limit is reached.
@@ -113,6 +115,17 @@ class _BoundedLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def flatten_mapping(self, node: Any) -> None:
+        # A merge key ('<<') copies the merged pairs into the mapping: a chain of merges, each adding a key, is
+        # quadratic in the text (100 KB gave 4.5 million pairs). Count the copies against the same budget.
+        merges = any(key.tag == "tag:yaml.org,2002:merge" for key, _ in node.value)
+        super().flatten_mapping(node)
+        if merges:
+            self._merged += len(node.value)
+            if self._merged > MAX_NODES:
+                problem = f"merge keys ('<<') copy more than {MAX_NODES} values"
+                raise ConstructorError(None, None, problem, node.start_mark)
 
     def construct_yaml_int(self, node: Any) -> int:
         text = self.construct_scalar(node)

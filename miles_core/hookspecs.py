@@ -65,7 +65,7 @@ def provide_engine_backends() -> list[Implementation] | None:
 
 @hookspec
 def provide_worker_providers() -> list[Implementation] | None:
-    """Worker providers (``--worker-provider NAME``), such as ``local`` (subprocesses) or ``ray``.
+    """Worker providers (``--run-worker-provider NAME``), such as ``local`` (subprocesses) or ``ray``.
 
     Called once when the registries are built. Each entry's target is a ``BaseWorkerProvider`` subclass.
     """
@@ -123,9 +123,11 @@ def provide_reward_functions() -> list[Implementation] | None:
 
 @hookspec
 def provide_tasks() -> list[Implementation] | None:
-    """Tasks: prompt datasets with their default reward (``--task NAME``).
+    """Tasks: prompt datasets with their default reward, listed by ``miles plugins``.
 
-    Called once when the registries are built. Each target is a task class.
+    Called once when the registries are built. No flag selects a task: a run reads ``--prompts FILE`` (with
+    ``--reward``), or the embedded ``echo_last`` task without it. Each target is a callable
+    ``prompts(*, seed: int, train_size: int, eval_size: int) -> (train_prompts, eval_prompts)``.
     """
 
 

@@ -48,11 +48,15 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     train_prompts, eval_prompts = load_prompts(config)
     check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
     reward_fn, reward_name = load_reward(config, registries)
-    if not config.run.resume:
-        archive = archive_previous_run(run_dir)
-        if archive is not None and model_path is not None:  # --model runs/latest/checkpoints/step_000200
-            model_path = moved_with_run(model_path, run_dir=run_dir, archive=archive)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if not config.run.resume:
+            archive = archive_previous_run(run_dir)
+            if archive is not None and model_path is not None:  # --model runs/latest/checkpoints/step_000200
+                model_path = moved_with_run(model_path, run_dir=run_dir, archive=archive)
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # checked at config time, but the file system may have changed since
+        raise ConfigError(f"run.output_dir (--output-dir) = {str(run_dir)!r}: cannot create the run directory: "
+                          f"{exc.strerror or exc}; name a directory you can write") from exc  # fmt: skip
     if model_path is None:
         model_path = default_model(run_dir, seed=config.run.seed)
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 from miles_core.config.flags import ConfigFlag
@@ -71,6 +74,7 @@ def config_flags() -> list[ConfigFlag]:
 
 @hookimpl
 def validate_config(config: Any, registries: Registries) -> None:
+    check_output_dir(config.run.output_dir)
     check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
@@ -88,6 +92,28 @@ def validate_config(config: Any, registries: Registries) -> None:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
             ) from exc
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Refuse a run directory that cannot be one: an existing non-directory (a file, ``/dev/null``), a path under
+    one (``/dev/null/run``), or a name the operating system refuses."""
+    shown = repr(output_dir) if len(output_dir) <= 200 else f"{output_dir[:197]!r}..."
+    field = f"run.output_dir (--output-dir) = {shown}"
+    if "\0" in output_dir:
+        raise ConfigError(f"{field} contains a NUL character; name a directory")
+    path = Path(output_dir).absolute()
+    for candidate in (path, *path.parents):
+        try:
+            info = os.stat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet, or under a file: the parents say which
+        except OSError as exc:
+            raise ConfigError(f"{field}: {exc.strerror or exc}; name a directory (created if missing)") from None
+        if not stat.S_ISDIR(info.st_mode):
+            under = "" if candidate == path else f": {str(candidate)!r} is not a directory, so nothing can be under it"
+            what = " exists and is not a directory" if candidate == path else under
+            raise ConfigError(f"{field}{what}; name a directory (created if missing)")
+        return
 
 
 def check_weight_transfer_protocol(registries: Registries, name: str) -> type:

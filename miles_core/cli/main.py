@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
+import typing
 from collections.abc import Callable, Sequence
 
 from miles_core.errors import MilesError
@@ -42,9 +44,27 @@ def split_plugin_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return plugins, rest
 
 
+SHOW_USAGE = "[--json] [--config FILE.yaml] [CONFIG FLAGS]"
+TRAIN_USAGE = "[--no-progress] [--config FILE.yaml] [CONFIG FLAGS]"
+"""The usage lines of the config commands: their --help lists every config flag once, the usage line none."""
+MAX_LISTED_UNKNOWN = 10
+"""Unknown arguments named in an error; the rest are counted."""
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and a hint, not the usage of every config flag: it raises a
+    :class:`MilesError`, which ``main`` prints."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        hint = f"`{self.prog} --help` lists what is allowed"
+        if "expected one argument" in message:
+            hint += "; a value that starts with '-' is written --FLAG=-VALUE"
+        raise MilesError(f"{message}\n  ({hint})")
+
+
 def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.ArgumentParser, Callable | None]:
     """The parser; config flags are added only to the command about to run (they need the plugins)."""
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="miles", description="Miles: plugin-based RL post-training of large language models."
     )
     parser.add_argument("--plugin", action="append", metavar="MODULE|FILE|no:NAME", help=PLUGIN_HELP)
@@ -55,11 +75,14 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
 
     config = commands.add_parser("config", help="inspect the resolved config")
     config_commands = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND", required=True)
-    show = config_commands.add_parser("show", help="print the resolved config (defaults < --config < flags)")
+    show = config_commands.add_parser(
+        "show", help="print the resolved config (defaults < --config < flags)", usage=f"miles config show {SHOW_USAGE}"
+    )
     show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
     commands.add_parser("version", help="print the versions of miles-core and of every plugin distribution")
-    train = commands.add_parser("train", help="run RL post-training (no arguments: the embedded default on CPU)")
+    train_help = "run RL post-training (no arguments: the embedded default on CPU)"
+    train = commands.add_parser("train", help=train_help, usage=f"miles train {TRAIN_USAGE}")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (the per-step lines remain)")
 
     dashboard = commands.add_parser("dashboard", help="serve the dashboard of a run directory (127.0.0.1 by default)")
@@ -84,8 +107,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except MilesError as exc:
-        print(f"miles: error: {exc}", file=sys.stderr)
+        print(f"miles: error: {_bounded(str(exc))}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `miles config show | head`: the reader has gone, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python reports it again at exit
+        return 1
+
+
+def _bounded(message: str, *, max_lines: int = 40, max_line: int = 600) -> str:
+    """An error message of bounded size: a user's value may be megabytes long, and errors quote values. Long lines
+    lose their middle (the start names the field, the end says what to do); extra lines are counted."""
+    lines = message.splitlines()
+    kept = [
+        line
+        if len(line) <= max_line
+        else f"{line[: max_line // 2]} ... ({len(line) - max_line} characters cut) ... {line[-max_line // 2 :]}"
+        for line in lines[:max_lines]
+    ]
+    if len(lines) > max_lines:
+        kept.append(f"... and {len(lines) - max_lines} more lines")
+    return "\n".join(kept)
 
 
 def _run(argv: list[str]) -> int:
@@ -94,7 +135,8 @@ def _run(argv: list[str]) -> int:
     parser, finish = build_parser(command, plugin_args)
     args, unknown = parser.parse_known_args(rest)
     if unknown:
-        parser.error(_unknown_arguments_message(parser, unknown))
+        prog = " ".join(["miles", *(name for name in (args.command, getattr(args, "config_command", None)) if name)])
+        raise MilesError(f"{_unknown_arguments_message(parser, unknown)}\n  (`{prog} --help` lists what is allowed)")
     if args.command is None:
         parser.print_help()
         return 0
@@ -123,13 +165,16 @@ def _port(text: str) -> int:
 def _unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """Name the unknown arguments and, for a mistyped flag, the closest known flags."""
     known = sorted(_all_option_strings(parser))
+    listed = [arg if len(arg) <= 100 else f"{arg[:97]}..." for arg in unknown[:MAX_LISTED_UNKNOWN]]
+    more = len(unknown) - len(listed)
     hints = []
-    for arg in unknown:
+    for arg in listed:
         if arg.startswith("--"):
             close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=3)
             if close:
                 hints.append(f"{arg}: did you mean {' or '.join(close)}?")
-    return f"unrecognized arguments: {' '.join(unknown)}" + "".join(f"\n  {hint}" for hint in hints)
+    message = f"unrecognized arguments: {' '.join(listed)}" + (f" ... and {more} more" if more else "")
+    return message + "".join(f"\n  {hint}" for hint in hints)
 
 
 def _all_option_strings(parser: argparse.ArgumentParser) -> set[str]:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
-import yaml
 
 from miles_core.config.section import Section
+from miles_core.config.yaml_input import read_config_file
 from miles_core.errors import ConfigError
 from miles_core.registry import call_each_plugin
 
@@ -22,7 +22,7 @@ from miles_core.registry import call_each_plugin
 class MilesConfig(pydantic.BaseModel):
     """The root of a run's config; its fields (the sections) are contributed by plugins."""
 
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 def config_model(manager: Any) -> type[MilesConfig]:
@@ -48,19 +48,9 @@ def config_model(manager: Any) -> type[MilesConfig]:
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a mapping of sections; a parse error names the file, line and column."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{where}: {problem}") from exc
+    """Read a YAML config file into a mapping of sections; every problem is a :class:`ConfigError` naming the
+    file (and the line and column of a parse error)."""
+    data = read_config_file(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -99,16 +89,31 @@ def build_config(
     return config
 
 
+MAX_LISTED_PROBLEMS = 20
+"""Problems listed one per line; the rest are counted (a file with thousands of unknown keys stays readable)."""
+MAX_SHOWN_CHARS = 200
+"""A key or value longer than this is cut in error messages."""
+
+
 def format_validation_error(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
-    """One line per problem: the field, the value given, and what is allowed."""
-    lines = [f"invalid config ({exc.error_count()} problem{'s' if exc.error_count() > 1 else ''}):"]
-    for error in exc.errors():
-        path = ".".join(str(part) for part in error["loc"])
+    """One line per problem (the first :data:`MAX_LISTED_PROBLEMS`, then a count): the field, the value given, and
+    what is allowed."""
+    count = exc.error_count()
+    lines = [f"invalid config ({count} problem{'s' if count > 1 else ''}):"]
+    for error in exc.errors()[:MAX_LISTED_PROBLEMS]:
+        path = _shorten(".".join(str(part) for part in error["loc"]))
         if error["type"] == "extra_forbidden":
-            lines.append(f"  {path}: unknown key; {_allowed_keys_hint(model, error['loc'])}")
+            lines.append(f"  {path}: {_unknown_key_hint(model, error['loc'])}")
         else:
-            lines.append(f"  {path} = {error['input']!r}: {error['msg']}{_allowed_values_hint(model, error['loc'])}")
+            shown = _shorten(repr(error["input"]))
+            lines.append(f"  {path} = {shown}: {error['msg']}{_allowed_values_hint(model, error['loc'])}")
+    if count > MAX_LISTED_PROBLEMS:
+        lines.append(f"  ... and {count - MAX_LISTED_PROBLEMS} more problems (fix these first)")
     return "\n".join(lines)
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[: MAX_SHOWN_CHARS - 3]}..."
 
 
 def _model_at(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> type[pydantic.BaseModel] | None:
@@ -126,13 +131,16 @@ def _is_model(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel)
 
 
-def _allowed_keys_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> str:
+def _unknown_key_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> str:
     parent = _model_at(model, loc)
     if parent is None:
-        return "not allowed here"
+        return "unknown key; not allowed here"
+    removed = getattr(parent, "removed_fields", {}).get(loc[-1])
+    if removed is not None:
+        return f"removed: {removed}"
     allowed = list(parent.model_fields)
     where = "sections" if len(loc) == 1 else f"keys of {'.'.join(str(p) for p in loc[:-1])!r}"
-    hint = f"allowed {where}: {', '.join(allowed) or '(none)'}"
+    hint = f"unknown key; allowed {where}: {', '.join(allowed) or '(none)'}"
     close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
     return hint + (f"; did you mean {close[0]!r}?" if close else "")
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
@@ -82,7 +83,12 @@ class EngineSection(Section):
     max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)
-    router_url: str | None = pydantic.Field(default=None, description="Send generation through this router.")
+
+    removed_fields: ClassVar[Mapping[str, str]] = {
+        "router_url": "the external router mode (--engine-router-url) sent generation to a router that Miles never "
+        "registered its engines with, while weights went to Miles' own engines; use --sglang-router true "
+        "(with --engine sglang, miles-plugins-sglang) for a router in front of Miles' engines"
+    }
 
 
 class WeightTransferSection(Section):

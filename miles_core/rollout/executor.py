@@ -65,7 +65,6 @@ class RolloutExecutor:
         self.reward_name = reward_name
         self.controller = controller
         self._next_engine = 0
-        self._router: EngineClient | None = None
 
     # -- data order -----------------------------------------------------------------------------------------
 
@@ -133,10 +132,6 @@ class RolloutExecutor:
     def _clients(self) -> list[EngineClient]:
         if self.controller.router_client is not None:
             return [self.controller.router_client]
-        if self.config.engine.router_url:
-            if self._router is None:
-                self._router = EngineClient(self.config.engine.router_url, name="router", is_router=True)
-            return [self._router]
         clients = self.controller.engine_clients()
         if not clients:
             raise MilesError("no engine is running")

@@ -14,6 +14,7 @@ from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation
 
+LOCAL_ENGINE_MODULE = "miles_core.engines.local_server"
 _ROUTERS: dict[str, Any] = {}  # the run's router registrar, by router name ("router")
 
 
@@ -41,9 +42,17 @@ def validate_config(config: Any) -> None:
                           "stock SGLang's /update_weights_from_tensor does not read (it takes pickled tensors, which "
                           "Miles never sends); with sglang.launch_server use --update-weight-transfer-mode disk or "
                           "broadcast")  # fmt: skip
-    if config.sglang.router and config.engine.router_url:
-        raise ConfigError("sglang.router = true starts a router; engine.router_url names an external one: "
-                          "set only one")  # fmt: skip
+    if config.engine.backend == "sglang" and config.weight_transfer.verify_checksum and not serves_checksum(config):
+        raise ConfigError("weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs the "
+                          "/weights_checksum route, which only Miles' local engine serves (--engine local, or "
+                          f"sglang.launch_command running {LOCAL_ENGINE_MODULE}); SGLang has no such route: with "
+                          "--engine sglang leave it false")  # fmt: skip
+
+
+def serves_checksum(config: Any) -> bool:
+    """Whether the engines that ``sglang.launch_command`` starts are Miles' local engine (the one server with
+    ``/weights_checksum``)."""
+    return any(LOCAL_ENGINE_MODULE in part for part in config.sglang.launch_command)
 
 
 @hookimpl

@@ -56,11 +56,14 @@ log = logging.getLogger(__name__)
 class LocalEngineServer:
     """Routes of the SGLang API over a :class:`LocalEngine`; control routes need ``admin_key`` (never open)."""
 
-    def __init__(self, engine: LocalEngine, *, admin_key: str, host: str, port: int) -> None:
+    def __init__(self, engine: LocalEngine, *, admin_key: str, host: str, port: int,
+                 key_file: Path | None = None) -> None:  # fmt: skip
+        """``key_file``: a generated key's file, removed when the server stops."""
         if not isinstance(admin_key, str) or not admin_key.strip():
             raise MilesError("the local engine's control routes need an admin key: pass a non-empty admin_key")
         self.engine = engine
         self.admin_key = admin_key
+        self.key_file = key_file
         self.host, self.port = host, port
         self.in_flight = 0
         self.generate_requests = 0  # /generate calls served (a batch counts once)
@@ -85,7 +88,11 @@ class LocalEngineServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.engine.start()
-        yield
+        try:
+            yield
+        finally:  # here, not after uvicorn's run(): uvicorn re-raises SIGTERM once it has shut down
+            if self.key_file is not None:
+                self.key_file.unlink(missing_ok=True)
 
     def _wrap(self, path: str, handler: Callable[[dict], Awaitable[Any]], *, control: bool) -> Callable:
         limit = ROUTE_BODY_BYTES.get(path, CONTROL_BODY_BYTES)
@@ -434,7 +441,8 @@ def main(argv: list[str] | None = None) -> None:
         key_file = _write_key_file(admin_key, args.admin_key_file, port=args.port)
         print(f"local engine: no --admin-api-key given: control routes need the key in {key_file} (mode 0600)",
               file=sys.stderr, flush=True)  # fmt: skip
-    server = LocalEngineServer(engine, admin_key=admin_key, host=args.host, port=args.port)
+    server = LocalEngineServer(engine, admin_key=admin_key, host=args.host, port=args.port,
+                               key_file=key_file if args.admin_key_file is None else None)  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -444,11 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"local engine: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         raise SystemExit(2) from None
     config = uvicorn.Config(server.app(), log_level="warning", access_log=False)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        if key_file is not None and args.admin_key_file is None:
-            key_file.unlink(missing_ok=True)
+    uvicorn.Server(config).run(sockets=[sock])
 
 
 def _write_key_file(key: str, path: Path | None, *, port: int) -> Path:

@@ -15,6 +15,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Annotated
 
 import pydantic
 
@@ -80,17 +81,19 @@ def confined_staging_file(path: object, directory: Path, *, field: str) -> Path:
 
 
 MAX_STAGED_TENSORS = 1 << 20  # far more than any model has; bounds the work one request can ask for
+_Count = Annotated[int, pydantic.Strict(), pydantic.Field(ge=0)]
+_Name = Annotated[str, pydantic.Strict(), pydantic.Field(min_length=1, max_length=1024)]
 
 
 class StagingDescription(pydantic.BaseModel):
     """An ``shm_staging`` / ``shm_swap`` payload: the staging file, its size, and ``[name, dtype, shape, offset]``
     rows, one per tensor (as :func:`miles_core.engines.weights.staging_layout` writes them)."""
 
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", strict=True)
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")  # strict per field: JSON arrays are tuples
 
-    path: str = pydantic.Field(min_length=1, max_length=4096)
-    size: int = pydantic.Field(gt=0, lt=1 << 48)
-    tensors: list[tuple[str, str, list[pydantic.NonNegativeInt], pydantic.NonNegativeInt]] = pydantic.Field(
+    path: Annotated[str, pydantic.Strict()] = pydantic.Field(min_length=1, max_length=4096)
+    size: Annotated[int, pydantic.Strict()] = pydantic.Field(gt=0, lt=1 << 48)
+    tensors: list[tuple[_Name, _Name, list[_Count], _Count]] = pydantic.Field(
         min_length=1, max_length=MAX_STAGED_TENSORS
     )
 

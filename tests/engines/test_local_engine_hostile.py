@@ -23,6 +23,8 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
+from miles_core.engines.local_engine import LocalEngine, _Pending
+from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV
 from miles_core.engines.weights import staging_layout
 from miles_core.testkit.tiny_models import save_tiny_llama
@@ -684,3 +686,27 @@ def test_fuzz_every_route_answers_4xx_and_the_engine_stays_healthy(engine) -> No
     assert not engine_state(engine)["paused"]
     assert "Traceback" not in engine.log(), engine.log()[-3000:]
     assert_still_serving(engine)
+
+
+def test_a_fault_inside_a_batch_fails_only_its_request(model_dir: Path, tmp_path: Path) -> None:
+    """Admission keeps bad requests out; should one get in anyway (here: put in the queue directly, past
+    admission), the batch is retried request by request and only that request fails."""
+    staging = tmp_path / "staging"
+    staging.mkdir(mode=0o700)
+    engine = LocalEngine(model_dir, staging_dir=staging)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    async def scenario() -> None:
+        engine.start()
+        await engine.pause("in_place")  # hold the queue so that all of them form one batch
+        good = [asyncio.create_task(engine.generate([GenerationRequest([3 + i], params)])) for i in range(3)]
+        await asyncio.sleep(0)
+        bad = _Pending(GenerationRequest([VOCAB + 100], params), asyncio.get_running_loop().create_future())
+        engine._queue.put_nowait(bad)
+        engine.resume()
+        results = await asyncio.gather(*good)
+        assert all(len(result[0].output_ids) == 3 for result in results)
+        with pytest.raises(IndexError):
+            await bad.future
+
+    asyncio.run(scenario())

@@ -54,7 +54,7 @@ def test_greedy_and_logprobs_and_seeds() -> None:
 def test_a_temperature_below_the_minimum_is_greedy_with_finite_logprobs() -> None:
     """Dividing logits by 1e-30 overflows float32 (NaN logprobs); such temperatures sample greedily instead."""
     logits = torch.tensor([[40.0, 39.0, -30.0, 10.0]])
-    for temperature in (1e-30, 1e-12, MIN_TEMPERATURE / 2):
+    for temperature in (1e-45, 1e-30, 1e-12, MIN_TEMPERATURE / 2):
         sampler = _Sampler(GenerationRequest([1], SamplingParams(temperature=temperature)), set(), 0)
         tokens, logprobs = _choose([sampler], [0], logits)
         assert tokens == [0] and math.isfinite(logprobs[0]) and logprobs[0] <= 0, (temperature, logprobs)

@@ -39,7 +39,7 @@ from miles_core.errors import MilesError
 from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
 from miles_core.workers.rpc_wire import TOKEN_ENV
 
-KIB, MIB = 1 << 10, 1 << 20
+MIB = 1 << 20
 CONTROL_BODY_BYTES = 1 * MIB
 """Most routes carry a few fields."""
 ROUTE_BODY_BYTES = {

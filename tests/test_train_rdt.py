@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.engines.staging import weight_staging_dir
 from tests.test_train import metrics, train
 
 pytestmark = pytest.mark.slow
@@ -21,4 +22,5 @@ def test_default_run_learns_over_rdt(tmp_path: Path) -> None:
     assert evals[-1] >= evals[0] + 0.2, evals
     steps = [row for row in rows if "train/loss" in row]
     assert len(steps) == 110 and all(row["weight_transfer/gb_per_s"] > 0 for row in steps)
-    assert not list(Path("/dev/shm").glob("miles-rdt-*")), "staging buckets left in /dev/shm"
+    assert not list(Path("/dev/shm").glob("miles-rdt-*")), "send buffers left in /dev/shm"
+    assert not list(weight_staging_dir().glob("miles-rdt-*")), "staging buckets left in the staging directory"

@@ -3,6 +3,10 @@
 Concurrent generate requests are gathered into batches (up to ``max_batch_size``) and sampled together on one
 thread. Weight updates take the same lock as a batch, so they happen between batches and an engine never serves a
 mix of versions: an update is checked in full before anything is copied.
+
+Every request is admitted (checked against the model's vocabulary and context length) before it is queued, so a
+bad request is refused alone and never fails the batch it would have joined; a request whose caller went away
+(its task cancelled) leaves its batch at the next step.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import json
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +24,12 @@ import torch
 import transformers
 
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, generate_batch
+from miles_core.engines.staging import confined_staging_file, parse_staging_description, weight_staging_dir
 from miles_core.engines.weights import (
     GROUP_BACKENDS,
     WeightLoadError,
     broadcast,
+    check_named_tensors,
     checksum,
     decode_tensors,
     dtype_from_name,
@@ -42,6 +48,24 @@ from miles_core.models.hf_checkpoint import load_causal_lm
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MAX_STAGING_FILES = 4  # a trainer double-buffers; more would be stale mappings
+MAX_WEIGHT_VERSION_CHARS = 128
+_WEIGHT_VERSION = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
+_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+class RequestError(MilesError):
+    """A request the engine refuses (the server answers 400); nothing was queued, loaded or changed."""
+
+
+def check_weight_version(value: object, *, field: str = "weight_version") -> str:
+    """A weight version as the engine keeps and sends it (in JSON and in the ``X-Weight-Version`` header): 1 to
+    128 printable ASCII characters without surrounding spaces; an integer is taken as its decimal string."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or len(value) > MAX_WEIGHT_VERSION_CHARS or not _WEIGHT_VERSION.fullmatch(value):
+        raise RequestError(f"{field} must be 1 to {MAX_WEIGHT_VERSION_CHARS} printable ASCII characters (it is "
+                           f"sent as an HTTP header), got {value!r:.100}")  # fmt: skip
+    return value
 
 
 @dataclasses.dataclass
@@ -53,15 +77,22 @@ class _Pending:
 class LocalEngine:
     """Loads an HF checkpoint directory and generates from token ids."""
 
-    def __init__(self, model_path: str | Path, *, max_batch_size: int = 64, seed: int = 0) -> None:
+    def __init__(self, model_path: str | Path, *, max_batch_size: int = 64, seed: int = 0,
+                 context_length: int | None = None, staging_dir: str | Path | None = None) -> None:  # fmt: skip
+        """``context_length`` (prompt plus new tokens) defaults to the model's; ``staging_dir`` is the only
+        directory whose files weight updates may read, map or remove (default: the user's, see
+        :func:`miles_core.engines.staging.weight_staging_dir`)."""
         self.model_path = str(model_path)
         self.model = load_model(model_path)
         self.tokenizer = _load_tokenizer(model_path)
         self.eos_token_ids = _eos_token_ids(self.model)
         self.pad_token_id = self.model.config.pad_token_id or 0
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.context_length = _context_length(self.model.config, context_length)
+        self.staging_dir = Path(staging_dir) if staging_dir is not None else weight_staging_dir()
         self.max_batch_size = max_batch_size
         self.seed = seed
-        self.weight_version = "default"
+        self._weight_version = "default"
         self.lock = threading.Lock()  # one batch or one weight update at a time
         self.groups: dict[str, Any] = {}
         self.generated_tokens = 0
@@ -81,14 +112,50 @@ class LocalEngine:
         self._queue = asyncio.Queue()
         self._loop_task = asyncio.create_task(self._batch_loop(), name="local-engine-batches")
 
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: str) -> None:
+        self._weight_version = check_weight_version(value)
+
+    def admit(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` checked against the model (token ids in its vocabulary, prompt plus ``max_new_tokens``
+        within its context; an unset ``max_new_tokens`` shrinks to what fits); a :class:`RequestError` if not."""
+        ids, params = request.input_ids, request.params
+        if not ids:
+            raise RequestError("a prompt needs at least one token id")
+        for where, tokens in (("input_ids", ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in tokens if not _is_token_id(t, self.vocab_size)), None)
+            if bad is not None:
+                raise RequestError(f"{where} holds {bad!r}: token ids are integers from 0 to {self.vocab_size - 1}")
+        room = self.context_length - len(ids)
+        if room < 0:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than the context length "
+                               f"({self.context_length})")  # fmt: skip
+        if "max_new_tokens" not in params.model_fields_set:
+            params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
+        elif params.max_new_tokens > room:
+            raise RequestError(f"max_new_tokens {params.max_new_tokens} with a prompt of {len(ids)} tokens exceeds "
+                               f"the context length ({self.context_length}): ask for at most {room}")  # fmt: skip
+        return GenerationRequest(list(ids), params, request.cancel)
+
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Queue requests and wait for their results (they may be batched with other callers' requests)."""
+        """Admit requests (all or none), queue them and wait for their results (they may be batched with other
+        callers' requests). Cancelling the caller cancels its requests, running or queued."""
         assert self._queue is not None, "call start() first"
+        admitted = [self.admit(request) for request in requests]
         loop = asyncio.get_running_loop()
-        pending = [_Pending(request, loop.create_future()) for request in requests]
+        pending = [_Pending(request, loop.create_future()) for request in admitted]
         for item in pending:
             self._queue.put_nowait(item)
-        return list(await asyncio.gather(*(item.future for item in pending)))
+        try:
+            return list(await asyncio.gather(*(item.future for item in pending)))
+        except asyncio.CancelledError:
+            for item in pending:  # queued ones are skipped (their futures are cancelled), running ones stop
+                item.request.cancel.set()
+            raise
 
     async def _batch_loop(self) -> None:
         assert self._queue is not None
@@ -100,17 +167,25 @@ class LocalEngine:
                 continue
             batch = [first]
             while len(batch) < self.max_batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                results = await asyncio.to_thread(self._run_batch, [item.request for item in batch])
-            except Exception as exc:
+                item = self._queue.get_nowait()
+                if not item.future.done():  # cancelled while queued
+                    batch.append(item)
+            await self._serve(batch)
+
+    async def _serve(self, batch: list[_Pending]) -> None:
+        """Run a batch; if it fails, run its requests one by one, so a fault fails only the request it is in."""
+        try:
+            results = await asyncio.to_thread(self._run_batch, [item.request for item in batch])
+        except Exception as exc:
+            if len(batch) > 1:
                 for item in batch:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
-                continue
-            for item, result in zip(batch, results, strict=True):
-                if not item.future.done():
-                    item.future.set_result(result)
+                    await self._serve([item])
+            elif not batch[0].future.done():
+                batch[0].future.set_exception(exc)
+            return
+        for item, result in zip(batch, results, strict=True):
+            if not item.future.done():
+                item.future.set_result(result)
 
     def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         with self.lock:
@@ -164,10 +239,11 @@ class LocalEngine:
     # -- weights ----------------------------------------------------------------------------------------------
 
     def _load(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> int:
+        version = None if weight_version is None else check_weight_version(weight_version)  # before any copy
         with self.lock:
             loaded = load_named_tensors(self.model, tensors)
-            if weight_version is not None:
-                self.weight_version = weight_version
+            if version is not None:
+                self.weight_version = version
         return loaded
 
     def update_from_disk(self, model_path: str, weight_version: str | None) -> int:
@@ -175,43 +251,51 @@ class LocalEngine:
 
     def update_from_tensor(self, serialized: list[str], weight_version: str | None, load_format: str | None) -> int:
         """``load_format`` ``safetensors`` (default): base64 safetensors bytes; ``safetensors_path``: the path of a
-        safetensors file on this machine, removed once loaded; ``shm_staging``: a JSON description (path, size,
-        ``[name, dtype, shape, offset]`` rows) of tensors in a shared-memory staging file."""
+        safetensors file in the staging directory, removed once loaded (a refused one is left to its sender);
+        ``shm_staging``: a JSON description (path, size, ``[name, dtype, shape, offset]`` rows) of tensors in a
+        shared-memory staging file, which must lie in the staging directory; ``shm_swap``: the same, aliased."""
         if len(serialized) != 1:
             raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
+        if not isinstance(serialized[0], str):
+            raise WeightLoadError(f"serialized_named_tensors[0] must be a string, got {type(serialized[0]).__name__}")
         if load_format in ("shm_staging", "shm_swap"):
-            return self._load_staged(json.loads(serialized[0]), weight_version, swap=load_format == "shm_swap")
+            return self._load_staged(serialized[0], weight_version, swap=load_format == "shm_swap")
         if load_format == "safetensors_path":
-            path = Path(serialized[0])
-            try:
-                tensors = read_safetensors_file(path)
-            finally:
-                path.unlink(missing_ok=True)
-            return self._load(tensors, weight_version)
+            path = confined_staging_file(serialized[0], self.staging_dir, field="serialized_named_tensors[0]")
+            loaded = self._load(read_safetensors_file(path), weight_version)
+            path.unlink(missing_ok=True)  # consumed; only now, so that a refused update deletes nothing
+            return loaded
         try:
             data = base64.b64decode(serialized[0], validate=True)
         except ValueError as exc:
             raise WeightLoadError(f"serialized_named_tensors[0] is not base64: {exc}") from None
         return self._load(decode_tensors(data), weight_version)
 
-    def _load_staged(self, request: dict, weight_version: str | None, *, swap: bool) -> int:
+    def _load_staged(self, payload: str, weight_version: str | None, *, swap: bool) -> int:
         """Copy tensors straight out of a shared-memory staging file that the trainer filled (mapped once), or, with
         ``swap``, point the parameters at them (zero copy: the trainer never writes that file again while the
-        engine may still serve from it)."""
-        key = (request["path"], int(request["size"]))
-        if key not in self._staging:
-            if not Path(key[0]).is_file() or Path(key[0]).stat().st_size < key[1]:
-                raise WeightLoadError(f"staging file {key[0]} is missing or smaller than {key[1]} bytes")
+        engine may still serve from it). The file must be a staging file (see :mod:`miles_core.engines.staging`)
+        at least ``size`` bytes long: mapping never grows or writes it."""
+        description = parse_staging_description(payload)
+        version = None if weight_version is None else check_weight_version(weight_version)
+        path = confined_staging_file(description.path, self.staging_dir, field="path")
+        key = (str(path), description.size)
+        buffer = self._staging.get(key)
+        if buffer is None:
+            if path.stat().st_size < description.size:
+                raise WeightLoadError(f"staging file {description.path} is smaller than {description.size} bytes")
+            buffer = map_staging_file(*key)
+        views = staged_views(buffer, [list(row) for row in description.tensors])
+        if key not in self._staging:  # cached only once its first request checked out
             while len(self._staging) >= MAX_STAGING_FILES:
                 self._staging.pop(next(iter(self._staging)))
-            self._staging[key] = map_staging_file(*key)
-        views = staged_views(self._staging[key], request["tensors"])
+            self._staging[key] = buffer
         if not swap:
-            return self._load(views, weight_version)
+            return self._load(views, version)
         with self.lock:
             loaded = swap_in_named_tensors(self.model, views)
-            if weight_version is not None:
-                self.weight_version = weight_version
+            if version is not None:
+                self.weight_version = version
         return loaded
 
     def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -233,6 +317,10 @@ class LocalEngine:
         if not len(names) == len(dtypes) == len(shapes):
             raise MilesError("names, dtypes and shapes must have the same length")
         group, device = self.groups[group_name]
+        # Checked against the model before anything is allocated or received: a wrong name or shape is refused.
+        announced = {name: torch.empty(shape, dtype=dtype_from_name(dtype), device="meta")
+                     for name, dtype, shape in zip(names, dtypes, shapes, strict=True)}  # fmt: skip
+        check_named_tensors(self.model, announced)
         received = {}
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
@@ -260,6 +348,25 @@ def _load_tokenizer(model_path: str | Path) -> Any:
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _is_token_id(token: object, vocab_size: int) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
+
+
+def _context_length(config: Any, requested: int | None) -> int:
+    """The longest prompt plus completion: the model's (its position limit), or ``requested`` if not longer."""
+    native = next((getattr(config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(config, key, None),
+                                                                                    int)), None)  # fmt: skip
+    if requested is not None and requested < 1:
+        raise MilesError(f"context length must be at least 1, got {requested}")
+    if native is None:
+        if requested is None:
+            raise MilesError(f"the model config has none of {', '.join(_CONTEXT_LENGTH_KEYS)}: pass --context-length")
+        return requested
+    if requested is not None and requested > native:
+        raise MilesError(f"context length {requested} exceeds the model's ({native})")
+    return requested or native
 
 
 def _eos_token_ids(model: transformers.PreTrainedModel) -> set[int]:

@@ -2,8 +2,11 @@
 transformers model. Run it as ``python -m miles_core.engines.local_server --model-path DIR --port P``; its flags
 mirror ``sglang.launch_server`` so the same supervision code can launch either.
 
-Control routes (weight updates, pause, flush, version) require ``Authorization: Bearer <admin key>`` when an admin
-key is set. Every JSON answer carries the engine's ``weight_version``.
+Control routes (weight updates, pause, flush, version) always require ``Authorization: Bearer <admin key>``: the
+key is ``--admin-api-key`` (or the run's token in ``$MILES_RUN_TOKEN``); without one, the server generates a key and
+writes it to a file only its user can read (``--admin-key-file``, printed at start). Every JSON answer carries the
+engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked) and
+refused with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
 """
 
 from __future__ import annotations
@@ -11,42 +14,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
-import json
+import logging
 import os
+import secrets
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pydantic
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from miles_core import __version__
-from miles_core.engines.local_engine import LocalEngine
+from miles_core.engines.local_engine import LocalEngine, check_weight_version
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
+from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import MilesError
+from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
 from miles_core.workers.rpc_wire import TOKEN_ENV
 
-MAX_BODY_BYTES = 1 << 30  # weights may travel in /update_weights_from_tensor
+MIB = 1 << 20
+CONTROL_BODY_BYTES = 1 * MIB
+"""Most routes carry a few fields."""
+ROUTE_BODY_BYTES = {
+    "/generate": 32 * MIB,  # a batch of long prompts as token-id lists
+    "/update_weights_from_distributed": 16 * MIB,  # names, dtypes and shapes of every tensor of a large model
+    "/update_weights_from_tensor": 1 << 30,  # weights may travel in the body (base64 safetensors)
+}
+MAX_RID_CHARS = 256
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs and tests see why it ended
 
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+log = logging.getLogger(__name__)
 
 
 class LocalEngineServer:
-    """Routes of the SGLang API over a :class:`LocalEngine`."""
+    """Routes of the SGLang API over a :class:`LocalEngine`; control routes need ``admin_key`` (never open)."""
 
-    def __init__(self, engine: LocalEngine, *, admin_key: str | None, host: str, port: int) -> None:
+    def __init__(self, engine: LocalEngine, *, admin_key: str, host: str, port: int,
+                 key_file: Path | None = None) -> None:  # fmt: skip
+        """``key_file``: a generated key's file, removed when the server stops."""
+        if not isinstance(admin_key, str) or not admin_key.strip():
+            raise MilesError("the local engine's control routes need an admin key: pass a non-empty admin_key")
         self.engine = engine
         self.admin_key = admin_key
+        self.key_file = key_file
         self.host, self.port = host, port
         self.in_flight = 0
         self.generate_requests = 0  # /generate calls served (a batch counts once)
@@ -62,27 +79,39 @@ class LocalEngineServer:
                    "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
                    "/continue_generation": self.resume, "/update_weight_version": self.update_version,
                    "/weights_checksum": self.weights_checksum}  # fmt: skip
-        routes = [Route(path, self._wrap(fn, control=False), methods=["GET", "POST"]) for path, fn in public.items()]
-        routes += [Route(path, self._wrap(fn, control=True), methods=["GET", "POST"]) for path, fn in control.items()]
+        routes = [Route(path, self._wrap(path, fn, control=False), methods=["GET", "POST"])
+                  for path, fn in public.items()]  # fmt: skip
+        routes += [Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"])
+                   for path, fn in control.items()]  # fmt: skip
         return Starlette(routes=routes, lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.engine.start()
-        yield
+        try:
+            yield
+        finally:  # here, not after uvicorn's run(): uvicorn re-raises SIGTERM once it has shut down
+            if self.key_file is not None:
+                self.key_file.unlink(missing_ok=True)
 
-    def _wrap(self, handler: Callable[[dict], Awaitable[Any]], *, control: bool) -> Callable:
+    def _wrap(self, path: str, handler: Callable[[dict], Awaitable[Any]], *, control: bool) -> Callable:
+        limit = ROUTE_BODY_BYTES.get(path, CONTROL_BODY_BYTES)
+        cancel_when_gone = path == "/generate"
+
         async def endpoint(request: Request) -> Response:
             try:
                 if control:
                     self._check_admin(request)
-                result = await handler(await _json_body(request))
+                body = await _request_body(request, limit=limit)
+                work = handler(body)
+                result = await (_unless_client_leaves(request, work) if cancel_when_gone else work)
             except HttpError as exc:
-                result = JSONResponse({"error": str(exc), "weight_version": self.engine.weight_version}, exc.status)
+                result = self._refusal(exc.status, str(exc))
             except (MilesError, ValueError) as exc:
-                body = {"success": False, "message": f"{type(exc).__name__}: {exc}",
-                        "weight_version": self.engine.weight_version}  # fmt: skip
-                result = JSONResponse(body, status_code=400)
+                result = self._refusal(400, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # a defect, not the caller's fault: say so, keep serving
+                log.exception("local engine: %s failed", path)
+                result = self._refusal(500, f"internal error in {path}: {type(exc).__name__}: {exc}")
             if not isinstance(result, Response):
                 result = JSONResponse(result)
             result.headers["X-Weight-Version"] = self.engine.weight_version
@@ -90,20 +119,25 @@ class LocalEngineServer:
 
         return endpoint
 
+    def _refusal(self, status: int, message: str) -> JSONResponse:
+        body = {"success": False, "error": message, "message": message, "weight_version": self.engine.weight_version}
+        return JSONResponse(body, status_code=status)
+
     def _check_admin(self, request: Request) -> None:
-        if self.admin_key is None:
-            return
-        presented = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(presented, self.admin_key.encode()):
+        if not bearer_token_matches(request.headers.get("authorization"), self.admin_key):
             raise HttpError(401, "this route needs the admin key: Authorization: Bearer <admin key>")
 
     # -- data plane -----------------------------------------------------------------------------------------
 
     async def generate(self, body: dict) -> Any:
-        if body.get("stream"):
+        """Every field is checked here and every prompt admitted by the engine before any is queued: a bad
+        request gets its own 400 and never reaches (or fails) a batch."""
+        if _optional(body, "stream", bool, False):
             raise HttpError(400, "stream=true is not supported by the local engine")
+        return_logprob = _optional(body, "return_logprob", bool, False)
         batch, single = _input_batch(body, self.engine.tokenizer)
         params = _sampling_params(body.get("sampling_params"), len(batch))
+        rids = _rids(body.get("rid"), len(batch), single=single)
         requests = [GenerationRequest(ids, p) for ids, p in zip(batch, params, strict=True)]
         self.in_flight += len(requests)
         self.generate_requests += 1
@@ -111,14 +145,13 @@ class LocalEngineServer:
             results = await self.engine.generate(requests)
         finally:
             self.in_flight -= len(requests)
-        rid = body.get("rid")
-        outputs = [self._output(r, req, body.get("return_logprob", False), rid, i)
-                   for i, (r, req) in enumerate(zip(results, requests, strict=True))]  # fmt: skip
+        outputs = [self._output(r, req, return_logprob, rid)
+                   for r, req, rid in zip(results, requests, rids, strict=True)]  # fmt: skip
         return outputs[0] if single else outputs
 
-    def _output(self, result: GenerationResult, request: GenerationRequest, logprob: bool, rid: Any, i: int) -> dict:
+    def _output(self, result: GenerationResult, request: GenerationRequest, logprob: bool, rid: str | None) -> dict:
         meta: dict[str, Any] = {
-            "id": (rid[i] if isinstance(rid, list) else rid) or f"local-{os.getpid()}-{id(result)}",
+            "id": rid or f"local-{os.getpid()}-{id(result)}",
             "finish_reason": result.finish_reason,
             "prompt_tokens": len(request.input_ids),
             "completion_tokens": len(result.output_ids),
@@ -167,46 +200,47 @@ class LocalEngineServer:
         return PlainTextResponse("Cache flushed.")
 
     async def update_from_disk(self, body: dict) -> dict:
-        if body.get("abort_all_requests"):
+        model_path, version = _require(body, "model_path", str), _version(body)
+        if _optional(body, "abort_all_requests", bool, False):
             await self.engine.pause("abort")
             self.engine.resume()
-        loaded = await asyncio.to_thread(self.engine.update_from_disk, _require(body, "model_path", str),
-                                         _version(body))  # fmt: skip
-        return self._success(f"loaded {loaded} bytes from {body['model_path']}", num_paused_requests=0)
+        loaded = await asyncio.to_thread(self.engine.update_from_disk, model_path, version)
+        return self._success(f"loaded {loaded} bytes from {model_path}", num_paused_requests=0)
 
     async def update_from_tensor(self, body: dict) -> dict:
         payload = _require(body, "serialized_named_tensors", list)
         load_format = body.get("load_format")
         if load_format not in (None, "safetensors", "safetensors_path", "shm_staging", "shm_swap"):
             raise HttpError(
-                400, f"load_format {load_format!r}: use safetensors, safetensors_path, shm_staging or shm_swap"
+                400, f"load_format {load_format!r:.80}: use safetensors, safetensors_path, shm_staging or shm_swap"
             )
         loaded = await asyncio.to_thread(self.engine.update_from_tensor, payload, _version(body), load_format)
         return self._success(f"loaded {loaded} bytes")
 
     async def init_group(self, body: dict) -> dict:
+        world_size = _require(body, "world_size", int, low=2, high=1 << 16)
         await asyncio.to_thread(
-            self.engine.init_group, master_address=_require(body, "master_address", str),
-            master_port=_require(body, "master_port", int), rank_offset=_require(body, "rank_offset", int),
-            world_size=_require(body, "world_size", int), group_name=body.get("group_name", "weight_update_group"),
-            backend=body.get("backend", "gloo"),
+            self.engine.init_group, master_address=_require(body, "master_address", str, high=255),
+            master_port=_require(body, "master_port", int, low=1, high=65535),
+            rank_offset=_require(body, "rank_offset", int, low=1, high=world_size - 1), world_size=world_size,
+            group_name=_group_name(body), backend=_optional(body, "backend", str, "gloo"),
         )  # fmt: skip
         return self._success("weight update group ready")
 
     async def update_from_distributed(self, body: dict) -> dict:
+        names, dtypes, shapes = _tensor_specs(body)
         loaded = await asyncio.to_thread(
-            self.engine.update_from_distributed, names=_require(body, "names", list),
-            dtypes=_require(body, "dtypes", list), shapes=_require(body, "shapes", list),
-            group_name=body.get("group_name", "weight_update_group"), weight_version=_version(body),
+            self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+            group_name=_group_name(body), weight_version=_version(body),
         )  # fmt: skip
         return self._success(f"received {loaded} bytes")
 
     async def destroy_group(self, body: dict) -> dict:
-        self.engine.destroy_group(body.get("group_name", "weight_update_group"))
+        self.engine.destroy_group(_group_name(body))
         return self._success("weight update group destroyed")
 
     async def pause(self, body: dict) -> dict:
-        await self.engine.pause(body.get("mode", "abort"))
+        await self.engine.pause(_optional(body, "mode", str, "abort"))
         return {"status": "ok", "message": "generation paused", "weight_version": self.engine.weight_version}
 
     async def resume(self, body: dict) -> dict:
@@ -214,8 +248,8 @@ class LocalEngineServer:
         return {"status": "ok", "message": "generation continued", "weight_version": self.engine.weight_version}
 
     async def update_version(self, body: dict) -> dict:
-        new_version = _require(body, "new_version", str)
-        if body.get("abort_all_requests", True):
+        new_version = check_weight_version(_require(body, "new_version", str), field="new_version")
+        if _optional(body, "abort_all_requests", bool, True):
             await self.engine.pause("abort")
             self.engine.resume()
         self.engine.weight_version = new_version
@@ -230,50 +264,101 @@ class LocalEngineServer:
         return {"success": True, "message": message, "weight_version": self.engine.weight_version, **extra}
 
 
-async def _json_body(request: Request) -> dict:
+async def _request_body(request: Request, *, limit: int) -> dict:
+    """The request's fields: the query of a GET, else the JSON object of the body (at most ``limit`` bytes)."""
     if request.method == "GET":
         return dict(request.query_params)
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise HttpError(413, f"request body of {declared} bytes exceeds {MAX_BODY_BYTES}")
-    raw = await request.body()
-    if not raw:
-        return {}
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HttpError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise HttpError(400, "request body must be a JSON object")
-    return body
+        raw = await read_body(request, limit=limit)
+    except ClientDisconnect:
+        raise HttpError(400, "the client went away before sending the whole body") from None
+    return parse_json_object(raw)
 
 
-def _require(body: dict, key: str, kind: type) -> Any:
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``work``, cancelling it if the client disconnects first (its requests leave their batch)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=CLIENT_GONE)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _require(body: dict, key: str, kind: type, *, low: int | None = None, high: int | None = None) -> Any:
+    """``body[key]``, which must be a ``kind``; an int within ``low..high``, a str of at most ``high`` characters."""
     if key not in body:
         raise HttpError(400, f"missing field {key!r}")
-    if not isinstance(body[key], kind) or (isinstance(body[key], bool) and kind is int):
-        raise HttpError(400, f"field {key!r} must be {kind.__name__}, got {body[key]!r}")
-    return body[key]
+    return _checked(body[key], key, kind, low=low, high=high)
+
+
+def _optional(body: dict, key: str, kind: type, default: Any, **bounds: int) -> Any:
+    """``body[key]`` checked as in :func:`_require`, or ``default`` when it is absent or null."""
+    return default if body.get(key) is None else _checked(body[key], key, kind, **bounds)
+
+
+def _checked(value: Any, key: str, kind: type, *, low: int | None = None, high: int | None = None) -> Any:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise HttpError(400, f"field {key!r} must be {kind.__name__}, got {value!r:.100}")
+    if kind is int and ((low is not None and value < low) or (high is not None and value > high)):
+        raise HttpError(400, f"field {key!r} must be an integer from {low} to {high}, got {value}")
+    if kind is str and high is not None and len(value) > high:
+        raise HttpError(400, f"field {key!r} must be at most {high} characters, got {len(value)}")
+    return value
 
 
 def _version(body: dict) -> str | None:
+    """The request's ``weight_version``, checked before anything is loaded (it becomes a header value)."""
     version = body.get("weight_version")
-    return None if version is None else str(version)
+    return None if version is None else check_weight_version(version)
+
+
+def _group_name(body: dict) -> str:
+    name = _optional(body, "group_name", str, "weight_update_group", high=128)
+    if not name:
+        raise HttpError(400, "field 'group_name' must not be empty")
+    return name
+
+
+def _tensor_specs(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
+    """``names``, ``dtypes`` and ``shapes`` of a broadcast: equally long lists of strings, strings and lists of
+    non-negative integers."""
+    names, dtypes, shapes = (_require(body, key, list) for key in ("names", "dtypes", "shapes"))
+    if not len(names) == len(dtypes) == len(shapes):
+        raise HttpError(400, f"names, dtypes and shapes must have the same length, got {len(names)}, "
+                             f"{len(dtypes)} and {len(shapes)}")  # fmt: skip
+    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise HttpError(400, f"names[{i}] and dtypes[{i}] must be strings, got {name!r:.80} and {dtype!r:.80}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise HttpError(400, f"shapes[{i}] must be a list of non-negative integers, got {shape!r:.80}")
+    return names, dtypes, shapes
 
 
 def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
-    """The prompts as token-id lists, and whether the request was a single prompt."""
+    """The prompts as token-id lists, and whether the request was a single prompt (the engine checks the ids
+    against its vocabulary)."""
     if "input_ids" in body:
         ids = body["input_ids"]
-        single = bool(ids) and all(isinstance(t, int) for t in ids)
+        single = isinstance(ids, list) and bool(ids) and all(_is_int(t) for t in ids)
         batch = [ids] if single else ids
         if (
             not isinstance(batch, list)
             or not batch
-            or not all(
-                isinstance(row, list) and row and all(isinstance(t, int) and not isinstance(t, bool) for t in row)
-                for row in batch
-            )
+            or not all(isinstance(row, list) and row and all(_is_int(t) for t in row) for row in batch)
         ):
             raise HttpError(400, "input_ids must be a non-empty list of token ids, or a list of such lists")
         return batch, single
@@ -282,18 +367,42 @@ def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
             raise HttpError(400, "this model directory has no tokenizer: send input_ids")
         texts = body["text"]
         single = isinstance(texts, str)
-        return [tokenizer.encode(t) for t in ([texts] if single else texts)], single
+        batch = [texts] if single else texts
+        if not isinstance(batch, list) or not batch or not all(isinstance(t, str) and t for t in batch):
+            raise HttpError(400, "text must be a non-empty string, or a non-empty list of such strings")
+        return [tokenizer.encode(t) for t in batch], single
     raise HttpError(400, "send input_ids (or text)")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rids(rid: Any, count: int, *, single: bool) -> list[str | None]:
+    """One request id per prompt: ``rid`` is a string for a single prompt, a list of ``count`` strings for a
+    batch, or absent."""
+    if rid is None:
+        return [None] * count
+    rids = [rid] if single else rid
+    if not isinstance(rids, list) or len(rids) != count or not all(isinstance(r, str) for r in rids):
+        want = "a string" if single else f"a list of {count} strings (one per prompt)"
+        raise HttpError(400, f"rid must be {want}, got {rid!r:.100}")
+    if any(len(r) > MAX_RID_CHARS for r in rids):
+        raise HttpError(400, f"a rid must be at most {MAX_RID_CHARS} characters")
+    return rids
+
+
 def _sampling_params(raw: Any, count: int) -> list[SamplingParams]:
+    if raw is not None and not isinstance(raw, dict | list):
+        raise HttpError(400, f"sampling_params must be an object, or a list of one object per prompt, got {raw!r:.80}")
     raws = raw if isinstance(raw, list) else [raw or {}] * count
     if len(raws) != count:
         raise HttpError(400, f"{len(raws)} sampling_params for {count} prompts")
     try:
         return [SamplingParams.model_validate(item) for item in raws]
     except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'sampling_params'}: {e['msg']}"
+                             for e in exc.errors()[:5])  # fmt: skip
         raise HttpError(400, f"bad sampling_params: {problems}") from None
 
 
@@ -302,18 +411,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--admin-api-key", default=os.environ.get(TOKEN_ENV))
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"the control routes' bearer key (default: ${TOKEN_ENV}, else a generated one)",
+    )
+    parser.add_argument("--admin-key-file", type=Path,
+                        help="where a generated admin key is written (mode 0600; default: a new file in the "
+                             "temporary directory, removed at exit)")  # fmt: skip
     parser.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
+    parser.add_argument("--context-length", type=int, help="prompt plus new tokens at most (default: the model's)")
+    parser.add_argument("--weight-staging-dir", type=Path,
+                        help=f"the only directory whose files weight updates may name (default: ${STAGING_DIR_ENV}, "
+                             "else /dev/shm/miles-staging-<uid>)")  # fmt: skip
     for flag in ("--tp-size", "--dp-size", "--ep-size"):  # SGLang's parallel flags: the local engine is one process
         parser.add_argument(flag, type=int, default=1, choices=[1], help="SGLang's flag; only 1 (one process)")
     parser.add_argument("--random-seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        engine = LocalEngine(args.model_path, max_batch_size=args.max_batch_size, seed=args.random_seed)
+        engine = LocalEngine(args.model_path, max_batch_size=args.max_batch_size, seed=args.random_seed,
+                             context_length=args.context_length,
+                             staging_dir=args.weight_staging_dir or weight_staging_dir())  # fmt: skip
     except MilesError as exc:
         print(f"local engine: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    server = LocalEngineServer(engine, admin_key=args.admin_api_key, host=args.host, port=args.port)
+    admin_key, key_file = args.admin_api_key, None
+    if not admin_key:  # never serve the control routes open
+        admin_key = secrets.token_urlsafe(32)
+        key_file = _write_key_file(admin_key, args.admin_key_file, port=args.port)
+        print(f"local engine: no --admin-api-key given: control routes need the key in {key_file} (mode 0600)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    server = LocalEngineServer(engine, admin_key=admin_key, host=args.host, port=args.port,
+                               key_file=key_file if args.admin_key_file is None else None)  # fmt: skip
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -324,6 +453,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     config = uvicorn.Config(server.app(), log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def _write_key_file(key: str, path: Path | None, *, port: int) -> Path:
+    """Write ``key`` to ``path`` (or a new file in the temporary directory), readable by this user only."""
+    if path is None:
+        descriptor, name = tempfile.mkstemp(prefix=f"miles-local-engine-{port}-", suffix=".admin-key")  # mode 0600
+        path = Path(name)
+    else:
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            print(f"local engine: error: cannot write the admin key to {path}: {exc.strerror}", file=sys.stderr)
+            raise SystemExit(2) from None
+    with os.fdopen(descriptor, "w") as key_file:
+        os.fchmod(key_file.fileno(), 0o600)  # an existing file keeps its mode otherwise
+        key_file.write(key + "\n")
+    return path
 
 
 if __name__ == "__main__":

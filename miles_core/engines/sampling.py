@@ -8,31 +8,53 @@ logprob of a token is taken from the distribution it was sampled from before top
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 
 import pydantic
 import torch
 
+MIN_TEMPERATURE = 1e-6
+"""Temperatures below this are greedy, as in SGLang: dividing logits by less overflows float32 (NaN logprobs)."""
+
+MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
+
 
 class SamplingParams(pydantic.BaseModel):
-    """The subset of SGLang's ``sampling_params`` the local engine implements; other keys are rejected."""
+    """The subset of SGLang's ``sampling_params`` the local engine implements; other keys are rejected, and every
+    number must be finite and within range (a bad value is refused at admission, never inside a batch)."""
 
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, strict=True)
 
     max_new_tokens: int = pydantic.Field(default=128, ge=0)
-    temperature: float = pydantic.Field(default=1.0, ge=0.0)
+    temperature: float = pydantic.Field(default=1.0, ge=0.0, le=1e4)
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = pydantic.Field(default=-1, ge=-1)
-    stop_token_ids: list[int] = pydantic.Field(default_factory=list)
+    stop_token_ids: list[int] = pydantic.Field(default_factory=list, max_length=1024)
     ignore_eos: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = pydantic.Field(default=None, ge=0, le=MAX_SEED)
     n: int = pydantic.Field(default=1, ge=1, le=1)  # one sample per request; send a group as separate requests
+
+    @pydantic.field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _int_is_a_float(cls, value: object) -> object:
+        """Strict mode refuses strings and booleans; an integer such as ``1`` is still a valid float."""
+        return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @property
+    def greedy(self) -> bool:
+        """Whether tokens are the argmax (temperature 0, or below :data:`MIN_TEMPERATURE`)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclasses.dataclass
 class GenerationRequest:
+    """Prompt token ids and sampling parameters; ``cancel`` set (by any thread) ends it with an abort reason at
+    the next step, e.g. when its client went away."""
+
     input_ids: list[int]
     params: SamplingParams
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 @dataclasses.dataclass
@@ -82,7 +104,7 @@ def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> 
     request's own generator: a request's tokens depend on its seed alone, whatever it is batched with."""
     logits = logits[rows].float()
     temperatures = torch.tensor([samplers[r].params.temperature for r in rows])
-    greedy = temperatures == 0
+    greedy = torch.tensor([samplers[r].params.greedy for r in rows], dtype=torch.bool)
     scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures).unsqueeze(-1)
     logprobs = torch.log_softmax(scaled, dim=-1)
     probs = logprobs.exp()
@@ -111,6 +133,7 @@ def generate_batch(
     """Sample every request to completion in one left-padded batch that shares a KV cache.
 
     ``should_abort`` is asked before every step; a message ends the unfinished requests with an ``abort`` reason.
+    A request whose ``cancel`` is set ends the same way, alone; the batch ends when no request is left running.
     """
     if not requests:
         return []
@@ -133,6 +156,11 @@ def generate_batch(
         if abort_message is not None:
             for sampler in samplers:
                 sampler.finish_reason = sampler.finish_reason or {"type": "abort", "message": abort_message}
+            break
+        for sampler, request in zip(samplers, requests, strict=True):
+            if sampler.finish_reason is None and request.cancel.is_set():  # its client went away: stop sampling it
+                sampler.finish_reason = {"type": "abort", "message": "cancelled: the client went away"}
+        if all(s.finish_reason is not None for s in samplers):
             break
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1)  # fmt: skip

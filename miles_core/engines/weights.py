@@ -209,10 +209,13 @@ def staged_views(buffer: torch.Tensor, layout: list[list]) -> dict[str, torch.Te
         count = 1
         for dim in shape:
             count *= int(dim)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        element_size = torch.empty((), dtype=dtype).element_size()
+        nbytes = count * element_size
         if offset < 0 or offset + nbytes > buffer.numel():
             raise WeightLoadError(
                 f"{name}: bytes {offset}..{offset + nbytes} lie outside the {buffer.numel()}-byte buffer"
             )
+        if offset % element_size:
+            raise WeightLoadError(f"{name}: offset {offset} is not a multiple of {dtype}'s {element_size} bytes")
         views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
     return views

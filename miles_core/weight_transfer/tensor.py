@@ -1,8 +1,9 @@
 """``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor``.
 
 * Engines on other machines get the bucket as safetensors bytes in the request body.
-* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share one staging
-  staging files in ``/dev/shm`` with the trainer: the trainer copies a bucket into one once, every engine copies it
+* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging
+  files in the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept
+  them from) with the trainer: the trainer copies a bucket into one once, every engine copies it
   out into its weights, and the request carries only the layout. Two files alternate, so the trainer fills bucket
   k+1 while the engines empty bucket k; they are mapped once and reused for every bucket and version, so a
   steady-state transfer costs two overlapped memory copies and no serialisation.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable
@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 import torch
 
 from miles_core.engines.client import EngineClient
+from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.weights import map_staging_file, staging_layout
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting
@@ -50,7 +51,7 @@ class TensorProtocol(HttpEngineProtocol):
         self.shared_memory = shared_memory
         self.zero_copy = zero_copy
         self._next_slot = 0  # zero copy: the staging file the engines do not serve from
-        self.shm_dir = Path(shm_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
+        self.shm_dir = Path(shm_dir) if shm_dir else weight_staging_dir()  # where the engines accept them
         self._staging: list[tuple[Path, torch.Tensor] | None] = [None, None]  # double buffering
 
     def _local(self, client: EngineClient) -> bool:

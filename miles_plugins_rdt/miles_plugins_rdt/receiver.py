@@ -25,11 +25,10 @@ import psutil
 import ray
 import torch
 
+from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.weights import map_staging_file
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.staging import Slot, views
-
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)
@@ -43,7 +42,9 @@ class StagingReceiver:
         self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
         self.owns_files = paths is None  # the first receiver creates and removes them; lanes only map them
         if paths is None:
-            self.paths = [SHM_DIR / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
+            # In the user's staging directory: the only place the engine accepts staging files from.
+            staging = weight_staging_dir()
+            self.paths = [staging / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
             self.buckets = [self._new_bucket(path) for path in self.paths]
         else:
             self.paths = [Path(path) for path in paths]

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import collections
+import math
 
+import pydantic
+import pytest
 import torch
+import transformers
 
-from miles_core.engines.sampling import GenerationRequest, SamplingParams, _choose, _Sampler
+from miles_core.engines.sampling import (
+    MIN_TEMPERATURE,
+    GenerationRequest,
+    SamplingParams,
+    _choose,
+    _Sampler,
+    generate_batch,
+)
+from miles_core.testkit.tiny_models import tiny_llama_config
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
@@ -37,3 +49,42 @@ def test_greedy_and_logprobs_and_seeds() -> None:
     seeded = SamplingParams(sampling_seed=3)
     runs = [_choose([_Sampler(GenerationRequest([1], seeded), set(), 0)], [0], LOGITS)[0] for _ in range(5)]
     assert all(run == runs[0] for run in runs)
+
+
+def test_a_temperature_below_the_minimum_is_greedy_with_finite_logprobs() -> None:
+    """Dividing logits by 1e-30 overflows float32 (NaN logprobs); such temperatures sample greedily instead."""
+    logits = torch.tensor([[40.0, 39.0, -30.0, 10.0]])
+    for temperature in (1e-45, 1e-30, 1e-12, MIN_TEMPERATURE / 2):
+        sampler = _Sampler(GenerationRequest([1], SamplingParams(temperature=temperature)), set(), 0)
+        tokens, logprobs = _choose([sampler], [0], logits)
+        assert tokens == [0] and math.isfinite(logprobs[0]) and logprobs[0] <= 0, (temperature, logprobs)
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": math.inf},
+        {"temperature": math.nan},
+        {"top_p": math.nan},
+        {"temperature": "0.5"},
+        {"temperature": True},
+        {"max_new_tokens": 2.0},
+        {"sampling_seed": -1},
+        {"sampling_seed": 2**63},
+        {"stop_token_ids": [1] * 2000},
+    ],
+)
+def test_sampling_params_refuse_non_finite_and_out_of_range_values(bad: dict) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        SamplingParams.model_validate(bad)
+
+
+def test_a_cancelled_request_leaves_its_batch_and_the_others_run_on() -> None:
+    model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    keep, drop = GenerationRequest([3, 4], params), GenerationRequest([5], params)
+    drop.cancel.set()
+    kept, dropped = generate_batch(model, [keep, drop])
+    assert len(kept.output_ids) == 5 and kept.finish_reason == {"type": "length", "length": 5}
+    assert dropped.output_ids == [] and dropped.finish_reason["type"] == "abort"

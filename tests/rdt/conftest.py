@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from miles_core.engines.staging import weight_staging_dir
 from miles_core.testkit.protocol_contract import CONTRACT_TOKEN, ContractEngines
 from miles_core.workers.ray_provider import RayWorkerProvider
 
@@ -33,4 +34,6 @@ def ray_engines(ray_cluster, tmp_path_factory: pytest.TempPathFactory):
 
 
 def shm_files() -> set[Path]:
-    return set(Path("/dev/shm").glob("miles-rdt-*")) if Path("/dev/shm").is_dir() else set()
+    """The rdt staging buckets (in the staging directory) and send buffers (in /dev/shm) that exist now."""
+    found = set(weight_staging_dir().glob("miles-rdt-*"))
+    return found | (set(Path("/dev/shm").glob("miles-rdt-*")) if Path("/dev/shm").is_dir() else set())

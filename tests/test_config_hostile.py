@@ -13,6 +13,7 @@ import re
 import resource
 import shlex
 import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -356,6 +357,10 @@ def _miles_flags() -> set[str]:
         result = miles(*command)
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
+    engine = subprocess.run([sys.executable, "-m", "miles_core.engines.local_server", "--help"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert engine.returncode == 0, engine.stderr  # the README documents the local engine's own flags too
+    flags.update(re.findall(r"--[a-z][a-z0-9-]*", engine.stdout))
     return flags
 
 

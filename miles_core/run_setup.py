@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import secrets
 import time
 from collections.abc import Callable
@@ -14,7 +13,13 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import TOKENIZER_FILES, checkpoint_family, require_checkpoint_dir, tokenizer_files
+from miles_core.models.hf_checkpoint import (
+    TOKENIZER_FILES,
+    checkpoint_family,
+    read_model_config,
+    require_checkpoint_dir,
+    tokenizer_files,
+)
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
@@ -156,10 +161,7 @@ def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
 
 def _vocab_size(model_path: Path) -> int | None:
     """``vocab_size`` of the model's ``config.json`` (``None`` when it has none at the top level)."""
-    try:
-        value = json.loads((model_path / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None  # loading the model reports an unreadable config.json with its own message
+    value = read_model_config(model_path).get("vocab_size")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -25,7 +25,9 @@ from tests.conftest import MILES, REPO, config_json
 
 MEMORY_CAP = 2 << 30  # `miles config show` runs in under 1 GiB of address space; the alias bomb wanted 3.7 GB
 TIMEOUT_S = 120  # generous for a shared 2-core machine: a hang, not a slow start, is what it catches
-READMES = sorted(path.relative_to(REPO) for path in REPO.glob("**/README.md") if ".venv" not in path.parts)
+READMES = sorted(
+    path.relative_to(REPO) for path in REPO.glob("**/README.md") if not any(part.startswith(".") for part in path.parts)
+)  # not .venv, nor .pytest_cache (which pytest writes a README into)
 
 
 def _cap_memory() -> None:

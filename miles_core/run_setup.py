@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -67,10 +69,34 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
     if config.run.resume:
-        latest = latest_checkpoint(run_dir)
-        if latest is not None:
-            setup.model_path, setup.start_step = latest, int(latest.name.removeprefix("step_"))
+        resume_from_latest(setup, num_steps=config.run.num_steps)
     return setup
+
+
+def resume_from_latest(setup: RunSetup, *, num_steps: int) -> None:
+    """Point ``setup`` at the newest checkpoint of its run directory (``--run-resume true``), checked as a model
+    directory: a corrupt or truncated one (killed while it was written) is an error saying what to do, not a
+    traceback from the trainer. No checkpoint: the run starts at step 0, and says so."""
+    latest = latest_checkpoint(setup.run_dir)
+    if latest is None:
+        print(f"miles: --run-resume true: {str(setup.run_dir / CHECKPOINTS)!r} holds no checkpoint; starting at "
+              "step 0", flush=True)  # fmt: skip
+        return
+    step = checkpoint_step(latest)
+    assert step is not None
+    if step >= num_steps:
+        raise ConfigError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} is step {step}, and "
+                          f"run.num_steps (--num-steps) is {num_steps}: nothing is left to run; give --num-steps "
+                          f"above {step} to continue the run")  # fmt: skip
+    try:
+        read_model_config(latest)
+        if not tokenizer_files(latest):
+            raise MilesError("it holds no tokenizer files")
+    except MilesError as exc:
+        raise MilesError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} cannot be resumed "
+                         f"from ({exc}); move it out of {CHECKPOINTS}/ to resume from the one before it, or start a "
+                         "new run with --run-resume false") from None  # fmt: skip
+    setup.model_path, setup.start_step = latest, step
 
 
 def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
@@ -223,5 +249,22 @@ def archive_previous_run(run_dir: Path) -> Path | None:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    checkpoints = sorted((run_dir / CHECKPOINTS).glob("step_*[0-9]"))
-    return checkpoints[-1] if checkpoints else None
+    """The checkpoint directory ``checkpoints/step_N`` of ``run_dir`` with the largest N (by number, not by name:
+    ``step_1000000`` follows ``step_999999``); other names there (``step_x1``, a file) are not checkpoints."""
+    try:
+        entries = list(os.scandir(run_dir / CHECKPOINTS))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    steps = {
+        step: Path(entry.path)
+        for entry in entries
+        if (step := checkpoint_step(Path(entry.name))) is not None and entry.is_dir()
+    }
+    return steps[max(steps)] if steps else None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N of a checkpoint directory named ``step_N`` (ASCII digits, as :func:`miles_core.loop.save_checkpoint`
+    writes them), or ``None`` for any other name."""
+    match = re.fullmatch(r"step_([0-9]{1,12})", path.name)
+    return int(match[1]) if match else None

@@ -19,8 +19,11 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from miles_core.config.build import build_config
+from miles_core.config.sections import TrainSection
 from miles_core.dashboard.store import DashboardStore, check_run_dir
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
@@ -28,8 +31,9 @@ from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.run_setup import latest_checkpoint, prepare_run
-from miles_core.testkit.tiny_models import save_tiny_llama
+from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer
+from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import MILES
 
 MEMORY_CAP = 3 << 30  # `miles train` imports torch and transformers (about 1.5 GiB of address space) before it fails
@@ -364,3 +368,24 @@ def _group_members(pgid: int) -> list[int]:
             except ProcessLookupError:
                 continue
     return members
+
+
+@pytest.mark.parametrize("damage", ["state_not_json", "state_step_a_string", "optimizer_missing"])
+def test_a_damaged_checkpoint_is_an_error_naming_it_when_the_trainer_resumes(tmp_path: Path, damage: str) -> None:
+    def trainer() -> TorchTrainer:
+        torch.manual_seed(0)
+        return TorchTrainer(transformers.AutoModelForCausalLM.from_config(tiny_llama_config()), TrainSection())
+
+    directory = trainer().save_checkpoint(tmp_path / "step_000001")
+    state = directory / "trainer_state.json"
+    if damage == "state_not_json":
+        state.write_text('{"step": 1')
+    elif damage == "state_step_a_string":
+        state.write_text('{"step": "1"}')
+    else:
+        (directory / "optimizer.pt").unlink()
+    with pytest.raises(MilesError) as error:
+        trainer().load_checkpoint(directory)
+    message = str(error.value)
+    assert message.startswith(f"cannot resume from the checkpoint {str(directory)!r}: ")
+    assert message.endswith("move it aside to resume from the one before it") and len(message) < 600

@@ -29,6 +29,9 @@ from miles_core.targets import describe_callable, import_target, is_target
 
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
+DEFAULT_CONTEXT_LENGTH = 64  # its max_position_embeddings
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""The ``config.json`` keys that bound a model's context, as the local engine reads them."""
 
 
 @dataclasses.dataclass
@@ -53,7 +56,8 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     model_path = Path(config.model.path) if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config)
-    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
+    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path,
+                         max_new_tokens=config.rollout.max_new_tokens)  # fmt: skip
     reward_fn, reward_name = load_reward(config, registries)
     try:
         if not config.run.resume:
@@ -133,8 +137,8 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
         tokenizer = DigitTokenizer()
         config = transformers.LlamaConfig(
             vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=DEFAULT_CONTEXT_LENGTH,
+            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
         )  # fmt: skip
         torch.manual_seed(seed)
@@ -158,12 +162,19 @@ def load_tokenizer(model_path: Path) -> Any:
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
-def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None) -> None:
-    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds (``model_path``
-    ``None``: the default model's built-in tokenizer): checked before any worker starts, so a wrong tokenizer is an
-    error in seconds instead of a failed request minutes later."""
+def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None,
+                         max_new_tokens: int = 0) -> None:  # fmt: skip
+    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds and that leaves room
+    for ``max_new_tokens`` in its context (``model_path`` ``None``: the default model and its built-in tokenizer):
+    checked before any worker starts, so a wrong tokenizer or a too-long prompt is an error in seconds instead of a
+    failed request minutes later."""
     source = f"the tokenizer of {str(model_path)!r}" if model_path is not None else "the built-in tokenizer"
-    vocab_size = _vocab_size(model_path) if model_path is not None else getattr(tokenizer, "vocab_size", None)
+    if model_path is None:
+        vocab_size, context = getattr(tokenizer, "vocab_size", None), DEFAULT_CONTEXT_LENGTH
+    else:
+        model_config = read_model_config(model_path)
+        vocab_size = _int_of(model_config, "vocab_size")
+        context = next((_int_of(model_config, key) for key in CONTEXT_LENGTH_KEYS if _int_of(model_config, key)), None)
     for kind, prompts in prompt_sets.items():
         for number, prompt in enumerate(prompts):
             where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
@@ -176,6 +187,10 @@ def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *
             if vocab_size is not None and max(ids) >= vocab_size:
                 raise MilesError(f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
                                  f"vocab_size {vocab_size}: the tokenizer is another model's")  # fmt: skip
+            if context is not None and len(ids) + max_new_tokens > context:
+                raise MilesError(f"{source} encodes {where} to {len(ids)} token ids, and with rollout.max_new_tokens "
+                                 f"(--rollout-max-new-tokens) {max_new_tokens} that is more than the model's context "
+                                 f"length {context}: shorten the prompt or ask for fewer new tokens")  # fmt: skip
 
 
 def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
@@ -185,9 +200,9 @@ def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
     return f"is it the model's tokenizer? (its files: {files or 'none'})"
 
 
-def _vocab_size(model_path: Path) -> int | None:
-    """``vocab_size`` of the model's ``config.json`` (``None`` when it has none at the top level)."""
-    value = read_model_config(model_path).get("vocab_size")
+def _int_of(model_config: dict[str, Any], key: str) -> int | None:
+    """``model_config[key]`` when it is an int (not a bool), else ``None``."""
+    value = model_config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -30,7 +30,7 @@ from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoin
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
-from miles_core.run_setup import latest_checkpoint, prepare_run
+from miles_core.run_setup import check_prompts_encode, latest_checkpoint, load_tokenizer, prepare_run
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from miles_core.training.torch_trainer import TorchTrainer
@@ -389,3 +389,18 @@ def test_a_damaged_checkpoint_is_an_error_naming_it_when_the_trainer_resumes(tmp
     message = str(error.value)
     assert message.startswith(f"cannot resume from the checkpoint {str(directory)!r}: ")
     assert message.endswith("move it aside to resume from the one before it") and len(message) < 600
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_worker_starts(tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "model", vocab_size=16, max_position_embeddings=16)
+    save_char_tokenizer(model, "0123456789:")
+    tokenizer = load_tokenizer(model)
+    fits = "1" * (16 - 8 - (len(tokenizer.encode("1")) - 1))  # room left for 8 new tokens, whatever it adds (bos)
+    check_prompts_encode(tokenizer, {"train": [Prompt(fits)]}, model_path=model, max_new_tokens=8)
+    for text in (fits + "1", "1" * 1_000_000):
+        with pytest.raises(MilesError) as error:
+            check_prompts_encode(tokenizer, {"train": [Prompt(fits), Prompt(text)]}, model_path=model,
+                                 max_new_tokens=8)  # fmt: skip
+        message = str(error.value)
+        assert "train prompt 1 (" in message and "with rollout.max_new_tokens (--rollout-max-new-tokens) 8" in message
+        assert "more than the model's context length 16: shorten the prompt" in message and len(message) < 600

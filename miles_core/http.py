@@ -121,12 +121,12 @@ def _bounded_int(literal: str, *, subject: str) -> int:
 
 
 def _unique_object(pairs: list[tuple[str, Any]], *, subject: str) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) < len(pairs):
-        seen: set[str] = set()
-        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise HttpError(400, f"{subject} gives the key {twice[:80]!r} twice; give each key once")
-    return result
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise HttpError(400, f"{subject} gives the key {key[:80]!r} twice; give each key once")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _nested_deeper_than(raw: bytes | str, max_depth: int) -> bool:

@@ -8,13 +8,15 @@ possibly hostile local users. The rules live here once, so a fix reaches every s
   limit instead of being read whole.
 - :func:`parse_json` accepts strict JSON only: no ``NaN``/``Infinity`` (nor ``1e400``, which overflows to
   infinity), integers of at most
-  :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep. Anything else is a 400.
+  :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep (and, on request, each key once).
+  Anything else is a 400. Files that users name are parsed by it too (:mod:`miles_core.user_files`).
 - :func:`bearer_token_matches` is the one ``Authorization: Bearer <token>`` check: the scheme is
   case-insensitive (RFC 9110 §11.1), the token is required, and it is compared in constant time.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import math
@@ -62,17 +64,24 @@ async def read_body(request: StreamingRequest, *, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def parse_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+def parse_json(
+    raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH, subject: str = "request body", unique_keys: bool = False
+) -> Any:
     """Parse strict JSON from a request; malformed, non-finite (also by overflow), huge-integer or too-deep input
-    is a 400."""
+    is a 400. ``subject`` names the input in messages (a file reader passes ``"prompts.jsonl:3"``);
+    ``unique_keys`` refuses an object that gives a key twice (JSON keeps the last one silently)."""
     if _nested_deeper_than(raw, max_depth):
-        raise HttpError(400, f"request body is nested deeper than {max_depth} levels")
+        raise HttpError(400, f"{subject} is nested deeper than {max_depth} levels")
+    pairs_hook = functools.partial(_unique_object, subject=subject) if unique_keys else None
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float)
+        return json.loads(raw, parse_constant=functools.partial(_refuse_constant, subject=subject),
+                          parse_int=functools.partial(_bounded_int, subject=subject),
+                          parse_float=functools.partial(_finite_float, subject=subject),
+                          object_pairs_hook=pairs_hook)  # fmt: skip
     except HttpError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        raise HttpError(400, f"request body is not valid JSON: {exc}") from None
+        raise HttpError(400, f"{subject} is not valid JSON: {exc}") from None
 
 
 def parse_json_object(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
@@ -94,21 +103,30 @@ def bearer_token_matches(authorization: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode())
 
 
-def _refuse_constant(name: str) -> Any:
-    raise HttpError(400, f"request body is not valid JSON: {name} is not a JSON number")
+def _refuse_constant(name: str, *, subject: str) -> Any:
+    raise HttpError(400, f"{subject} is not valid JSON: {name} is not a JSON number")
 
 
-def _finite_float(literal: str) -> float:
+def _finite_float(literal: str, *, subject: str) -> float:
     value = float(literal)
     if not math.isfinite(value):  # 1e400: valid JSON syntax, but no float holds it
-        raise HttpError(400, f"request body holds the number {literal[:40]}, too large for a float")
+        raise HttpError(400, f"{subject} holds the number {literal[:40]}, too large for a float")
     return value
 
 
-def _bounded_int(literal: str) -> int:
+def _bounded_int(literal: str, *, subject: str) -> int:
     if len(literal.lstrip("-")) > MAX_INT_DIGITS:
-        raise HttpError(400, f"request body holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
+        raise HttpError(400, f"{subject} holds an integer of {len(literal)} digits (at most {MAX_INT_DIGITS})")
     return int(literal)
+
+
+def _unique_object(pairs: list[tuple[str, Any]], *, subject: str) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise HttpError(400, f"{subject} gives the key {key[:80]!r} twice; give each key once")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _nested_deeper_than(raw: bytes | str, max_depth: int) -> bool:

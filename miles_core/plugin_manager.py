@@ -32,9 +32,10 @@ from typing import Any
 import pluggy
 
 from miles_core import hook_results, hookspecs
-from miles_core.errors import PluginLoadError
+from miles_core.errors import ConfigError, PluginLoadError
 from miles_core.plugin_guard import guard_hook_calls, plugin_code
 from miles_core.registry import Implementation, Registries
+from miles_core.user_files import check_regular_file
 
 PLUGIN_GROUP = "miles.plugins"
 WEIGHT_TRANSFER_GROUP = "miles.weight_transfer"
@@ -48,6 +49,8 @@ BUILTIN_PLUGINS: dict[str, str] = {
 UNBLOCKABLE = {"core": "every command needs its config sections (run, model, train, ...) and its registries"}
 """Plugins that ``--plugin no:NAME`` cannot block, and why."""
 CORE_DISTRIBUTION = "miles-core"
+MAX_PLUGIN_FILE_BYTES = 16 << 20
+"""A ``--plugin path/to/file.py`` is Python source: a few KiB, rarely more than a few hundred."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,7 @@ class MilesPluginManager:
                 plugin = _builtin_plugin(target)
             manager._register(plugin, info)
         manager._note_entry_point_names()
-        if environ.get(AUTOLOAD_ENV, "") not in ("1", "true", "yes"):
+        if not _autoload_disabled(environ.get(AUTOLOAD_ENV, "")):
             manager._load_entry_point_plugins()
             manager._register_weight_transfer_entry_points()
         env_modules = [m.strip() for m in environ.get(PLUGINS_ENV, "").split(",") if m.strip()]
@@ -255,6 +258,22 @@ class MilesPluginManager:
         self._register_module(module, name=spec, source=source)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _autoload_disabled(value: str) -> bool:
+    """``MILES_DISABLE_PLUGIN_AUTOLOAD`` read strictly: a value that is neither true nor false (``"2"``,
+    ``"disable"``) is an error rather than a silent "autoload on"."""
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise PluginLoadError(
+        f"{AUTOLOAD_ENV}={value[:40]!r} is neither true nor false: set it to 1 (or true, yes, on) to load no "
+        "entry-point plugins, or to 0 (false, no, off, empty) to load them"
+    )
+
+
 def _is_file_spec(spec: str) -> bool:
     """``--plugin`` names a file (``plugin.py``, ``dir/plugin.py``) rather than a module."""
     return spec.endswith(".py") or os.sep in spec
@@ -307,9 +326,15 @@ def _describe_source(source: str, dist: Any) -> str:
 
 
 def _import_file(path: Path, *, source: str) -> ModuleType:
-    if not path.is_file():
+    if path.is_dir() or not path.exists():
         what = "is a directory, not a .py file" if path.is_dir() else "does not exist"
         raise PluginLoadError(f"plugin file {str(path)!r} (from {source}) {what}")
+    try:
+        # Within the bound of any user file: a FIFO would hang the import, /dev/zero would never end.
+        check_regular_file(path, what=f"plugin file {str(path)!r} (from {source})", expected="a .py file",
+                           limit=MAX_PLUGIN_FILE_BYTES, hint="a plugin file is Python source")  # fmt: skip
+    except ConfigError as exc:
+        raise PluginLoadError(str(exc)) from None
     module_name = f"miles_plugin_file_{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
+import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -14,7 +15,13 @@ from typing import Any
 from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import TOKENIZER_FILES, checkpoint_family, require_checkpoint_dir, tokenizer_files
+from miles_core.models.hf_checkpoint import (
+    TOKENIZER_FILES,
+    checkpoint_family,
+    read_model_config,
+    require_checkpoint_dir,
+    tokenizer_files,
+)
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
@@ -22,6 +29,9 @@ from miles_core.targets import describe_callable, import_target, is_target
 
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
+DEFAULT_CONTEXT_LENGTH = 64  # its max_position_embeddings
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""The ``config.json`` keys that bound a model's context, as the local engine reads them."""
 
 
 @dataclasses.dataclass
@@ -46,7 +56,8 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     model_path = Path(config.model.path) if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config)
-    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path)
+    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path,
+                         max_new_tokens=config.rollout.max_new_tokens)  # fmt: skip
     reward_fn, reward_name = load_reward(config, registries)
     try:
         if not config.run.resume:
@@ -62,10 +73,34 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
                      token=secrets.token_urlsafe(24))  # fmt: skip
     if config.run.resume:
-        latest = latest_checkpoint(run_dir)
-        if latest is not None:
-            setup.model_path, setup.start_step = latest, int(latest.name.removeprefix("step_"))
+        resume_from_latest(setup, num_steps=config.run.num_steps)
     return setup
+
+
+def resume_from_latest(setup: RunSetup, *, num_steps: int) -> None:
+    """Point ``setup`` at the newest checkpoint of its run directory (``--run-resume true``), checked as a model
+    directory: a corrupt or truncated one (killed while it was written) is an error saying what to do, not a
+    traceback from the trainer. No checkpoint: the run starts at step 0, and says so."""
+    latest = latest_checkpoint(setup.run_dir)
+    if latest is None:
+        print(f"miles: --run-resume true: {str(setup.run_dir / CHECKPOINTS)!r} holds no checkpoint; starting at "
+              "step 0", flush=True)  # fmt: skip
+        return
+    step = checkpoint_step(latest)
+    assert step is not None
+    if step >= num_steps:
+        raise ConfigError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} is step {step}, and "
+                          f"run.num_steps (--num-steps) is {num_steps}: nothing is left to run; give --num-steps "
+                          f"above {step} to continue the run")  # fmt: skip
+    try:
+        read_model_config(latest)
+        if not tokenizer_files(latest):
+            raise MilesError("it holds no tokenizer files")
+    except MilesError as exc:
+        raise MilesError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} cannot be resumed "
+                         f"from ({exc}); move it out of {CHECKPOINTS}/ to resume from the one before it, or start a "
+                         "new run with --run-resume false") from None  # fmt: skip
+    setup.model_path, setup.start_step = latest, step
 
 
 def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
@@ -102,8 +137,8 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
         tokenizer = DigitTokenizer()
         config = transformers.LlamaConfig(
             vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=DEFAULT_CONTEXT_LENGTH,
+            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
         )  # fmt: skip
         torch.manual_seed(seed)
@@ -127,12 +162,19 @@ def load_tokenizer(model_path: Path) -> Any:
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
-def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None) -> None:
-    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds (``model_path``
-    ``None``: the default model's built-in tokenizer): checked before any worker starts, so a wrong tokenizer is an
-    error in seconds instead of a failed request minutes later."""
+def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None,
+                         max_new_tokens: int = 0) -> None:  # fmt: skip
+    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds and that leaves room
+    for ``max_new_tokens`` in its context (``model_path`` ``None``: the default model and its built-in tokenizer):
+    checked before any worker starts, so a wrong tokenizer or a too-long prompt is an error in seconds instead of a
+    failed request minutes later."""
     source = f"the tokenizer of {str(model_path)!r}" if model_path is not None else "the built-in tokenizer"
-    vocab_size = _vocab_size(model_path) if model_path is not None else getattr(tokenizer, "vocab_size", None)
+    if model_path is None:
+        vocab_size, context = getattr(tokenizer, "vocab_size", None), DEFAULT_CONTEXT_LENGTH
+    else:
+        model_config = read_model_config(model_path)
+        vocab_size = _int_of(model_config, "vocab_size")
+        context = next((_int_of(model_config, key) for key in CONTEXT_LENGTH_KEYS if _int_of(model_config, key)), None)
     for kind, prompts in prompt_sets.items():
         for number, prompt in enumerate(prompts):
             where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
@@ -145,6 +187,10 @@ def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *
             if vocab_size is not None and max(ids) >= vocab_size:
                 raise MilesError(f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
                                  f"vocab_size {vocab_size}: the tokenizer is another model's")  # fmt: skip
+            if context is not None and len(ids) + max_new_tokens > context:
+                raise MilesError(f"{source} encodes {where} to {len(ids)} token ids, and with rollout.max_new_tokens "
+                                 f"(--rollout-max-new-tokens) {max_new_tokens} that is more than the model's context "
+                                 f"length {context}: shorten the prompt or ask for fewer new tokens")  # fmt: skip
 
 
 def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
@@ -154,12 +200,9 @@ def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
     return f"is it the model's tokenizer? (its files: {files or 'none'})"
 
 
-def _vocab_size(model_path: Path) -> int | None:
-    """``vocab_size`` of the model's ``config.json`` (``None`` when it has none at the top level)."""
-    try:
-        value = json.loads((model_path / "config.json").read_text()).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None  # loading the model reports an unreadable config.json with its own message
+def _int_of(model_config: dict[str, Any], key: str) -> int | None:
+    """``model_config[key]`` when it is an int (not a bool), else ``None``."""
+    value = model_config.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -221,5 +264,22 @@ def archive_previous_run(run_dir: Path) -> Path | None:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    checkpoints = sorted((run_dir / CHECKPOINTS).glob("step_*[0-9]"))
-    return checkpoints[-1] if checkpoints else None
+    """The checkpoint directory ``checkpoints/step_N`` of ``run_dir`` with the largest N (by number, not by name:
+    ``step_1000000`` follows ``step_999999``); other names there (``step_x1``, a file) are not checkpoints."""
+    try:
+        entries = list(os.scandir(run_dir / CHECKPOINTS))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    steps = {
+        step: Path(entry.path)
+        for entry in entries
+        if (step := checkpoint_step(Path(entry.name))) is not None and entry.is_dir()
+    }
+    return steps[max(steps)] if steps else None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """N of a checkpoint directory named ``step_N`` (ASCII digits, as :func:`miles_core.loop.save_checkpoint`
+    writes them), or ``None`` for any other name."""
+    match = re.fullmatch(r"step_([0-9]{1,12})", path.name)
+    return int(match[1]) if match else None

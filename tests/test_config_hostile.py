@@ -26,7 +26,9 @@ from tests.conftest import MILES, REPO, config_json
 
 MEMORY_CAP = 2 << 30  # `miles config show` runs in under 1 GiB of address space; the alias bomb wanted 3.7 GB
 TIMEOUT_S = 120  # generous for a shared 2-core machine: a hang, not a slow start, is what it catches
-READMES = sorted(path.relative_to(REPO) for path in REPO.glob("**/README.md") if ".venv" not in path.parts)
+READMES = sorted(
+    path.relative_to(REPO) for path in REPO.glob("**/README.md") if not any(part.startswith(".") for part in path.parts)
+)  # not .venv, nor .pytest_cache (which pytest writes a README into)
 
 
 def _cap_memory() -> None:
@@ -344,6 +346,9 @@ def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_acce
 
 OTHER_PROGRAMS = {
     "--admin-api-key": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to SGLang's server
+    "--admin-key-file": "miles_core/engines/local_server.py",  # the local engine's own command line
+    "--context-length": "miles_core/engines/local_server.py",
+    "--weight-staging-dir": "miles_core/engines/local_server.py",
     "--prometheus-host": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to the sglang-router
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",

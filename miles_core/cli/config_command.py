@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import yaml
 
 from miles_core.cli.config_args import ConfigArguments
+from miles_core.cli.main import INTERRUPTED
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 
@@ -32,9 +35,23 @@ def prepare(
         from miles_core.loop import run_training  # deferred: imports torch and transformers
 
         config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
-        reporter = asyncio.run(run_training(config, manager, progress=not args.no_progress))
+        try:
+            reporter = asyncio.run(run_training(config, manager, progress=not args.no_progress))
+        except KeyboardInterrupt:  # the run's workers are stopped by then (the loop's finally blocks)
+            print(f"miles: interrupted; {_where_the_run_is(config.run.output_dir)}", file=sys.stderr, flush=True)
+            return INTERRUPTED
         print(reporter.final_table())
         print(f"metrics: {reporter.metrics_file}")
         return 0
 
     return show if command == "config" else train
+
+
+def _where_the_run_is(output_dir: str) -> str:
+    """Where an interrupted run is, and how to continue it."""
+    from miles_core.run_setup import latest_checkpoint  # deferred: imports torch and transformers (loaded by now)
+
+    latest = latest_checkpoint(Path(output_dir))
+    if latest is None:
+        return f"the run is in {output_dir}, with no checkpoint yet (a new run there moves it aside)"
+    return f"the run is in {output_dir}; --run-resume true continues it from {latest}"

@@ -9,8 +9,6 @@ may cost more than the bounds below, hang, or end in a traceback.
 from __future__ import annotations
 
 import math
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import yaml
 from yaml.constructor import ConstructorError
 
 from miles_core.errors import ConfigError
+from miles_core.user_files import read_text
 
 MAX_FILE_BYTES = 1 << 20
 """A config file is a few KiB; 1 MiB leaves room and bounds the parser's time and memory."""
@@ -52,47 +51,8 @@ def load_yaml(text: str, *, source: str) -> Any:
 
 def _read_text(path: Path) -> str:
     """Read a regular file of at most :data:`MAX_FILE_BYTES` as UTF-8, refusing anything else before reading it."""
-    shown = repr(str(path))
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {shown}: {exc.strerror or exc}") from None
-    _check_regular(info, shown)
-    try:
-        # O_NONBLOCK: should the path become a FIFO after the check, opening it must not wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as file:
-            _check_regular(os.fstat(file.fileno()), shown)
-            raw = file.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {shown}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise ConfigError(f"config file {shown} is larger than {MAX_FILE_BYTES} bytes; a config is a small YAML file")
-    return _decode(raw, shown)
-
-
-def _check_regular(info: os.stat_result, shown: str) -> None:
-    if stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"config file {shown} is a directory; give a YAML file")
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"config file {shown} is not a regular file (a FIFO, device or socket); give a YAML file")
-    if info.st_size > MAX_FILE_BYTES:
-        raise ConfigError(
-            f"config file {shown} is {info.st_size} bytes, more than the {MAX_FILE_BYTES} allowed; "
-            "a config is a small YAML file"
-        )
-
-
-def _decode(raw: bytes, shown: str) -> str:
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in raw:
-        raise ConfigError(f"config file {shown} is binary or UTF-16/UTF-32, not UTF-8 text; save it as UTF-8")
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(
-            f"config file {shown} is not UTF-8 text (byte {raw[exc.start]:#04x} at line {line}); save it as UTF-8"
-        ) from None
+    return read_text(path, what=f"config file {str(path)!r}", expected="a YAML file", limit=MAX_FILE_BYTES,
+                     hint="a config is a small YAML file")  # fmt: skip
 
 
 class _BoundedLoader(yaml.SafeLoader):

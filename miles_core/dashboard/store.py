@@ -235,6 +235,9 @@ def check_run_dir(run_dir: Path | str) -> Path:
     if not run_dir.is_dir():
         raise DashboardDatabaseError(f"{str(run_dir)!r} is not a directory (give a run directory, e.g. runs/latest)")
     path = db_path(run_dir)
+    if path.exists() and not path.is_file():
+        raise DashboardDatabaseError(f"{str(path)!r} is not a regular file (a directory, FIFO or device): it is not a "
+                                     "dashboard database; move it aside or open another run directory")  # fmt: skip
     if not path.is_file():
         raise DashboardDatabaseError(
             f"{str(run_dir)!r} holds no dashboard database ({DB_NAME}): is it a run directory of `miles train`? "
@@ -245,20 +248,28 @@ def check_run_dir(run_dir: Path | str) -> Path:
     return path
 
 
+def _schema_problem(path: Path, version: Any) -> str:
+    """What to do about a database of another schema version: a newer miles wrote it, or an older one."""
+    shown = str(version)[:20] if version is not None else "none"
+    newer = isinstance(version, str) and version.isascii() and version.isdigit() and int(version) > SCHEMA_VERSION
+    what = ("a newer miles recorded it: upgrade miles-core to read it" if newer else
+            "it is not a dashboard database of this miles: open another run directory, or move it aside")  # fmt: skip
+    return f"{str(path)!r} has dashboard schema version {shown}; this miles reads version {SCHEMA_VERSION}: {what}"
+
+
 @contextlib.contextmanager
 def open_for_reading(path: Path) -> Iterator[sqlite3.Connection]:
     """A read connection to a dashboard database, checked; a corrupt or foreign file is a
     :class:`DashboardDatabaseError` that names the file and says what to do."""
     db = None
     try:
-        # Not mode=ro: a reader of a WAL database may have to create the -shm file of a stopped run.
-        db = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=5.0)
+        # Not mode=ro: a reader of a WAL database may have to create the -shm file of a stopped run. The path is
+        # percent-encoded (as_uri): a run directory named 'a#1' or 'r?x' must not open (or create) the file 'a'.
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=5.0)
         db.row_factory = sqlite3.Row
         version = db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
         if version is None or version[0] != str(SCHEMA_VERSION):
-            raise DashboardDatabaseError(f"{str(path)!r} has dashboard schema version "
-                                         f"{version[0] if version else 'none'}; this miles reads version "
-                                         f"{SCHEMA_VERSION}")  # fmt: skip
+            raise DashboardDatabaseError(_schema_problem(path, version[0] if version else None))
     except sqlite3.DatabaseError as exc:
         if db is not None:
             db.close()

@@ -12,7 +12,9 @@ worse than a stopped run.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
+import decimal
 import math
 import numbers
 import random
@@ -169,8 +171,11 @@ class RolloutExecutor:
         errors."""
         for sample in samples:
             try:
+                # Copies: the prompt's label and metadata are shared by its group and by every later step, so a
+                # reward that changes them in place would silently change what the next sample is scored against.
                 reward = self.reward_fn(prompt=sample.prompt.text, response=sample.response,
-                                        label=sample.prompt.label, metadata=sample.prompt.metadata)  # fmt: skip
+                                        label=copy.deepcopy(sample.prompt.label),
+                                        metadata=copy.deepcopy(sample.prompt.metadata))  # fmt: skip
             except Exception as exc:
                 raise MilesError(f"reward function {self.reward_name} raised on {_describe(sample, where)}: "
                                  f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
@@ -202,13 +207,15 @@ def checked_reward(value: Any) -> float:
     returned, since a wrong reward silently trains the wrong thing."""
     if isinstance(value, numpy.bool_):  # `a == b` on numpy values: a bool too, though not a numbers.Real
         value = bool(value)
-    if not isinstance(value, numbers.Real):  # int, float, bool and numpy's scalars; not str, not None
+    if not isinstance(value, numbers.Real | decimal.Decimal):  # int, float, bool, Fraction, Decimal, numpy scalars
         hint = " (call .item() on it)" if callable(getattr(value, "item", None)) else ""
         raise ValueError(f"returned {_excerpt(value)} of type {type(value).__name__}, not a number{hint}")
     try:
         number = float(value)
-    except OverflowError:  # an int beyond float's range
+    except OverflowError:  # an int or Fraction beyond float's range
         raise ValueError(f"returned {_excerpt(value)}, beyond the range of a float") from None
+    except ValueError:  # Decimal('sNaN')
+        raise ValueError(f"returned {_excerpt(value)}, not a finite number") from None
     if not math.isfinite(number):
         raise ValueError(f"returned {number!r}, not a finite number")
     return number

@@ -30,6 +30,7 @@ from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core.user_files import parse_json_text, read_text
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -143,11 +144,21 @@ class TorchTrainer:
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer and step from :meth:`save_checkpoint`'s directory; returns its state."""
         directory = Path(directory)
-        loaded = type(self.model).from_pretrained(directory)
-        self.model.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
-        state = json.loads((directory / STATE_FILE).read_text())
-        self.step = state["step"]
+        try:
+            loaded = type(self.model).from_pretrained(directory)
+            self.model.load_state_dict(loaded.state_dict())
+            self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+            state = parse_json_text(
+                read_text(directory / STATE_FILE, what=STATE_FILE, expected="the trainer's state", limit=1 << 20),
+                what=STATE_FILE,
+            )
+            step = state["step"] if isinstance(state, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(f"{STATE_FILE} holds no step number: {str(state)[:80]}")
+        except Exception as exc:  # torch, safetensors and transformers raise many types for a corrupt checkpoint
+            raise MilesError(f"cannot resume from the checkpoint {str(directory)!r}: {type(exc).__name__}: {exc}; "
+                             "move it aside to resume from the one before it") from None  # fmt: skip
+        self.step = step
         return state
 
 

@@ -346,9 +346,6 @@ def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_acce
 
 OTHER_PROGRAMS = {
     "--admin-api-key": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to SGLang's server
-    "--admin-key-file": "miles_core/engines/local_server.py",  # the local engine's own command line
-    "--context-length": "miles_core/engines/local_server.py",
-    "--weight-staging-dir": "miles_core/engines/local_server.py",
     "--prometheus-host": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to the sglang-router
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",

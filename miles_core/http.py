@@ -9,8 +9,16 @@ possibly hostile local users. The rules live here once, so a fix reaches every s
 - :func:`parse_json` accepts strict JSON only: no ``NaN``/``Infinity`` (nor ``1e400``, which overflows to
   infinity), integers of at most
   :data:`MAX_INT_DIGITS` digits, nesting at most :data:`MAX_JSON_DEPTH` deep. Anything else is a 400.
+  A key given twice in one object is a 400 too (which one would count is ambiguous).
 - :func:`bearer_token_matches` is the one ``Authorization: Bearer <token>`` check: the scheme is
   case-insensitive (RFC 9110 §11.1), the token is required, and it is compared in constant time.
+- An :class:`HttpError` message is at most :data:`MAX_MESSAGE_CHARS` characters, control characters escaped: an
+  error never echoes a whole hostile request back, nor writes raw control bytes into a client's terminal or log.
+- :class:`BoundedHttpProtocol` is the uvicorn protocol of every server: a request head of at most
+  :data:`MAX_HEAD_BYTES` (a larger one is a 431), sent within :data:`HEAD_TIMEOUT_S`, and a body that keeps
+  arriving (:data:`BODY_GRACE_S` plus :data:`MIN_BODY_BYTES_PER_S`; a stalled one is a 408). uvicorn bounds
+  neither, so a client that sends half a request would hold its connection (and the handler awaiting the body)
+  forever.
 """
 
 from __future__ import annotations
@@ -19,7 +27,11 @@ import hmac
 import json
 import math
 import re
+import time
 from typing import Any, Protocol
+
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_JSON_DEPTH = 64
 """The deepest nesting of arrays and objects a request may have (Miles' own requests use at most 4)."""
@@ -28,12 +40,41 @@ MAX_INT_DIGITS = 64
 """The longest integer literal a request may hold (token ids, sizes and seeds need at most 20 digits)."""
 
 
+MAX_MESSAGE_CHARS = 2000
+"""The longest error message a server answers (longer ones are cut, saying how long they were)."""
+
+MAX_HEAD_BYTES = 64 << 10
+"""The largest request head (request line and headers) a server reads; Miles' own clients send well under 1 KiB."""
+
+HEAD_TIMEOUT_S = 10.0
+"""How long a client may take to send a request head, from connecting (or from its previous request)."""
+
+BODY_GRACE_S = 10.0
+"""How long a request body may take before it must keep pace with :data:`MIN_BODY_BYTES_PER_S`."""
+
+MIN_BODY_BYTES_PER_S = 256 << 10
+"""The slowest a body may arrive on average after :data:`BODY_GRACE_S` (1 GiB of weights: about 70 min)."""
+
+
 class HttpError(Exception):
-    """A request the server refuses, with the HTTP status to answer (4xx) and a message saying what to do."""
+    """A request the server refuses, with the HTTP status to answer (4xx) and a message saying what to do (made
+    safe by :func:`safe_message`)."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
+        super().__init__(safe_message(message))
         self.status = status
+
+
+def safe_message(message: str) -> str:
+    """``message`` as an error answer may repeat it: control characters (but for newlines and tabs) escaped, at
+    most :data:`MAX_MESSAGE_CHARS` characters."""
+    cleaned = _CONTROL.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), str(message))
+    if len(cleaned) <= MAX_MESSAGE_CHARS:
+        return cleaned
+    return f"{cleaned[:MAX_MESSAGE_CHARS]}... (cut: {len(cleaned)} characters)"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 class StreamingRequest(Protocol):
@@ -54,11 +95,14 @@ async def read_body(request: StreamingRequest, *, limit: int) -> bytes:
         if int(declared) > limit:
             raise HttpError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone (or cut off by BoundedHttpProtocol's deadline): nobody reads the answer
+        raise HttpError(400, "the client went away before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -68,7 +112,8 @@ def parse_json(raw: bytes | str, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     if _nested_deeper_than(raw, max_depth):
         raise HttpError(400, f"request body is nested deeper than {max_depth} levels")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float)
+        return json.loads(raw, parse_constant=_refuse_constant, parse_int=_bounded_int, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)  # fmt: skip
     except HttpError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -96,6 +141,16 @@ def bearer_token_matches(authorization: str | None, expected: str) -> bool:
 
 def _refuse_constant(name: str) -> Any:
     raise HttpError(400, f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different (the stdlib parser keeps the last of two equal keys silently)."""
+    body = dict(pairs)
+    if len(body) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise HttpError(400, f"request body gives the key {twice[:100]!r} twice in one object: give each key once")
+    return body
 
 
 def _finite_float(literal: str) -> float:
@@ -130,3 +185,98 @@ def _nested_deeper_than(raw: bytes | str, max_depth: int) -> bool:
 
 _STRUCTURE = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 """A JSON string (skipped whole) or a bracket."""
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds uvicorn lacks: a request head of at most
+    :data:`MAX_HEAD_BYTES` (a 431 otherwise), within :data:`HEAD_TIMEOUT_S` of connecting or of the previous
+    request; a body that keeps arriving (:data:`BODY_GRACE_S`, then :data:`MIN_BODY_BYTES_PER_S`; a 408
+    otherwise). Pass it as ``uvicorn.Config(..., http=BoundedHttpProtocol)``.
+
+    The deadline counts only while the server waits for the client: while reading is paused (the handler has not
+    taken the body yet, or a pipelined request waits for the one before), it is put off.
+    """
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: Any = None
+        self._head_bytes = 0
+        self._in_head = True
+        self._body_bytes = 0
+        self._body_started = 0.0
+        self._arm(HEAD_TIMEOUT_S)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        if self._deadline is None:  # a request on a kept-alive connection: its head has its own deadline
+            self._arm(HEAD_TIMEOUT_S)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
+        self._body_started = time.monotonic()
+        self._arm(BODY_GRACE_S)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._body_bytes += len(body)
+        allowed = BODY_GRACE_S + self._body_bytes / MIN_BODY_BYTES_PER_S
+        self._arm(self._body_started + allowed - time.monotonic())
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._deadline is None:
+            self._in_head, self._head_bytes = True, 0
+            self._arm(HEAD_TIMEOUT_S)  # the next request on this kept-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(max(seconds, 0.0), self._deadline_passed)
+
+    def _disarm(self) -> None:
+        if getattr(self, "_deadline", None) is not None:
+            self._deadline.cancel()
+        self._deadline = None
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # the server is not reading: not the client's delay
+            self._arm(HEAD_TIMEOUT_S)
+        elif self._in_head:
+            self.transport.close()  # nothing to answer: no request was made
+        else:
+            self._refuse(408, "the request body did not arrive in time")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` unless a response has begun, then close the connection (the handler sees a
+        disconnect)."""
+        if self.cycle is None or not self.cycle.response_started:
+            body = json.dumps({"error": message}).encode()
+            head = f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+            head += f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+            self.transport.write(head.encode() + body)
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True  # the handler's receive() sees a disconnect, its send() writes nothing
+            self.cycle.message_event.set()
+        self.transport.close()
+
+
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}

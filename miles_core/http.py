@@ -56,6 +56,10 @@ MIN_BODY_BYTES_PER_S = 256 << 10
 """The slowest a body may arrive on average after :data:`BODY_GRACE_S` (1 GiB of weights: about 70 min)."""
 
 
+LINGER_S = 2.0
+"""How long a refused connection's further input is read and dropped before it closes (so the answer arrives)."""
+
+
 class HttpError(Exception):
     """A request the server refuses, with the HTTP status to answer (4xx) and a message saying what to do (made
     safe by :func:`safe_message`)."""
@@ -204,9 +208,12 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._body_bytes = 0
         self._body_started = 0.0
+        self._refused = False
         self._arm(HEAD_TIMEOUT_S)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the rest of a refused request, read and dropped until the connection closes
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -276,7 +283,13 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True  # the handler's receive() sees a disconnect, its send() writes nothing
             self.cycle.message_event.set()
-        self.transport.close()
+        # Closing with unread input would reset the connection and lose the answer on its way: say "no more" (FIN),
+        # drop what still comes for a moment, then close.
+        self._refused = True
+        self._disarm()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}

@@ -27,6 +27,7 @@ import hmac
 import json
 import math
 import re
+import socket
 import time
 from typing import Any, Protocol
 
@@ -39,6 +40,9 @@ MAX_JSON_DEPTH = 64
 MAX_INT_DIGITS = 64
 """The longest integer literal a request may hold (token ids, sizes and seeds need at most 20 digits)."""
 
+
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "[::1]"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
 
 MAX_MESSAGE_CHARS = 2000
 """The longest error message a server answers (longer ones are cut, saying how long they were)."""
@@ -143,6 +147,55 @@ def bearer_token_matches(authorization: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode())
 
 
+def url_name(host: str) -> str:
+    """``host`` as a URL and a ``Host`` header write it: lower case, an IPv6 address in brackets."""
+    host = host.lower().strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
+def allowed_host_names(host: str) -> frozenset[str]:
+    """The names that a request's ``Host`` may give to a server bound to ``host``."""
+    names = {*LOOPBACK_NAMES, url_name(host)}
+    if host in WILDCARD_HOSTS:  # every interface: this machine's names and addresses
+        import psutil  # deferred: only a server bound to every interface lists them
+
+        names |= {url_name(socket.gethostname()), url_name(socket.getfqdn())}
+        names |= {url_name(a.address.split("%")[0]) for addresses in psutil.net_if_addrs().values()
+                  for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)}  # fmt: skip
+    return frozenset(names)
+
+
+def check_browser_request(headers: Any, *, names: frozenset[str], port: int) -> None:
+    """Refuse what a web page in a browser could send to a local server: a ``Host`` that is not one of ``names``
+    with ``port`` (a page that rebound its own domain name to this address: 421), or an ``Origin`` that is not
+    either (a page of another site posting a "simple" request, which needs no preflight: 403). Miles' own clients
+    (httpx, the SGLang router) send the ``Host`` of the URL they were given and no ``Origin``."""
+    host = headers.get("host")
+    served = ", ".join(f"{name}:{port}" for name in sorted(names))
+    if not host_header_matches(host, names=names, port=port):
+        raise HttpError(421, f"Host {(host or '')[:100]!r} is not a name this server answers ({served})")
+    origin = headers.get("origin")
+    if origin is not None:
+        scheme, _, authority = origin.partition("://")
+        if scheme.lower() != "http" or not host_header_matches(authority, names=names, port=port):
+            raise HttpError(403, f"requests from web pages are refused (Origin {origin[:100]!r}): this server is "
+                                 f"for Miles' own clients ({served})")  # fmt: skip
+
+
+def host_header_matches(value: str | None, *, names: frozenset[str], port: int) -> bool:
+    """Whether the ``Host`` header ``value`` is one of ``names`` with ``port`` (a header without a port means 80)."""
+    if not value:
+        return False
+    value = value.strip().lower()
+    if value.endswith("]") or ":" not in value:  # "[::1]" or "localhost": no port
+        name, given_port = value, ""
+    else:
+        name, _, given_port = value.rpartition(":")
+        if not re.fullmatch(r"[0-9]{1,5}", given_port):
+            return False
+    return name in names and (int(given_port) if given_port else 80) == port
+
+
 def _refuse_constant(name: str) -> Any:
     raise HttpError(400, f"request body is not valid JSON: {name} is not a JSON number")
 
@@ -209,6 +262,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._body_bytes = 0
         self._body_started = 0.0
         self._refused = False
+        self._head_size = 0  # the parsed head's bytes (request target and headers)
         self._arm(HEAD_TIMEOUT_S)
 
     def data_received(self, data: bytes) -> None:
@@ -222,12 +276,27 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head = True
+        self._in_head, self._head_size = True, 0
         if self._deadline is None:  # a request on a kept-alive connection: its head has its own deadline
             self._arm(HEAD_TIMEOUT_S)
 
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self._head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self._head_size += len(name) + len(value) + 4  # ": " and CRLF
+
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        if self._head_size > MAX_HEAD_BYTES:  # a whole head in one read, which data_received could not count
+            app, self.app = self.app, _head_too_large
+            try:
+                super().on_headers_complete()
+            finally:
+                self.app = app
+        else:
+            super().on_headers_complete()
         self._in_head, self._head_bytes, self._body_bytes = False, 0, 0
         self._body_started = time.monotonic()
         self._arm(BODY_GRACE_S)
@@ -293,3 +362,11 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
 
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+async def _head_too_large(scope: dict, receive: Any, send: Any) -> None:
+    """The ASGI app that answers a request whose head is larger than :data:`MAX_HEAD_BYTES`."""
+    body = json.dumps({"error": f"request head larger than {MAX_HEAD_BYTES} bytes"}).encode()
+    headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+    await send({"type": "http.response.start", "status": 431, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -418,3 +418,45 @@ def test_a_dashboard_request_head_over_the_limit_is_a_431(dashboard: DashboardSe
         answer = connection.recv(65536)
     assert status_of(answer) == 431
     assert httpx.get(dashboard.url + "api/run", timeout=SOCKET_TIMEOUT_S).status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "host",
+    ["evil.example:{port}", "127.0.0.1.nip.io:{port}", "127.0.0.1:{other}", "127.0.0.1", "", "127.0.0.1:{port}x"],
+)
+def test_the_engine_refuses_a_host_that_is_not_its_own(engine: EngineProcess, host: str) -> None:
+    """DNS rebinding: a page whose domain now resolves to 127.0.0.1 sends its own name as Host."""
+    host = host.format(port=engine.port, other=engine.port + 1)
+    before = engine_generated(engine)
+    request = f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    request += "Content-Length: 17\r\n\r\n"
+    answer = asyncio.run(exchange(engine.port, request.encode() + b'{"input_ids":[1]}'))
+    assert status_of(answer) == 421, answer[:300]
+    assert "is not a name this server answers" in json_of(answer)["error"]
+    assert engine_generated(engine) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "https://127.0.0.1:{port}", "http://localhost:1"])
+def test_the_engine_refuses_a_request_from_a_web_page(engine: EngineProcess, origin: str) -> None:
+    """A page of another site may post a "simple" (text/plain) request without a preflight; its browser says so."""
+    before = engine_generated(engine)
+    headers = {"Content-Type": "text/plain", "Origin": origin.format(port=engine.port)}
+    response = httpx.post(f"{engine.url}/generate", content=b'{"input_ids": [1, 2]}', headers=headers, timeout=60)
+    assert response.status_code == 403 and "requests from web pages are refused" in response.json()["error"]
+    assert engine_generated(engine) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", ["127.0.0.1:{port}", "localhost:{port}", "LOCALHOST:{port}"])
+def test_the_engine_answers_its_own_names_and_its_own_origin(engine: EngineProcess, host: str) -> None:
+    host = host.format(port=engine.port)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    headers = {"Host": host, "Origin": f"http://{host}"}
+    response = httpx.post(f"{engine.url}/generate", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def engine_generated(engine: EngineProcess) -> int:
+    return httpx.get(f"{engine.url}/server_info", timeout=60).json()["internal_states"][0]["generate_requests"]

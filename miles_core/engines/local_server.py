@@ -5,8 +5,15 @@ mirror ``sglang.launch_server`` so the same supervision code can launch either.
 Control routes (weight updates, pause, flush, version) always require ``Authorization: Bearer <admin key>``: the
 key is ``--admin-api-key`` (or the run's token in ``$MILES_RUN_TOKEN``); without one, the server generates a key and
 writes it to a file only its user can read (``--admin-key-file``, printed at start). Every JSON answer carries the
-engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked) and
-refused with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked, at most
+:data:`MAX_PROMPTS_PER_REQUEST` prompts, each query parameter once, a head and body that keep arriving) and refused
+with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+
+``/generate`` needs no key, so the engine refuses what only a web page would send
+(:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
+that rebound its domain name to 127.0.0.1 could otherwise use the GPU and read the answers, the model path
+included) and any foreign ``Origin`` (a page posting a no-preflight "simple" request). SGLang's router and Miles'
+clients send ``Host: <the engine's address>:<port>`` and no ``Origin``.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ from miles_core.errors import MilesError
 from miles_core.http import (
     BoundedHttpProtocol,
     HttpError,
+    allowed_host_names,
     bearer_token_matches,
+    check_browser_request,
     parse_json_object,
     read_body,
     safe_message,
@@ -76,6 +85,7 @@ class LocalEngineServer:
         self.admin_key = admin_key
         self.key_file = key_file
         self.host, self.port = host, port
+        self.served_names = allowed_host_names(host)  # the Host headers it answers (DNS rebinding)
         self.in_flight = 0
         self.generate_requests = 0  # /generate calls served (a batch counts once)
 
@@ -111,6 +121,7 @@ class LocalEngineServer:
 
         async def endpoint(request: Request) -> Response:
             try:
+                check_browser_request(request.headers, names=self.served_names, port=self.port)
                 if control:
                     self._check_admin(request)
                 body = await _request_body(request, limit=limit)
@@ -382,12 +393,12 @@ def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
             raise HttpError(400, "input_ids must be a non-empty list of token ids, or a list of such lists")
         return batch, single
     if "text" in body:
-        if tokenizer is None:
-            raise HttpError(400, "this model directory has no tokenizer: send input_ids")
         texts = body["text"]
         single = isinstance(texts, str)
         batch = [texts] if single else texts
         _check_batch_size(batch, "text")
+        if tokenizer is None:
+            raise HttpError(400, "this model directory has no tokenizer: send input_ids")
         if not isinstance(batch, list) or not batch or not all(isinstance(t, str) and t for t in batch):
             raise HttpError(400, "text must be a non-empty string, or a non-empty list of such strings")
         return [tokenizer.encode(t) for t in batch], single

@@ -3,7 +3,8 @@
 A page on another site can rebind its own domain name to 127.0.0.1 and then read whatever a local server answers;
 the browser still sends that domain name as ``Host``. So the dashboard answers only the names it serves:
 ``127.0.0.1``, ``localhost``, ``[::1]`` and the host it is bound to (every name and address of this machine when
-bound to all interfaces), each with its port.
+bound to all interfaces), each with its port. The Host check itself lives in :mod:`miles_core.http`, shared with the
+local engine.
 """
 
 from __future__ import annotations

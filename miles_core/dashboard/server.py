@@ -2,9 +2,10 @@
 
 An ASGI app served by uvicorn (asyncio: a slow or idle connection costs a socket, not a thread, so a flood of slow
 clients does not keep anyone else waiting; a client that does not send its request head within 10 s, or idles on a
-keep-alive connection for 5 s, is disconnected). The dashboard is read-only and small, runs inside the training
-process (``miles train --dashboard``, in a daemon thread) or on its own (``miles dashboard RUN_DIR``), and must
-work with no network, so everything it serves ships in this package (``static/``).
+keep-alive connection for 5 s, is disconnected: :class:`miles_core.http.BoundedHttpProtocol`). The dashboard is
+read-only and small, runs inside the training process (``miles train --dashboard``, in a daemon thread) or on its
+own (``miles dashboard RUN_DIR``), and must work with no network, so everything it serves ships in this package
+(``static/``).
 
 It binds 127.0.0.1 unless told otherwise (an empty host is refused), and answers only requests whose ``Host``
 names it (:mod:`miles_core.dashboard.hosts`: a page that rebinds its own domain name to 127.0.0.1 cannot read the

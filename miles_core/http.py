@@ -31,7 +31,9 @@ import socket
 import time
 from typing import Any, Protocol
 
-from starlette.requests import ClientDisconnect
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_JSON_DEPTH = 64
@@ -71,6 +73,29 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(safe_message(message))
         self.status = status
+
+
+async def json_error(request: Request, exc: Exception) -> JSONResponse:
+    """A Starlette exception handler: an unknown route (404) or method (405) answered as ``{"error": ...}`` like
+    every other refusal, naming the route and the methods it takes."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
+    if status == 405:
+        allowed = _header(headers, "allow")
+        message = f"{request.method[:20]} is not a method of {request.url.path[:200]!r}: use {allowed}"
+    elif status == 404:
+        message = f"no route {request.url.path[:200]!r}"
+    else:
+        message = str(exc.detail) if isinstance(exc, HTTPException) else "internal error"
+    return JSONResponse({"error": safe_message(message)}, status_code=status, headers=headers)
+
+
+def _header(headers: dict[str, str], name: str) -> str | None:
+    return next((value for key, value in headers.items() if key.lower() == name), None)
+
+
+JSON_ERRORS = {404: json_error, 405: json_error}
+"""``Starlette(exception_handlers=JSON_ERRORS)``: routing's refusals in the servers' answer shape."""
 
 
 def safe_message(message: str) -> str:

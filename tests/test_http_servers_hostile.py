@@ -460,3 +460,37 @@ def test_the_engine_answers_its_own_names_and_its_own_origin(engine: EngineProce
 
 def engine_generated(engine: EngineProcess) -> int:
     return httpx.get(f"{engine.url}/server_info", timeout=60).json()["internal_states"][0]["generate_requests"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "message"),
+    [
+        ("PUT", "/rpc/submit", 405, "PUT is not a method of '/rpc/submit': use POST"),
+        ("OPTIONS", "/rpc/health", 405, "OPTIONS is not a method of '/rpc/health': use GET, HEAD"),
+        ("DELETE", "/rpc/poll", 405, "DELETE is not a method of '/rpc/poll'"),
+        ("GET", "/rpc/%ff%00%1b[2J", 404, "no route '/rpc/"),
+    ],
+)
+def test_an_unknown_rpc_route_or_method_is_a_json_4xx(method: str, path: str, status: int, message: str) -> None:
+    async def scenario(server: RpcServer, worker: Worker, client: httpx.AsyncClient) -> None:
+        response = await client.request(method, path)
+        assert response.status_code == status and response.json()["error"].startswith(message), response.text
+        assert "\x1b" not in response.json()["error"] and worker.executions == 0
+
+    run_rpc(scenario)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "path", "status", "message"),
+    [
+        ("PUT", "/generate", 405, "PUT is not a method of '/generate': use POST, GET, HEAD"),
+        ("OPTIONS", "/update_weights_from_disk", 405, "OPTIONS is not a method of"),
+        ("GET", "/no_such_route", 404, "no route '/no_such_route'"),
+    ],
+)
+def test_an_unknown_engine_route_or_method_is_a_json_4xx(
+    engine: EngineProcess, method: str, path: str, status: int, message: str
+) -> None:
+    response = httpx.request(method, f"{engine.url}{path}", timeout=60)
+    assert response.status_code == status and response.json()["error"].startswith(message), response.text

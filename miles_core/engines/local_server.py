@@ -44,6 +44,7 @@ from miles_core.engines.sampling import GenerationRequest, GenerationResult, Sam
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import MilesError
 from miles_core.http import (
+    JSON_ERRORS,
     BoundedHttpProtocol,
     HttpError,
     allowed_host_names,
@@ -104,7 +105,7 @@ class LocalEngineServer:
                   for path, fn in public.items()]  # fmt: skip
         routes += [Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"])
                    for path, fn in control.items()]  # fmt: skip
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=JSON_ERRORS)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:

@@ -140,6 +140,29 @@ def test_an_error_message_is_cut_short_and_its_control_characters_escaped() -> N
     assert str(HttpError(400, "\x07" * 5000)).startswith("\\x07")
 
 
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({"host": "evil.example:8000"}, 421),
+        ({}, 421),
+        ({"host": "127.0.0.1:8001"}, 421),
+        ({"host": "127.0.0.1:8000", "origin": "http://evil.example"}, 403),
+        ({"host": "127.0.0.1:8000", "origin": "http://127.0.0.1:9999"}, 403),
+        ({"host": "127.0.0.1:8000", "origin": "file://"}, 403),
+        ({"host": "127.0.0.1:8000"}, None),
+        ({"host": "[::1]:8000", "origin": "http://localhost:8000"}, None),
+    ],
+)
+def test_the_browser_check_refuses_foreign_hosts_and_origins(headers: dict, status: int | None) -> None:
+    names = toolkit.allowed_host_names("127.0.0.1")
+    if status is None:
+        toolkit.check_browser_request(headers, names=names, port=8000)
+        return
+    with pytest.raises(HttpError) as caught:
+        toolkit.check_browser_request(headers, names=names, port=8000)
+    assert caught.value.status == status
+
+
 # -- the worker RPC server ------------------------------------------------------------------------------------
 
 

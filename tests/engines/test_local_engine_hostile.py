@@ -541,7 +541,7 @@ def test_hostile_json_is_400(engine, content: bytes, match: str) -> None:
 
 def test_a_number_that_overflows_to_infinity_is_400(engine) -> None:
     body = b'{"input_ids": [4], "sampling_params": {"temperature": 1e999}}'  # Python's json reads inf
-    refused(post(engine, "/generate", content=body), 400, "temperature: Input should be a finite number")
+    refused(post(engine, "/generate", content=body), 400, "1e999, too large for a float")
 
 
 def test_a_tiny_temperature_is_greedy_with_finite_logprobs(engine) -> None:

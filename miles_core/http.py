@@ -359,8 +359,10 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self.flow.read_paused:  # the server is not reading: not the client's delay
-            self._arm(HEAD_TIMEOUT_S)
+        if self.flow.read_paused:  # the server is not reading: not the client's delay, so start counting anew
+            if not self._in_head:  # as if the body so far had come at the minimum pace, ending now
+                self._body_started = time.monotonic() - self._body_bytes / MIN_BODY_BYTES_PER_S
+            self._arm(HEAD_TIMEOUT_S if self._in_head else BODY_GRACE_S)
         elif self._in_head:
             self.transport.close()  # nothing to answer: no request was made
         else:

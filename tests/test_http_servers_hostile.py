@@ -351,6 +351,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
 
     model = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", max_position_embeddings=512)
     process = EngineProcess(model, tmp_path_factory.mktemp("engine"), admin_key=ADMIN)
+    process.model_dir = model
     yield process
     process.stop()
 
@@ -517,3 +518,30 @@ def test_an_unknown_engine_route_or_method_is_a_json_4xx(
 ) -> None:
     response = httpx.request(method, f"{engine.url}{path}", timeout=60)
     assert response.status_code == status and response.json()["error"].startswith(message), response.text
+
+
+@pytest.mark.slow
+def test_a_flood_of_generations_during_a_weight_update_is_served_and_the_update_lands(engine: EngineProcess) -> None:
+    """Every request of the flood is answered (generated, or aborted by the update), none fails, and the engine
+    holds the loaded weights (the same checkpoint: the checksum is unchanged) under the new version."""
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+
+    async def scenario() -> tuple[httpx.Response, list[httpx.Response], str, str]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=engine.url, timeout=SOCKET_TIMEOUT_S * 2, limits=limits) as client:
+            before = (await client.post("/weights_checksum", json={}, headers=auth)).json()["checksum"]
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+            flood = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(100)]
+            update = await client.post("/update_weights_from_disk", headers=auth,
+                                       json={"model_path": str(engine.model_dir), "weight_version": "flooded",
+                                             "abort_all_requests": True})  # fmt: skip
+            answers = await asyncio.gather(*flood)
+            after = (await client.post("/weights_checksum", json={}, headers=auth)).json()
+            return update, answers, before, after
+
+    update, answers, before, after = asyncio.run(scenario())
+    assert update.status_code == 200 and update.json()["weight_version"] == "flooded", update.text
+    assert {a.status_code for a in answers} == {200}, {a.status_code: a.text[:200] for a in answers}
+    assert {a.json()["meta_info"]["finish_reason"]["type"] for a in answers} <= {"length", "abort"}
+    assert after == {"checksum": before, "weight_version": "flooded"}
+    assert_still_serving(engine)

@@ -81,7 +81,7 @@ async def json_error(request: Request, exc: Exception) -> JSONResponse:
     status = exc.status_code if isinstance(exc, HTTPException) else 500
     headers = dict(exc.headers or {}) if isinstance(exc, HTTPException) else {}
     if status == 405:
-        allowed = _header(headers, "allow")
+        allowed = ", ".join(sorted(m.strip() for m in (_header(headers, "allow") or "").split(",")))  # a set's order
         message = f"{request.method[:20]} is not a method of {request.url.path[:200]!r}: use {allowed}"
     elif status == 404:
         message = f"no route {request.url.path[:200]!r}"

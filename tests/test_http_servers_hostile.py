@@ -508,7 +508,7 @@ def test_an_unknown_rpc_route_or_method_is_a_json_4xx(method: str, path: str, st
 @pytest.mark.parametrize(
     ("method", "path", "status", "message"),
     [
-        ("PUT", "/generate", 405, "PUT is not a method of '/generate': use POST, GET, HEAD"),
+        ("PUT", "/generate", 405, "PUT is not a method of '/generate': use GET, HEAD, POST"),
         ("OPTIONS", "/update_weights_from_disk", 405, "OPTIONS is not a method of"),
         ("GET", "/no_such_route", 404, "no route '/no_such_route'"),
     ],

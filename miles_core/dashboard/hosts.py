@@ -3,17 +3,19 @@
 A page on another site can rebind its own domain name to 127.0.0.1 and then read whatever a local server answers;
 the browser still sends that domain name as ``Host``. So the dashboard answers only the names it serves:
 ``127.0.0.1``, ``localhost``, ``[::1]`` and the host it is bound to (every name and address of this machine when
-bound to all interfaces), each with its port.
+bound to all interfaces), each with its port. The Host check itself lives in :mod:`miles_core.http`, shared with the
+local engine.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
-import socket
 
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "[::1]"})
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::"})
+from miles_core.http import LOOPBACK_NAMES as LOOPBACK_NAMES  # the Host check is shared with the local engine
+from miles_core.http import WILDCARD_HOSTS as WILDCARD_HOSTS
+from miles_core.http import allowed_host_names as allowed_host_names
+from miles_core.http import host_header_matches as host_header_matches
+from miles_core.http import url_name as url_name
 
 
 class DashboardHostError(ValueError):
@@ -37,35 +39,3 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def url_name(host: str) -> str:
-    """``host`` as a URL and a ``Host`` header write it: lower case, an IPv6 address in brackets."""
-    host = host.lower().strip("[]")
-    return f"[{host}]" if ":" in host else host
-
-
-def allowed_host_names(host: str) -> frozenset[str]:
-    """The names that a request's ``Host`` may give to a server bound to ``host``."""
-    names = {*LOOPBACK_NAMES, url_name(host)}
-    if host in WILDCARD_HOSTS:  # every interface: this machine's names and addresses
-        import psutil  # deferred: only a server bound to every interface lists them
-
-        names |= {url_name(socket.gethostname()), url_name(socket.getfqdn())}
-        names |= {url_name(a.address.split("%")[0]) for addresses in psutil.net_if_addrs().values()
-                  for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)}  # fmt: skip
-    return frozenset(names)
-
-
-def host_header_matches(value: str | None, *, names: frozenset[str], port: int) -> bool:
-    """Whether the ``Host`` header ``value`` is one of ``names`` with ``port`` (a header without a port means 80)."""
-    if not value:
-        return False
-    value = value.strip().lower()
-    if value.endswith("]") or ":" not in value:  # "[::1]" or "localhost": no port
-        name, given_port = value, ""
-    else:
-        name, _, given_port = value.rpartition(":")
-        if not re.fullmatch(r"[0-9]{1,5}", given_port):
-            return False
-    return name in names and (int(given_port) if given_port else 80) == port

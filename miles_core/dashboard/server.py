@@ -2,9 +2,10 @@
 
 An ASGI app served by uvicorn (asyncio: a slow or idle connection costs a socket, not a thread, so a flood of slow
 clients does not keep anyone else waiting; a client that does not send its request head within 10 s, or idles on a
-keep-alive connection for 5 s, is disconnected). The dashboard is read-only and small, runs inside the training
-process (``miles train --dashboard``, in a daemon thread) or on its own (``miles dashboard RUN_DIR``), and must
-work with no network, so everything it serves ships in this package (``static/``).
+keep-alive connection for 5 s, is disconnected: :class:`miles_core.http.BoundedHttpProtocol`). The dashboard is
+read-only and small, runs inside the training process (``miles train --dashboard``, in a daemon thread) or on its
+own (``miles dashboard RUN_DIR``), and must work with no network, so everything it serves ships in this package
+(``static/``).
 
 It binds 127.0.0.1 unless told otherwise (an empty host is refused), and answers only requests whose ``Host``
 names it (:mod:`miles_core.dashboard.hosts`: a page that rebinds its own domain name to 127.0.0.1 cannot read the
@@ -30,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from miles_core.dashboard import hosts
 from miles_core.dashboard.api import DashboardApi
 from miles_core.dashboard.store import DashboardDatabaseError, db_path
+from miles_core.http import BoundedHttpProtocol
 from miles_core.workers.process import listening_socket
 
 logger = logging.getLogger("miles.dashboard")
@@ -45,9 +46,6 @@ PAGE_ROUTES = re.compile(r"/(|topology|charts|timeline|samples(/[0-9]{1,9}(/[0-9
 
 KEEP_ALIVE_S = 5
 """An idle keep-alive connection is closed after this many seconds."""
-HEAD_TIMEOUT_S = 10
-"""A client that has not sent a whole request head (request line and headers) this long after connecting, or after
-its previous answer, is disconnected (slowloris: uvicorn waits for a head forever)."""
 START_TIMEOUT_S = 30.0
 
 Scope = dict[str, Any]
@@ -83,7 +81,7 @@ class DashboardServer:
         if not hosts.is_loopback_host(self.host):
             logger.warning("dashboard: serving on %s: reachable from other machines, with no authentication", host)
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                http=_HeadDeadlineProtocol, timeout_keep_alive=KEEP_ALIVE_S,
+                                http=BoundedHttpProtocol, timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=5)  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
@@ -120,38 +118,6 @@ class DashboardServer:
         if self.thread is not None:
             self.thread.join(timeout=10)
         self.socket.close()
-
-
-class _HeadDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request's head (:data:`HEAD_TIMEOUT_S`)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_deadline()
-
-    def handle_events(self) -> None:
-        super().handle_events()
-        if self.cycle is not self._cycle_at_deadline:  # a new request's head has arrived
-            self._disarm_head_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_head_deadline()  # the next request on this keep-alive connection
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_deadline()
-        super().connection_lost(exc)
-
-    def _arm_head_deadline(self) -> None:
-        self._disarm_head_deadline()
-        self._cycle_at_deadline = self.cycle
-        self._head_deadline = self.loop.call_later(HEAD_TIMEOUT_S, self.transport.close)
-
-    def _disarm_head_deadline(self) -> None:
-        if getattr(self, "_head_deadline", None) is not None:
-            self._head_deadline.cancel()
-        self._head_deadline = None
 
 
 class DashboardApp:

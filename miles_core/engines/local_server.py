@@ -5,8 +5,15 @@ mirror ``sglang.launch_server`` so the same supervision code can launch either.
 Control routes (weight updates, pause, flush, version) always require ``Authorization: Bearer <admin key>``: the
 key is ``--admin-api-key`` (or the run's token in ``$MILES_RUN_TOKEN``); without one, the server generates a key and
 writes it to a file only its user can read (``--admin-key-file``, printed at start). Every JSON answer carries the
-engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked) and
-refused with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked, at most
+:data:`MAX_PROMPTS_PER_REQUEST` prompts, each query parameter once, a head and body that keep arriving) and refused
+with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+
+``/generate`` needs no key, so the engine refuses what only a web page would send
+(:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
+that rebound its domain name to 127.0.0.1 could otherwise use the GPU and read the answers, the model path
+included) and any foreign ``Origin`` (a page posting a no-preflight "simple" request). SGLang's router and Miles'
+clients send ``Host: <the engine's address>:<port>`` and no ``Origin``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 import pydantic
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -36,7 +43,17 @@ from miles_core.engines.local_engine import LocalEngine, check_weight_version
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import MilesError
-from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
+from miles_core.http import (
+    JSON_ERRORS,
+    BoundedHttpProtocol,
+    HttpError,
+    allowed_host_names,
+    bearer_token_matches,
+    check_browser_request,
+    parse_json_object,
+    read_body,
+    safe_message,
+)
 from miles_core.workers.rpc_wire import TOKEN_ENV
 
 MIB = 1 << 20
@@ -48,6 +65,10 @@ ROUTE_BODY_BYTES = {
     "/update_weights_from_tensor": 1 << 30,  # weights may travel in the body (base64 safetensors)
 }
 MAX_RID_CHARS = 256
+MAX_PROMPTS_PER_REQUEST = 16384
+"""A /generate batch's prompts at most (a rollout sends its share of one step: thousands). Each prompt costs Python
+objects and a sampling-parameter check before the engine sees it, so 32 MiB of ``[[0],[0],...]`` (8 million
+one-token prompts) would cost gigabytes and minutes of CPU."""
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs and tests see why it ended
 
 log = logging.getLogger(__name__)
@@ -65,6 +86,7 @@ class LocalEngineServer:
         self.admin_key = admin_key
         self.key_file = key_file
         self.host, self.port = host, port
+        self.served_names = allowed_host_names(host)  # the Host headers it answers (DNS rebinding)
         self.in_flight = 0
         self.generate_requests = 0  # /generate calls served (a batch counts once)
 
@@ -83,7 +105,7 @@ class LocalEngineServer:
                   for path, fn in public.items()]  # fmt: skip
         routes += [Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"])
                    for path, fn in control.items()]  # fmt: skip
-        return Starlette(routes=routes, lifespan=self._lifespan)
+        return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=JSON_ERRORS)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -100,6 +122,7 @@ class LocalEngineServer:
 
         async def endpoint(request: Request) -> Response:
             try:
+                check_browser_request(request.headers, names=self.served_names, port=self.port)
                 if control:
                     self._check_admin(request)
                 body = await _request_body(request, limit=limit)
@@ -120,6 +143,7 @@ class LocalEngineServer:
         return endpoint
 
     def _refusal(self, status: int, message: str) -> JSONResponse:
+        message = safe_message(message)  # a MilesError or ValueError may repeat a field's value whole
         body = {"success": False, "error": message, "message": message, "weight_version": self.engine.weight_version}
         return JSONResponse(body, status_code=status)
 
@@ -267,12 +291,18 @@ class LocalEngineServer:
 async def _request_body(request: Request, *, limit: int) -> dict:
     """The request's fields: the query of a GET, else the JSON object of the body (at most ``limit`` bytes)."""
     if request.method == "GET":
-        return dict(request.query_params)
-    try:
-        raw = await read_body(request, limit=limit)
-    except ClientDisconnect:
-        raise HttpError(400, "the client went away before sending the whole body") from None
-    return parse_json_object(raw)
+        return _query_fields(request)
+    return parse_json_object(await read_body(request, limit=limit))
+
+
+def _query_fields(request: Request) -> dict[str, str]:
+    """A GET's query parameters as fields, each given at most once (as a JSON body gives each key once)."""
+    pairs = request.query_params.multi_items()
+    fields = dict(pairs)
+    if len(fields) != len(pairs):
+        twice = next(key for key in fields if len(request.query_params.getlist(key)) > 1)
+        raise HttpError(400, f"query parameter {twice[:100]!r} is given more than once: give each parameter once")
+    return fields
 
 
 async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
@@ -355,6 +385,7 @@ def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
         ids = body["input_ids"]
         single = isinstance(ids, list) and bool(ids) and all(_is_int(t) for t in ids)
         batch = [ids] if single else ids
+        _check_batch_size(batch, "input_ids")
         if (
             not isinstance(batch, list)
             or not batch
@@ -363,15 +394,23 @@ def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
             raise HttpError(400, "input_ids must be a non-empty list of token ids, or a list of such lists")
         return batch, single
     if "text" in body:
-        if tokenizer is None:
-            raise HttpError(400, "this model directory has no tokenizer: send input_ids")
         texts = body["text"]
         single = isinstance(texts, str)
         batch = [texts] if single else texts
+        _check_batch_size(batch, "text")
+        if tokenizer is None:
+            raise HttpError(400, "this model directory has no tokenizer: send input_ids")
         if not isinstance(batch, list) or not batch or not all(isinstance(t, str) and t for t in batch):
             raise HttpError(400, "text must be a non-empty string, or a non-empty list of such strings")
         return [tokenizer.encode(t) for t in batch], single
     raise HttpError(400, "send input_ids (or text)")
+
+
+def _check_batch_size(batch: Any, field: str) -> None:
+    """A batch of at most :data:`MAX_PROMPTS_PER_REQUEST` prompts, checked before any is looked at."""
+    if isinstance(batch, list) and len(batch) > MAX_PROMPTS_PER_REQUEST:
+        raise HttpError(400, f"{field} holds {len(batch)} prompts; one request takes at most "
+                             f"{MAX_PROMPTS_PER_REQUEST}: split the batch")  # fmt: skip
 
 
 def _is_int(value: Any) -> bool:
@@ -451,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         print(f"local engine: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         raise SystemExit(2) from None
-    config = uvicorn.Config(server.app(), log_level="warning", access_log=False)
+    config = uvicorn.Config(server.app(), log_level="warning", access_log=False, http=BoundedHttpProtocol)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -73,12 +73,18 @@ def swap_in_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Te
 def read_checkpoint_dir(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint directory."""
     path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not path.is_dir() or not files:
-        raise WeightLoadError(f"{path} is not a directory holding .safetensors files")
+    try:  # a name too long, a directory it may not read: the caller's mistake, not the engine's
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    except OSError as exc:
+        raise WeightLoadError(f"cannot read the checkpoint directory {str(path)!r}: {exc.strerror}") from None
+    if not files:
+        raise WeightLoadError(f"{str(path)!r} is not a directory holding .safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(str(file)))
+        try:
+            tensors.update(load_file(str(file)))
+        except Exception as exc:  # OSError, or safetensors' own error types
+            raise WeightLoadError(f"cannot read safetensors file {str(file)!r}: {exc}") from None
     return tensors
 
 

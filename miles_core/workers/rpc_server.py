@@ -31,7 +31,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from miles_core.http import HttpError, bearer_token_matches, parse_json_object, read_body
+from miles_core.http import (
+    JSON_ERRORS,
+    BoundedHttpProtocol,
+    HttpError,
+    bearer_token_matches,
+    parse_json_object,
+    read_body,
+)
 from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
 from miles_core.workers.rpc_arguments import ArgumentCheck, ArgumentError, short_repr
 from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
@@ -167,7 +174,9 @@ class RpcServer:
         self.port = sock.getsockname()[1]
         self._groups = {name: _Group(name, limit) for name, limit in self._group_limits.items()}
         self._stopping = asyncio.Event()
-        config = uvicorn.Config(self._app(), log_level="warning", access_log=False, timeout_keep_alive=75)
+        config = uvicorn.Config(
+            self._app(), log_level="warning", access_log=False, timeout_keep_alive=75, http=BoundedHttpProtocol
+        )
         self._server = uvicorn.Server(config)
         self._serve_task = asyncio.create_task(self._server.serve(sockets=[sock]))
         self._sweeper = asyncio.create_task(self._sweep())
@@ -231,7 +240,7 @@ class RpcServer:
             Route(POLL_PATH, self._guard(self._poll), methods=["GET"]),
             Route(HEALTH_PATH, self._guard(self._health), methods=["GET"]),
         ]
-        return Starlette(routes=routes)
+        return Starlette(routes=routes, exception_handlers=JSON_ERRORS)
 
     def _guard(self, handler: Callable) -> Callable:
         async def endpoint(request: Request) -> Response:

@@ -22,8 +22,9 @@ import httpx
 import pytest
 
 from miles_core.dashboard.hosts import DashboardHostError, allowed_host_names, host_header_matches
-from miles_core.dashboard.server import HEAD_TIMEOUT_S, KEEP_ALIVE_S, DashboardServer
+from miles_core.dashboard.server import KEEP_ALIVE_S, DashboardServer
 from miles_core.dashboard.store import DashboardStore
+from miles_core.http import HEAD_TIMEOUT_S
 from tests.conftest import run_miles
 from tests.dashboard.test_api import sample
 from tests.dashboard.test_cli import error_of

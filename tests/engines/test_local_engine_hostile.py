@@ -387,7 +387,7 @@ def test_a_client_that_goes_away_cancels_its_generation(engine) -> None:
     before = engine_state(engine)["generated_tokens"]
     body = json.dumps({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": CONTEXT - 2, "ignore_eos": True}})
     with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
         wait_for(lambda: engine_state(engine)["in_flight"] == 1, "the request to run")
     assert_still_serving(engine)  # 2 tokens, batched after the abandoned request's batch ended
@@ -400,7 +400,8 @@ def test_a_queued_request_whose_client_went_away_is_never_run(engine) -> None:
     try:
         body = json.dumps({"input_ids": [4], "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}})
         with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as sock:
-            sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n{body}".encode())
+            head = f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(f"{head}{body}".encode())
             wait_for(lambda: engine_state(engine)["in_flight"] == 1, "the request to be queued")
         wait_for(lambda: engine_state(engine)["in_flight"] == 0, "the abandoned request to be dropped", 30)
     finally:
@@ -415,7 +416,8 @@ def test_a_queued_request_whose_client_went_away_is_never_run(engine) -> None:
 def send_chunked(engine: EngineProcess, path: str, total: int, *, auth: bool) -> int:
     """POST ``total`` bytes of body in chunks without a Content-Length; returns the answer's status."""
     chunk = b" " * (1 << 16)
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nTransfer-Encoding: chunked\r\n"
+    head += "Content-Type: application/json\r\n"
     head += f"Authorization: Bearer {ADMIN}\r\n" if auth else ""
     with socket.create_connection(("127.0.0.1", engine.port), timeout=60) as sock:
         sock.sendall((head + "\r\n").encode())
@@ -453,7 +455,8 @@ def test_the_body_stream_is_limited_per_route(engine, path: str, total: int, sta
 
 def test_a_declared_length_over_the_limit_is_413_before_reading(engine) -> None:
     with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1073741824\r\n\r\n{")
+        head = b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Length: 1073741824\r\n\r\n" % engine.port
+        sock.sendall(head + b"{")
         assert b" 413 " in sock.recv(4096)
 
 

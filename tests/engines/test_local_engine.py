@@ -242,7 +242,7 @@ def test_bad_model_directory_fails_the_launch_with_its_log(tmp_path: Path) -> No
     provider = LocalWorkerProvider(token=ADMIN, run_dir=tmp_path)
     with pytest.raises(WorkerStartError) as caught:
         run(provider.start(engine_spec("engine-bad", tmp_path / "nowhere")))
-    assert "has no config.json" in str(caught.value)
+    assert "nowhere': No such file or directory (expected an HF checkpoint directory)" in str(caught.value)
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "config.json").write_text("{not json")

@@ -338,7 +338,7 @@ def test_ctrl_c_stops_a_run_cleanly_and_says_where_it_is(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([str(MILES), "train", "--num-steps", "500", "--no-progress", "--output-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
     try:
         for line in proc.stdout:
             if line.startswith("step    2"):
@@ -356,6 +356,12 @@ def test_ctrl_c_stops_a_run_cleanly_and_says_where_it_is(tmp_path: Path) -> None
     assert "Traceback" not in stderr, stderr[-2000:]
     assert f"miles: interrupted; the run is in {run_dir}, with no checkpoint yet" in stderr
     assert left == []
+
+
+def _default_sigint() -> None:
+    """Ctrl-C's default action in the child: a shell that starts pytest in the background (``make test &``) ignores
+    SIGINT, the child would inherit that, and Python installs no KeyboardInterrupt handler for an ignored signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -233,9 +233,9 @@ def test_a_reward_that_is_not_a_finite_number_stops_the_run_naming_sample_and_fu
 @pytest.mark.parametrize(
     ("setup", "message"),
     [
-        ("missing_model", "has no config.json"),
+        ("missing_model", "No such file or directory (expected an HF checkpoint directory)"),
         ("corrupt_model", "cannot load"),
-        ("bad_jsonl", "prompts.jsonl:2: not valid JSON"),
+        ("bad_jsonl", "prompts.jsonl:2 is not valid JSON"),
         ("no_reward", "--prompts needs --reward"),
         ("unknown_reward_module", "--reward 'no_such_module:fn': no module named 'no_such_module' in the working"),
         ("model_without_tokenizer", "holds no tokenizer files (one of tokenizer.json, tokenizer_config.json"),

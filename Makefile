@@ -7,7 +7,7 @@ DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sgl
 	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
-.PHONY: setup browser run test lint bench clean
+.PHONY: setup sglang browser run test lint bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,24 @@ $(STAMP): $(PYPROJECTS)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt $(DISTRIBUTIONS)
 	touch $(STAMP)
+
+# A real SGLang server for CPU in an environment of its own (sglang pins its own torch and transformers), from the
+# registries and the CPU kernel in ../shared/sglang-cpu. The sglang plugin finds it as .venv-sglang (sglang.python).
+SGLANG_VENV := .venv-sglang
+SGLANG_CPU ?= $(firstword $(wildcard ../shared/sglang-cpu /work/shared/sglang-cpu))
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+sglang: $(SGLANG_STAMP)
+
+ifeq ($(SGLANG_CPU),)
+$(SGLANG_STAMP):
+	@echo "make sglang: no sglang-cpu folder (../shared/sglang-cpu: install.sh and the CPU kernel wheel);" \
+		"set SGLANG_CPU=DIR to one" >&2; exit 1
+else
+$(SGLANG_STAMP): $(SGLANG_CPU)/install.sh $(SGLANG_CPU)/sglang-deps-cpu.txt
+	rm -rf $(SGLANG_VENV)
+	bash $(SGLANG_CPU)/install.sh $(SGLANG_VENV)
+	touch $(SGLANG_STAMP)
+endif
 
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; it downloads no browser).
 CHROMIUM := /usr/bin/chromium
@@ -30,7 +48,7 @@ $(CHROMIUM):
 run: setup
 	$(BIN)/miles train
 
-test: setup browser
+test: setup browser sglang
 	$(BIN)/python -m pytest
 
 lint: setup
@@ -40,4 +58,4 @@ bench: setup
 	$(BIN)/python benchmarks/cli_startup.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SGLANG_VENV)

@@ -105,6 +105,14 @@ class EngineClient:
         return await self._control("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
                                    group_name=group_name, weight_version=weight_version)  # fmt: skip
 
+    async def begin_weight_update(self) -> dict:
+        """Open the engine's weight-update session (SGLang >= 0.5.2x refuses distributed updates outside one)."""
+        return await self._control("/begin_weight_update")
+
+    async def end_weight_update(self) -> dict:
+        """Close the session :meth:`begin_weight_update` opened."""
+        return await self._control("/end_weight_update")
+
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return await self._control("/destroy_weights_update_group", group_name=group_name)
 

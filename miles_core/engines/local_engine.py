@@ -95,6 +95,7 @@ class LocalEngine:
         self._weight_version = "default"
         self.lock = threading.Lock()  # one batch or one weight update at a time
         self.groups: dict[str, Any] = {}
+        self.weight_update_open = False  # SGLang's weight-update session (begin/end_weight_update)
         self.generated_tokens = 0
         self._queue: asyncio.Queue[_Pending] | None = None
         self._running = asyncio.Event()
@@ -312,6 +313,9 @@ class LocalEngine:
 
     def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                 group_name: str, weight_version: str | None) -> int:  # fmt: skip
+        if not self.weight_update_open:  # as SGLang: a receive outside a session would never join the broadcast
+            raise MilesError("update_weights_from_distributed must run between begin_weight_update() and "
+                             "end_weight_update()")  # fmt: skip
         if group_name not in self.groups:
             raise MilesError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
@@ -332,6 +336,17 @@ class LocalEngine:
         """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
         with self.lock:
             return checksum(unique_named_tensors(self.model.state_dict().items()))
+
+    def begin_weight_update(self) -> None:
+        """Open the weight-update session that distributed updates need (one at a time, as SGLang)."""
+        if self.weight_update_open:
+            raise MilesError("a weight-update session is already open; call end_weight_update() first")
+        self.weight_update_open = True
+
+    def end_weight_update(self) -> None:
+        if not self.weight_update_open:
+            raise MilesError("no weight-update session is open; call begin_weight_update() first")
+        self.weight_update_open = False
 
     def destroy_group(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:

@@ -97,6 +97,7 @@ class LocalEngineServer:
         control = {"/flush_cache": self.flush_cache, "/update_weights_from_disk": self.update_from_disk,
                    "/update_weights_from_tensor": self.update_from_tensor,
                    "/init_weights_update_group": self.init_group,
+                   "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
                    "/update_weights_from_distributed": self.update_from_distributed,
                    "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
                    "/continue_generation": self.resume, "/update_weight_version": self.update_version,
@@ -258,6 +259,14 @@ class LocalEngineServer:
             group_name=_group_name(body), weight_version=_version(body),
         )  # fmt: skip
         return self._success(f"received {loaded} bytes")
+
+    async def begin_update(self, body: dict) -> dict:
+        self.engine.begin_weight_update()
+        return self._success("weight-update session open")
+
+    async def end_update(self, body: dict) -> dict:
+        self.engine.end_weight_update()
+        return self._success("weight-update session closed")
 
     async def destroy_group(self, body: dict) -> dict:
         self.engine.destroy_group(_group_name(body))

@@ -1,41 +1,146 @@
-"""Worker specs for SGLang engines and the sglang-router: command lines, ports, health URLs, reservations."""
+"""Worker specs for SGLang engines and the sglang-router: command lines, ports, health URLs, reservations, and the
+settings an engine needs on CPU."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
+import psutil
+
+from miles_core.errors import ConfigError
+from miles_core.models.hf_checkpoint import read_model_config, tokenizer_files
 from miles_core.workers.specs import CommandWorkerSpec
-from miles_plugins_sglang.config import PYTHON, server_flags
+from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, server_flags
+
+CPU_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    # SGLang's default CPU attention (intel_amx) needs a kernel build that matches its sglang release exactly.
+    "attention_backend": "torch_native",
+    "disable_overlap_schedule": True,
+    "cuda_graph_backend_decode": "disabled",
+    "cuda_graph_backend_prefill": "disabled",
+    # An idle scheduler otherwise busy-polls a whole core, which the trainer needs on a small machine.
+    "sleep_on_idle": True,
+}
+"""What a CPU engine runs with unless ``server_args`` says otherwise (measured with sglang 0.5.23 on CPU)."""
+CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+"""SGLang takes its CUDA paths unless this selects its CPU platform."""
+KV_MEMORY_FRACTION = 0.1
+"""Of the machine's available memory, what a CPU engine's KV pool may take (the trainer needs the rest)."""
+KV_TOKENS_RANGE = (4096, 131072)
 
 
 def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """One engine: ``sglang.launch_command`` with the checkpoint, loopback (or node) host, an allocated port, the
-    parallel sizes, the run's seed and token as admin key, then ``server_args`` and ``extra_args``. Ready once
-    ``/health_generate`` answers 200."""
+    parallel sizes, the run's seed and token as admin key, then the server settings (CPU ones first when the engine
+    gets no GPU, then ``server_args``) and ``extra_args``. Ready once ``/health_generate`` answers 200."""
     sglang = config.sglang
-    argv = [*_command(sglang.launch_command), "--model-path", _literal(model_path), "--host", "{host}",
-            "--port", "{port}", "--tp-size", str(sglang.tp_size), "--dp-size", str(sglang.dp_size),
-            "--ep-size", str(sglang.ep_size), "--random-seed", str(config.run.seed), "--admin-api-key", "{token}",
-            *map(_literal, server_flags(sglang.server_args)), *map(_literal, sglang.extra_args)]  # fmt: skip
-    return CommandWorkerSpec(name=cell_id, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate",
-                             startup_timeout_s=config.engine.startup_timeout_s, num_cpus=0,
-                             num_gpus=_gpus_per_engine(sglang))  # fmt: skip
+    num_gpus = _gpus_per_engine(sglang)
+    on_cpu = sglang.cpu_launch == "on" or (sglang.cpu_launch == "auto" and num_gpus == 0 and sglang.runs_stock_sglang())
+    server_args = {**(cpu_server_args(config, model_path) if on_cpu else {}), **sglang.server_args}
+    argv = [
+        *_command(sglang.launch_command, sglang_python=sglang.sglang_python()),
+        *("--model-path", _literal(model_path), "--host", "{host}", "--port", "{port}"),
+        *("--tp-size", str(sglang.tp_size), "--dp-size", str(sglang.dp_size), "--ep-size", str(sglang.ep_size)),
+        *("--random-seed", str(config.run.seed), "--admin-api-key", "{token}"),
+        *map(_literal, server_flags(server_args)),
+        *map(_literal, sglang.extra_args),
+    ]
+    env = {**(CPU_ENV if on_cpu else {}), **sglang.env}
+    return CommandWorkerSpec(
+        name=cell_id,
+        argv=argv,
+        env={name: _literal(value) for name, value in env.items()},
+        ports=["port"],
+        health_url="http://{host}:{port}/health_generate",
+        startup_timeout_s=config.engine.startup_timeout_s,
+        num_cpus=0,
+        num_gpus=num_gpus,
+    )
+
+
+def cpu_server_args(config: Any, model_path: str) -> dict[str, Any]:
+    """:data:`CPU_SERVER_ARGS`, a KV pool sized for this machine and the model, at most ``engine.max_batch_size``
+    requests at once, and no tokenizer when the checkpoint has none (Miles sends and reads token ids)."""
+    args = {
+        **CPU_SERVER_ARGS,
+        "max_total_tokens": kv_token_budget(model_path),
+        "max_running_requests": config.engine.max_batch_size,
+    }
+    if not tokenizer_files(model_path):
+        args["skip_tokenizer_init"] = True
+    return args
+
+
+def kv_token_budget(model_path: str) -> int:
+    """KV-cache tokens that fit in :data:`KV_MEMORY_FRACTION` of the available memory for this model (bf16 keys and
+    values of every layer), within :data:`KV_TOKENS_RANGE`."""
+    hf = read_model_config(model_path)
+    text = hf.get("text_config") or hf
+    heads = text.get("num_attention_heads") or 1
+    head_dim = text.get("head_dim") or (text.get("hidden_size") or 0) // heads
+    kv_heads = text.get("num_key_value_heads") or heads
+    layers = text.get("num_hidden_layers") or 1
+    bytes_per_token = max(1, 2 * layers * kv_heads * head_dim * 2)
+    fitting = int(psutil.virtual_memory().available * KV_MEMORY_FRACTION) // bytes_per_token
+    low, high = KV_TOKENS_RANGE
+    return max(low, min(high, fitting))
+
+
+def check_engine_environment(config: Any) -> None:
+    """Before any engine starts: the interpreter of a stock ``sglang.launch_server`` command exists and has sglang;
+    otherwise a :class:`ConfigError` saying how to get one."""
+    sglang = config.sglang
+    if not any(SGLANG_PYTHON in part for part in sglang.launch_command):
+        return
+    python = sglang.sglang_python()
+    fix = (
+        f"create one with `make sglang` (the repository's .venv-sglang), or point sglang.python "
+        f"(--sglang-python, ${SGLANG_PYTHON_ENV}) at the python of an environment that has sglang"
+    )
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ConfigError(f"the SGLang engine environment's interpreter {python!r} does not exist: {fix}")
+    if not _has_sglang(python):
+        raise ConfigError(f"the SGLang engine environment {python!r} has no sglang (import sglang fails): {fix}")
+
+
+def _has_sglang(python: str) -> bool:
+    import subprocess  # deferred: only before engines start
+
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        import importlib.util
+
+        return importlib.util.find_spec("sglang") is not None
+    done = subprocess.run([python, "-c", "import importlib.util as u; exit(u.find_spec('sglang') is None)"],
+                          capture_output=True, timeout=60)  # fmt: skip
+    return done.returncode == 0
 
 
 def router_spec(config: Any) -> CommandWorkerSpec:
     """The sglang-router, with its server and its Prometheus endpoint on the worker's host (never 0.0.0.0)."""
     sglang = config.sglang
-    argv = [*_command(sglang.router_command), "--host", "{host}", "--port", "{port}", "--prometheus-host", "{host}",
-            "--prometheus-port", "{prometheus}", "--policy", sglang.router_policy,
-            "--health-check-interval-secs", str(sglang.router_health_check_interval_s), "--log-level", "warn",
-            *map(_literal, sglang.router_extra_args)]  # fmt: skip
-    return CommandWorkerSpec(name="router", argv=argv, ports=["port", "prometheus"],
-                             health_url="http://{host}:{port}/health", startup_timeout_s=60.0, num_cpus=0)  # fmt: skip
+    argv = [
+        *_command(sglang.router_command, sglang_python=sglang.sglang_python()),
+        *("--host", "{host}", "--port", "{port}", "--prometheus-host", "{host}", "--prometheus-port", "{prometheus}"),
+        *("--policy", sglang.router_policy, "--health-check-interval-secs", str(sglang.router_health_check_interval_s)),
+        *("--log-level", "warn"),
+        *map(_literal, sglang.router_extra_args),
+    ]
+    return CommandWorkerSpec(
+        name="router",
+        argv=argv,
+        ports=["port", "prometheus"],
+        health_url="http://{host}:{port}/health",
+        startup_timeout_s=60.0,
+        num_cpus=0,
+    )
 
 
-def _command(command: list[str]) -> list[str]:
-    return [sys.executable if part == PYTHON else _literal(part) for part in command]
+def _command(command: list[str], *, sglang_python: str) -> list[str]:
+    interpreters = {PYTHON: sys.executable, SGLANG_PYTHON: sglang_python}
+    return [_literal(interpreters.get(part, part)) for part in command]
 
 
 def _literal(text: str) -> str:

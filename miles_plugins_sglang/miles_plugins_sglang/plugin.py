@@ -36,7 +36,7 @@ def validate_config(config: Any) -> None:
     if config.sglang.router and config.engine.backend != "sglang":
         raise ConfigError(f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), "
                           f"not {config.engine.backend!r}")  # fmt: skip
-    stock_sglang = any("sglang.launch_server" in part for part in config.sglang.launch_command)
+    stock_sglang = config.sglang.runs_stock_sglang()
     if config.engine.backend == "sglang" and stock_sglang and config.weight_transfer.mode == "tensor":
         raise ConfigError("weight_transfer.mode = 'tensor' sends safetensors buffers (or shared-memory staging), which "
                           "stock SGLang's /update_weights_from_tensor does not read (it takes pickled tensors, which "
@@ -59,8 +59,9 @@ def serves_checksum(config: Any) -> bool:
 def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
     if config.engine.backend != "sglang":
         return None
-    from miles_plugins_sglang.launch import sglang_engine_spec
+    from miles_plugins_sglang.launch import check_engine_environment, sglang_engine_spec
 
+    check_engine_environment(config)
     return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
 
 

@@ -57,12 +57,13 @@ def test_engine_command_line(manager) -> None:
     config = sglang_config(manager, **{
         "sglang.server_args": {"enable_metrics": True, "disable_radix_cache": False, "cuda_graph_bs_decode": [1, 2],
                                "json_model_override_args": {"rope": 1}},
-        "sglang.extra_args": ["--custom-flag", "{not-a-placeholder}"], "sglang.tp_size": 2})  # fmt: skip
+        "sglang.extra_args": ["--custom-flag", "{not-a-placeholder}"], "sglang.tp_size": 2,
+        "sglang.cpu_launch": "off", "sglang.python": "/envs/sglang/bin/python"})  # fmt: skip
     assert server_flags({"a_b": True, "c": False, "d": [1, 2]}) == ["--a-b", "--d", "1", "2"]
     spec = sglang_engine_spec(config, cell_id="engine-0", model_path="/models/{odd}")
     resolved = spec.resolve({"port": 31000}, token="secret")
     argv = resolved.argv
-    assert argv[1:3] == ["-m", "sglang.launch_server"] and argv[argv.index("--model-path") + 1] == "/models/{odd}"
+    assert argv[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"] and argv[argv.index("--model-path") + 1] == "/models/{odd}"
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "31000"
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--admin-api-key") + 1] == "secret"
     assert "--enable-metrics" in argv and "--disable-radix-cache" not in argv

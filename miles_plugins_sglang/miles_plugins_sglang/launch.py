@@ -10,10 +10,16 @@ from typing import Any
 import psutil
 
 from miles_core.errors import ConfigError
-from miles_core.models.hf_checkpoint import read_model_config, tokenizer_files
+from miles_core.models.hf_checkpoint import read_model_config
 from miles_core.workers.specs import CommandWorkerSpec
 from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, server_flags
 
+STOCK_SERVER_ARGS: dict[str, Any] = {
+    # Miles sends and reads token ids; SGLang's own tokenizer would only be loaded (and its warm-up run on text
+    # that a small checkpoint's tokenizer may not cover).
+    "skip_tokenizer_init": True,
+}
+"""What a stock ``sglang.launch_server`` runs with unless ``server_args`` says otherwise."""
 CPU_SERVER_ARGS: dict[str, Any] = {
     "device": "cpu",
     # SGLang's default CPU attention (intel_amx) needs a kernel build that matches its sglang release exactly.
@@ -34,12 +40,14 @@ KV_TOKENS_RANGE = (4096, 131072)
 
 def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """One engine: ``sglang.launch_command`` with the checkpoint, loopback (or node) host, an allocated port, the
-    parallel sizes, the run's seed and token as admin key, then the server settings (CPU ones first when the engine
-    gets no GPU, then ``server_args``) and ``extra_args``. Ready once ``/health_generate`` answers 200."""
+    parallel sizes, the run's seed and token as admin key, then the server settings (for a stock SGLang server
+    :data:`STOCK_SERVER_ARGS`, and :func:`cpu_server_args` when it gets no GPU, each overridden by ``server_args``)
+    and ``extra_args``. Ready once ``/health_generate`` answers 200."""
     sglang = config.sglang
     num_gpus = _gpus_per_engine(sglang)
     on_cpu = sglang.cpu_launch == "on" or (sglang.cpu_launch == "auto" and num_gpus == 0 and sglang.runs_stock_sglang())
-    server_args = {**(cpu_server_args(config, model_path) if on_cpu else {}), **sglang.server_args}
+    defaults = STOCK_SERVER_ARGS if sglang.runs_stock_sglang() else {}
+    server_args = {**defaults, **(cpu_server_args(config, model_path) if on_cpu else {}), **sglang.server_args}
     argv = [
         *_command(sglang.launch_command, sglang_python=sglang.sglang_python()),
         *("--model-path", _literal(model_path), "--host", "{host}", "--port", "{port}"),
@@ -62,16 +70,13 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
 
 
 def cpu_server_args(config: Any, model_path: str) -> dict[str, Any]:
-    """:data:`CPU_SERVER_ARGS`, a KV pool sized for this machine and the model, at most ``engine.max_batch_size``
-    requests at once, and no tokenizer when the checkpoint has none (Miles sends and reads token ids)."""
-    args = {
+    """:data:`CPU_SERVER_ARGS`, a KV pool sized for this machine and the model, and at most
+    ``engine.max_batch_size`` requests at once."""
+    return {
         **CPU_SERVER_ARGS,
         "max_total_tokens": kv_token_budget(model_path),
         "max_running_requests": config.engine.max_batch_size,
     }
-    if not tokenizer_files(model_path):
-        args["skip_tokenizer_init"] = True
-    return args
 
 
 def kv_token_budget(model_path: str) -> int:

@@ -58,11 +58,17 @@ def resolve_sglang_python(setting: str) -> str:
     return str(candidate.absolute()) if candidate.is_file() else sys.executable
 
 
+def is_this_interpreter(python: str) -> bool:
+    """Whether ``python`` is the interpreter running Miles. Paths are compared without following links: a virtual
+    environment's ``bin/python`` links to the base interpreter, yet the environment (its packages) differs."""
+    return os.path.abspath(python) == os.path.abspath(sys.executable)
+
+
 def server_arg_fields(python: str | None = None) -> tuple[frozenset[str], str]:
     """SGLang's server settings and where they were read: the ``ServerArgs`` of the environment ``python`` when it
     has sglang, else this interpreter's, else the shipped list."""
-    if python is not None and os.path.realpath(python) != os.path.realpath(sys.executable):
-        found = _environment_fields(os.path.realpath(python))
+    if python is not None and not is_this_interpreter(python):
+        found = _environment_fields(os.path.abspath(python))
         if found is not None:
             return found, f"the ServerArgs of sglang in the engine environment ({python})"
     return _local_fields()

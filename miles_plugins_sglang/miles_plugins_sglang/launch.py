@@ -12,7 +12,7 @@ import psutil
 from miles_core.errors import ConfigError
 from miles_core.models.hf_checkpoint import read_model_config
 from miles_core.workers.specs import CommandWorkerSpec
-from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, server_flags
+from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, is_this_interpreter, server_flags
 
 STOCK_SERVER_ARGS: dict[str, Any] = {
     # Miles sends and reads token ids; SGLang's own tokenizer would only be loaded (and its warm-up run on text
@@ -114,7 +114,7 @@ def check_engine_environment(config: Any) -> None:
 def _has_sglang(python: str) -> bool:
     import subprocess  # deferred: only before engines start
 
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    if is_this_interpreter(python):
         import importlib.util
 
         return importlib.util.find_spec("sglang") is not None

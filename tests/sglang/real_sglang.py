@@ -12,13 +12,12 @@ import contextlib
 import functools
 import os
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_plugins_sglang.config import resolve_sglang_python
+from miles_plugins_sglang.config import is_this_interpreter, resolve_sglang_python
 from miles_plugins_sglang.launch import sglang_engine_spec
 
 from miles_core.config.build import build_config
@@ -59,7 +58,7 @@ def unavailable_reason() -> str | None:
         return (f"SGLang's CPU engine needs an Intel CPU with AVX512-BF16 or AMX (this one: {vendor or 'unknown'}, "
                 f"amx_bf16/avx512_bf16 absent)")  # fmt: skip
     python = sglang_python()
-    if not os.path.isfile(python) or os.path.realpath(python) == os.path.realpath(sys.executable):
+    if not os.path.isfile(python) or is_this_interpreter(python):
         return "no SGLang environment: run `make sglang` (creates .venv-sglang) or set $MILES_SGLANG_PYTHON"
     probe = subprocess.run([python, "-c", "import sglang, sgl_kernel"], capture_output=True, text=True, timeout=300,
                            env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip

@@ -63,7 +63,10 @@ def test_engine_command_line(manager) -> None:
     spec = sglang_engine_spec(config, cell_id="engine-0", model_path="/models/{odd}")
     resolved = spec.resolve({"port": 31000}, token="secret")
     argv = resolved.argv
-    assert argv[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"] and argv[argv.index("--model-path") + 1] == "/models/{odd}"
+    assert (
+        argv[:3] == ["/envs/sglang/bin/python", "-m", "sglang.launch_server"]
+        and argv[argv.index("--model-path") + 1] == "/models/{odd}"
+    )
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "31000"
     assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--admin-api-key") + 1] == "secret"
     assert "--enable-metrics" in argv and "--disable-radix-cache" not in argv

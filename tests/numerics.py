@@ -52,3 +52,16 @@ def assert_within_first_adam_step(
         rounding = 2 * FLOAT32_UNIT_ROUNDOFF * start.abs().max().item()
         assert moved.max().item() <= lr * (1 + 1e-6) + rounding, f"{name}: moved {moved.max().item():.3g} > lr"
         assert moved.max().item() > 0.5 * lr, f"{name}: did not move"
+
+
+def served_logprob_tolerance(dtype: torch.dtype, *, num_layers: int, largest_logit: float) -> float:
+    """How far an engine computing in ``dtype`` may serve a token's logprob from the float32 trainer's.
+
+    The engine rounds every weight and every activation to ``dtype`` (unit roundoff ``u = eps / 2``). Each layer
+    does about four rounded products and sums (attention and MLP, each a projection in and out) on a residual stream
+    that it adds to, so the logits carry a relative error of about ``4 * (num_layers + 1) * u`` (the embedding and
+    the head count as one more layer), i.e. an absolute error of that times the largest logit. A logprob is a logit
+    minus the log-sum-exp of all logits, each off by at most that much: twice the logit error bounds it.
+    """
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return 2 * 4 * (num_layers + 1) * unit_roundoff * max(1.0, largest_logit)

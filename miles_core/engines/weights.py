@@ -161,7 +161,7 @@ def new_weight_update_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     # rank 0's store listens on the master address alone (torch's own socket would take every interface)
     store = tcp_store(master_address, master_port, world_size=world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
+    prefixed = group_store(store, group_name=group_name, backend=backend)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -172,6 +172,14 @@ def new_weight_update_group(
     # reaches the master (127.0.0.1 for a master on 127.0.0.1).
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
     return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+
+
+def group_store(store: dist.Store, *, group_name: str, backend: str) -> dist.Store:
+    """The keys of a weight-update group's rendezvous, named as SGLang names them: its ``init_custom_process_group``
+    prefixes the group name, then torch's ``_new_process_group_helper`` adds ``<group name>/`` and ``<device>/``.
+    An engine on other keys would never meet the trainer (the store wait times out)."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) -> None:

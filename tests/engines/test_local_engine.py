@@ -183,6 +183,9 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
                 new_weight_update_group, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
                 group_name="weight_update_group"), engine_joins)  # fmt: skip
             names = list(state)
+            await client.begin_weight_update()  # as SGLang, a session around distributed updates (one at a time)
+            with pytest.raises(EngineError, match="a weight-update session is already open"):
+                await client.begin_weight_update()
             receive = client.update_weights_from_distributed(
                 names=names, dtypes=[str(state[n].dtype).removeprefix("torch.") for n in names],
                 shapes=[list(state[n].shape) for n in names], weight_version="9")  # fmt: skip
@@ -192,7 +195,11 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
                     broadcast(group, state[name].contiguous(), root=0)
 
             await asyncio.gather(asyncio.to_thread(send), receive)
+            await client.end_weight_update()
             await check_serves(client, model, "9")
+            with pytest.raises(EngineError, match="between begin_weight_update"):
+                await client.update_weights_from_distributed(names=names[:1], dtypes=["float32"],
+                                                             shapes=[list(state[names[0]].shape)])  # fmt: skip
             await client.destroy_weights_update_group()
             with pytest.raises(EngineError, match="no weight update group"):
                 await client.destroy_weights_update_group()

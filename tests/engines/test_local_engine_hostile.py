@@ -590,7 +590,8 @@ CONTROL_400 = [
     ("/update_weights_from_distributed", {"names": [1], "dtypes": ["float32"], "shapes": [[1]]}, "strings"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": "1"}, "shapes"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
-     "no weight update group"),
+     "between begin_weight_update"),  # as SGLang: outside a weight-update session, before the group is looked up
+    ("/end_weight_update", {}, "no weight-update session is open"),
     ("/destroy_weights_update_group", {"group_name": "nope"}, "no weight update group"),
     ("/destroy_weights_update_group", {"group_name": ""}, "must not be empty"),
 ]  # fmt: skip

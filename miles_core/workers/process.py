@@ -10,6 +10,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
@@ -59,6 +60,14 @@ def log_tail(path: str | Path | None, max_bytes: int = LOG_TAIL_BYTES) -> str:
         return f"(log {path} unreadable: {exc})"
 
 
+def open_private_log(path: Path) -> BinaryIO:
+    """``path`` for appending, readable by its owner alone: a worker may print secrets there (SGLang prints its
+    server arguments, the admin key among them)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    os.fchmod(descriptor, 0o600)  # a log left by an earlier run keeps its mode otherwise
+    return os.fdopen(descriptor, "ab")
+
+
 class SupervisedProcess:
     """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree."""
 
@@ -68,7 +77,7 @@ class SupervisedProcess:
         self.argv = list(argv)
         self.log_file = Path(log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_file, "ab") as log:
+        with open_private_log(self.log_file) as log:
             self.popen = subprocess.Popen(
                 self.argv, env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True,

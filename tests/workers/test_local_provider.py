@@ -202,3 +202,22 @@ def test_worker_spec_validation() -> None:
     resolved = http_server_spec("w").resolve({"port": 8000})
     assert resolved.health_url == "http://127.0.0.1:8000/" and resolved.url == "http://127.0.0.1:8000"
     assert "8000 --bind 127.0.0.1" in resolved.argv[2]
+
+
+def test_a_workers_log_is_readable_by_its_owner_alone(provider: LocalWorkerProvider, tmp_path: Path) -> None:
+    """Workers print secrets (SGLang prints its server arguments, the run's token as admin key among them)."""
+    earlier = tmp_path / "logs" / "talker.log"
+    earlier.parent.mkdir(parents=True, exist_ok=True)
+    earlier.write_text("an earlier run's line\n")
+    earlier.chmod(0o644)
+    spec = CommandWorkerSpec(name="talker", argv=[sys.executable, "-c", f"print('admin key {TOKEN}')"],
+                             log_file=str(earlier))  # fmt: skip
+
+    async def scenario() -> None:
+        await provider.start(spec)
+        await asyncio.sleep(0.5)
+        await provider.shutdown()
+
+    asyncio.run(scenario())
+    assert earlier.stat().st_mode & 0o777 == 0o600
+    assert "an earlier run's line" in earlier.read_text()  # appended to, not replaced

@@ -262,3 +262,31 @@ def test_model_info_and_server_info(engine, model_dir: Path) -> None:
     assert info["model_path"] == str(model_dir) and info["is_generation"] is True
     server = httpx.get(f"{engine.url}/server_info").json()
     assert server["random_seed"] == 3 and server["internal_states"][0]["generated_tokens"] > 0
+
+
+def test_a_broadcast_an_engine_refuses_fails_at_once_by_name_and_the_next_one_works(engine, model_dir: Path) -> None:
+    """The engine refuses a bucket (a name the model lacks): the trainer's broadcast would wait for a rank that never
+    joins; the update fails naming the engine, well before the group's timeout, and leaves no session open."""
+    from miles_core.training.weight_iterator import ModuleHfWeightIterator
+    from miles_core.weight_transfer.broadcast import BroadcastProtocol
+    from miles_core.weight_transfer.protocol import EngineEndpoint
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.load_state_dict(perturbed_state(model, seed=6))
+    endpoints = [EngineEndpoint("engine-0", engine.url, ADMIN)]
+
+    async def scenario() -> None:
+        protocol = BroadcastProtocol(backend="gloo", timeout_s=60)
+        try:
+            await protocol.connect(endpoints)
+            bad_bucket = [[("model.no_such_layer.weight", torch.zeros(4))]]
+            with pytest.raises(EngineError, match=r"engine engine-0 did not join the broadcast.*no_such_layer"):
+                await asyncio.wait_for(protocol.transfer(iter(bad_bucket), version=7), timeout=30)
+            await protocol.connect(endpoints)  # as the controller's retry does: a new group
+            await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=1 << 16)), version=8)
+        finally:
+            await protocol.close()
+        async with EngineClient(engine.url, admin_key=ADMIN) as client:
+            await check_serves(client, model, "8")
+
+    run(scenario())

@@ -3,11 +3,12 @@
 What it serves, from a registry of its own (never prometheus-client's global one, which would also export this
 process's and other libraries' collectors):
 
-* one gauge per metric of ``on_metrics`` and ``on_eval``, named ``miles_`` + the metric name with every run of
-  characters outside ``[a-zA-Z0-9_]`` replaced by ``_`` (``rollout/reward_mean`` is
-  ``miles_rollout_reward_mean``); its help text is ``miles metric NAME``, the name as in ``metrics.jsonl``. One
-  gauge per metric rather than one family with a ``metric`` label: Prometheus names a kind of quantity by its
-  metric name, and a sum over a label must mean something (a reward plus a loss does not);
+* one gauge per metric of ``on_metrics`` and ``on_eval`` (registered at its first value), named ``miles_`` + the
+  metric name with every run of characters outside ``[a-zA-Z0-9_]`` replaced by ``_`` (``rollout/reward_mean`` is
+  ``miles_rollout_reward_mean``; a name taken already gets ``_2``); its help text is ``miles metric NAME``, the
+  name as in ``metrics.jsonl``. One gauge per metric rather than one family with a ``metric`` label: Prometheus
+  names a kind of quantity by its metric name, and a sum over a label must mean something (a reward plus a loss
+  does not);
 * ``miles_step`` (the last step whose metrics were reported) and ``miles_weight_version``;
 * ``miles_phase_seconds{phase=...}``: a histogram of the phase durations (rollout, train, weight_update, eval,
   checkpoint);
@@ -26,7 +27,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,6 @@ from miles_core.workers.process import listening_socket
 
 try:
     import prometheus_client
-    from prometheus_client.core import GaugeMetricFamily
 except ImportError:  # an optional dependency: the exporter names the package when it is missing
     prometheus_client = None
 
@@ -82,26 +82,29 @@ def prometheus_name(name: str, taken: set[str]) -> str:
 
 
 class LatestValues:
-    """A collector: the latest value of every metric the run reported, one gauge each (thread-safe: the server
-    collects in its own thread)."""
+    """The latest value of every metric the run reported: one gauge each, registered at the metric's first value
+    (so the registry knows every name: prometheus-client's ``name[]`` filter works, and a clash is found)."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, float] = {}
-        self._names: dict[str, str] = {}  # metric name -> Prometheus name, fixed at first sight
+    def __init__(self, registry: Any) -> None:
+        self.registry = registry
+        self.gauges: dict[str, Any] = {}  # metric name -> its gauge
+        self.taken: set[str] = set()
 
     def update(self, metrics: Mapping[str, Any]) -> None:
-        with self._lock:
-            for name, value in numeric(metrics).items():
-                if name not in self._names:
-                    self._names[name] = prometheus_name(name, set(self._names.values()))
-                self._values[name] = value
+        for name, value in numeric(metrics).items():
+            gauge = self.gauges.get(name) or self._new_gauge(name)
+            gauge.set(value)
 
-    def collect(self) -> Iterator[Any]:
-        with self._lock:
-            snapshot = [(self._names[name], name, value) for name, value in self._values.items()]
-        for prom_name, name, value in snapshot:
-            yield GaugeMetricFamily(prom_name, f"miles metric {name}", value=value)
+    def _new_gauge(self, name: str) -> Any:
+        while True:
+            prom_name = prometheus_name(name, self.taken)
+            self.taken.add(prom_name)
+            try:
+                gauge = prometheus_client.Gauge(prom_name, f"miles metric {name}", registry=self.registry)
+            except ValueError:  # a name the registry holds already (a histogram's _count, say): the next one
+                continue
+            self.gauges[name] = gauge
+            return gauge
 
 
 class PrometheusExporter:
@@ -111,8 +114,7 @@ class PrometheusExporter:
     def __init__(self, *, host: str, port: int) -> None:
         require_prometheus_client()
         self.registry = prometheus_client.CollectorRegistry()
-        self.latest = LatestValues()
-        self.registry.register(self.latest)
+        self.latest = LatestValues(self.registry)
         metric = {"registry": self.registry}  # every metric in this registry, none in the global one
         self.step = prometheus_client.Gauge("miles_step", "the last step whose metrics were reported", **metric)
         self.version = prometheus_client.Gauge("miles_weight_version", "the weight version the engines hold", **metric)

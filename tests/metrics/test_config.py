@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import config_json
+from tests.conftest import config_json, plugins_json
 from tests.test_config_hostile import refused
 
 NEEDS_LIBRARIES = pytest.mark.skipif(
@@ -110,3 +110,9 @@ def test_config_imports_no_exporter_library(args: list[str]) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1]) == {"status": 0, "loaded": []}
+
+
+def test_the_metrics_plugin_is_built_in_and_can_be_blocked() -> None:
+    assert config_json("--plugin", "no:metrics").keys() >= {"run", "dashboard"}
+    assert "metrics" not in config_json("--plugin", "no:metrics")
+    assert plugins_json()["metrics"]["source"] == "builtin"

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from miles_core.builtin.core_plugin import check_output_dir
 from miles_core.config.flags import ConfigFlag
 from miles_core.dashboard.plugin import RateLimitedWarnings
 from miles_core.errors import ConfigError
@@ -57,6 +58,10 @@ class MetricsPlugin:
                     f"exporter needs the package {package}, which is not installed: pip install "
                     f"{package} (or miles-core[metrics])"
                 )
+        if "tensorboard" in config.metrics.exporters and config.metrics.tensorboard_dir is not None:
+            check_output_dir(
+                config.metrics.tensorboard_dir, setting="metrics.tensorboard_dir (--metrics-tensorboard-dir)"
+            )
 
     # -- the run ------------------------------------------------------------------------------------------------
 

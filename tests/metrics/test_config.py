@@ -116,3 +116,11 @@ def test_the_metrics_plugin_is_built_in_and_can_be_blocked() -> None:
     assert config_json("--plugin", "no:metrics").keys() >= {"run", "dashboard"}
     assert "metrics" not in config_json("--plugin", "no:metrics")
     assert plugins_json()["metrics"]["source"] == "builtin"
+
+
+@NEEDS_LIBRARIES
+def test_a_tensorboard_dir_that_cannot_be_a_directory_is_refused(tmp_path) -> None:
+    (tmp_path / "file").write_text("")
+    stderr = refused("--metrics", "tensorboard", "--metrics-tensorboard-dir", str(tmp_path / "file" / "tb"))
+    assert "metrics.tensorboard_dir (--metrics-tensorboard-dir) = " in stderr
+    assert "is not a directory, so nothing can be under it" in stderr

@@ -94,11 +94,12 @@ def validate_config(config: Any, registries: Registries) -> None:
             ) from exc
 
 
-def check_output_dir(output_dir: str) -> None:
-    """Refuse a run directory that cannot be one: an existing non-directory (a file, ``/dev/null``), a path under
-    one (``/dev/null/run``), or a name the operating system refuses."""
+def check_output_dir(output_dir: str, *, setting: str = "run.output_dir (--output-dir)") -> None:
+    """Refuse a run directory (or another directory a run writes, named by ``setting`` in messages) that cannot be
+    one: an existing non-directory (a file, ``/dev/null``), a path under one (``/dev/null/run``), or a name the
+    operating system refuses."""
     shown = repr(output_dir) if len(output_dir) <= 200 else f"{output_dir[:197]!r}..."
-    field = f"run.output_dir (--output-dir) = {shown}"
+    field = f"{setting} = {shown}"
     if "\0" in output_dir:
         raise ConfigError(f"{field} contains a NUL character; name a directory")
     path = Path(output_dir).absolute()

@@ -22,10 +22,10 @@ class DashboardHostError(ValueError):
     """A host the dashboard refuses to bind: empty or blank (which would bind every interface)."""
 
 
-def check_host(host: str) -> str:
+def check_host(host: str, *, what: str = "the dashboard host") -> str:
     """``host`` if it names an address to bind; an empty or blank one is refused with what to give instead."""
     if not isinstance(host, str) or not host.strip() or host != host.strip():
-        raise DashboardHostError(f"the dashboard host must be an address or a name such as 127.0.0.1, got "
+        raise DashboardHostError(f"{what} must be an address or a name such as 127.0.0.1, got "
                                  f"{host!r} (an empty host would bind every interface: give 0.0.0.0 for that "
                                  "on purpose)")  # fmt: skip
     return host

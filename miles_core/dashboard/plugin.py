@@ -19,14 +19,13 @@ from miles_core.dashboard.store import DashboardStore
 from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
 
-logger = logging.getLogger("miles.dashboard")
-
 
 class RateLimitedWarnings:
     """Warns about a kind of failure at most once per ``interval_s``, counting the ones it held back."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, *, subject: str = "dashboard") -> None:
         self.interval_s = interval_s
+        self.subject = subject  # what failed, for the message: the dashboard, the metrics exporters
         self.last: dict[str, float] = {}
         self.held_back: dict[str, int] = {}
 
@@ -39,7 +38,9 @@ class RateLimitedWarnings:
         held = self.held_back.pop(kind, 0)
         self.last[kind] = now
         more = f" ({held} more since the last warning)" if held else ""
-        logger.warning("dashboard: %s failed: %s: %s%s; training goes on", kind, type(exc).__name__, exc, more)
+        logging.getLogger(f"miles.{self.subject}").warning(
+            "%s: %s failed: %s: %s%s; training goes on", self.subject, kind, type(exc).__name__, exc, more
+        )
         return True
 
 

@@ -7,7 +7,10 @@ key is ``--admin-api-key`` (or the run's token in ``$MILES_RUN_TOKEN``); without
 writes it to a file only its user can read (``--admin-key-file``, printed at start). Every JSON answer carries the
 engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked, at most
 :data:`MAX_PROMPTS_PER_REQUEST` prompts, each query parameter once, a head and body that keep arriving) and refused
-with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled. Every ``/generate`` key is
+implemented (``stream: true`` is SGLang's native server-sent events) or refused by name
+(:data:`GENERATE_FIELDS`, :data:`NEUTRAL_GENERATE_FIELDS`). The OpenAI-compatible routes (``/v1/...``) live in
+:mod:`miles_core.engines.openai_routes`.
 
 ``/generate`` needs no key, so the engine refuses what only a web page would send
 (:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
@@ -250,16 +253,21 @@ class LocalEngineServer:
             ids: list[int] = []
             lps: list[float] = []
             tops: list[list[tuple[float, int]]] = []
-            async for item in self.stream_tokens(request):
-                if isinstance(item, TokenUpdate):
-                    ids += item.output_ids
-                    lps += item.logprobs
-                    tops += item.top_logprobs
-                    partial = GenerationResult(ids, lps, {}, tops)
-                    chunk = self._output(partial, request, logprobs, rid, finished=False)
-                else:
-                    chunk = self._output(item, request, logprobs, rid)
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            try:
+                async for item in self.stream_tokens(request):
+                    if isinstance(item, TokenUpdate):
+                        ids += item.output_ids
+                        lps += item.logprobs
+                        tops += item.top_logprobs
+                        partial = GenerationResult(ids, lps, {}, tops)
+                        chunk = self._output(partial, request, logprobs, rid, finished=False)
+                    else:
+                        chunk = self._output(item, request, logprobs, rid)
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            except Exception as exc:  # a defect: the 200 is sent already, so say it in the stream, as SGLang does
+                log.exception("local engine: a /generate stream failed")
+                error = {"message": safe_message(f"internal error: {type(exc).__name__}: {exc}"), "code": 500}
+                yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

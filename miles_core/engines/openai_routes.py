@@ -60,8 +60,6 @@ from miles_core.http import HttpError, check_browser_request, parse_json_object,
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and SGLang's) ``max_tokens`` of a completion that names none."""
-IGNORED_FIELDS = ("user",)
-"""Fields that clients send and that change no output: accepted and ignored."""
 ERROR_TYPES = {
     400: "invalid_request_error",
     403: "permission_error",
@@ -524,7 +522,26 @@ class _Reply:
         return StreamingResponse(self._events(request), media_type="text/event-stream")
 
     async def _events(self, request: GenerationRequest) -> AsyncIterator[bytes]:
-        """The chunks of one choice as its tokens are sampled, the usage chunk if asked for, ``[DONE]``."""
+        """The chunks of one choice as its tokens are sampled, the usage chunk if asked for, ``[DONE]``; a failure
+        once the answer has begun is an ``error`` event (as SGLang sends it), not a cut connection."""
+        try:
+            async for chunk in self._chunks(request):
+                yield chunk
+        except Exception as exc:  # a defect: the 200 is sent already, so say it in the stream
+            log.exception("local engine: a %s stream failed", self.kind)
+            yield _sse(
+                {
+                    "error": {
+                        "message": safe_message(f"internal error: {type(exc).__name__}: {exc}"),
+                        "type": "internal_error",
+                        "param": None,
+                        "code": "500",
+                    }
+                }
+            )
+        yield _sse("[DONE]")
+
+    async def _chunks(self, request: GenerationRequest) -> AsyncIterator[bytes]:
         chat = self.kind == "chat.completion"
         kind = "chat.completion.chunk" if chat else "text_completion"
         delta, count = _TextDelta(self.engine.decode, self.stops), 0  # count: the tokens sent so far
@@ -553,7 +570,6 @@ class _Reply:
             yield _sse(self._envelope(kind, [self._chunk_choice(delta.final(item), logprobs, reason)], None))
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 yield _sse(self._envelope(kind, [], self._usage(len(request.input_ids), len(item.output_ids))))
-        yield _sse("[DONE]")
 
     def _chunk_choice(self, content: str | dict, logprobs: dict | None, finish_reason: str | None) -> dict:
         if self.kind == "chat.completion":

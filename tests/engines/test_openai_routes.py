@@ -4,6 +4,7 @@ hostile or unsupported requests get OpenAI-shaped 4xx errors while the engine ke
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import pytest
 import transformers
 
 from miles_core.default.tokenizer import DigitTokenizer
+from miles_core.engines.local_engine import LocalEngine, TokenUpdate
+from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from tests.engines.test_local_engine_hostile import EngineProcess, wait_for
@@ -27,6 +30,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<a>{% endif %}"
 )
 GREEDY = {"temperature": 0, "max_tokens": 12}
+STREAMED = {"temperature": 0, "max_tokens": 48, "extra_body": {"ignore_eos": True}}  # long enough for many chunks
 CONTEXT = 4096  # long enough that an abandoned stream is cut visibly short
 
 
@@ -113,10 +117,10 @@ def test_a_greedy_chat_equals_native_generate_on_the_templated_prompt(engine, cl
 
 
 def test_a_streamed_completion_arrives_in_chunks_and_equals_the_whole(client) -> None:
-    whole = client.completions.create(model="m", prompt="stream me", **GREEDY)
+    whole = client.completions.create(model="m", prompt="stream me", **STREAMED)
     chunks = list(
         client.completions.create(
-            model="m", prompt="stream me", stream=True, stream_options={"include_usage": True}, **GREEDY
+            model="m", prompt="stream me", stream=True, stream_options={"include_usage": True}, **STREAMED
         )
     )
     texts = [c.choices[0].text for c in chunks if c.choices]
@@ -128,8 +132,8 @@ def test_a_streamed_completion_arrives_in_chunks_and_equals_the_whole(client) ->
 
 def test_a_streamed_chat_arrives_in_chunks_and_equals_the_whole(client) -> None:
     messages = [{"role": "user", "content": "tell me"}]
-    whole = client.chat.completions.create(model="m", messages=messages, **GREEDY)
-    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True, **GREEDY))
+    whole = client.chat.completions.create(model="m", messages=messages, **STREAMED)
+    chunks = list(client.chat.completions.create(model="m", messages=messages, stream=True, **STREAMED))
     assert chunks[0].choices[0].delta.role == "assistant"
     contents = [c.choices[0].delta.content or "" for c in chunks]
     assert "".join(contents) == whole.choices[0].message.content
@@ -352,7 +356,7 @@ def sse_events(engine: EngineProcess, body: dict) -> list[str]:
 
 
 def test_native_streaming_is_sglangs_cumulative_sse(engine) -> None:
-    params = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     whole = native(engine, {"input_ids": [5, 6, 7], "sampling_params": params, "return_logprob": True})
     events = sse_events(
         engine, {"input_ids": [5, 6, 7], "sampling_params": params, "stream": True, "return_logprob": True}
@@ -424,3 +428,28 @@ def test_native_fields_are_handled_or_refused_by_name(engine, extra: dict, match
     body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, **extra}
     response = httpx.post(f"{engine.url}/generate", json=body, timeout=60)
     assert response.status_code == 400 and match in response.json()["error"], response.text
+
+
+def test_engine_stream_updates_add_up_to_the_result_and_closing_it_cancels(model_dir: Path, tmp_path: Path) -> None:
+    engine = LocalEngine(model_dir, staging_dir=tmp_path)
+    params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+
+    async def scenario() -> None:
+        engine.start()
+        items = [item async for item in engine.stream(GenerationRequest([5, 6], params, top_logprobs_num=1))]
+        *updates, result = items
+        assert isinstance(result, GenerationResult) and all(isinstance(u, TokenUpdate) for u in updates)
+        assert [t for u in updates for t in u.output_ids] == result.output_ids and len(result.output_ids) == 32
+        assert [lp for u in updates for lp in u.logprobs] == result.logprobs
+        assert [top for u in updates for top in u.top_logprobs] == result.top_logprobs
+        (whole,) = await engine.generate([GenerationRequest([5, 6], params)])
+        assert whole.output_ids == result.output_ids  # streaming changes nothing but when tokens arrive
+        stream = engine.stream(GenerationRequest([5, 6], params.model_copy(update={"max_new_tokens": 4000})))
+        first = await anext(stream)
+        assert isinstance(first, TokenUpdate)
+        before = engine.generated_tokens
+        await stream.aclose()  # the consumer leaves: the request ends at the next step
+        await asyncio.to_thread(engine._wait_idle)  # the batch has ended (and counted its tokens)
+        assert engine.generated_tokens - before < 4000 - len(first.output_ids)
+
+    asyncio.run(scenario())

@@ -298,7 +298,9 @@ class LocalEngineServer:
                 meta["output_top_logprobs"] = [
                     [[lp, tok, text(tok)] for lp, tok in position] for position in result.top_logprobs
                 ]
-        text = visible_text(self.engine.decode(result.output_ids), result.finish_reason if finished else None)
+        text = self.engine.decode(result.output_ids)
+        # a finished answer is cut before its stop string; a streamed one never shows a piece of one either
+        text = visible_text(text, result.finish_reason) if finished else text[: held_back(text, request.params.stop)]
         return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
 
     def _token_text(self, token: int) -> str | None:
@@ -461,6 +463,23 @@ def visible_text(text: str, finish_reason: dict | None) -> str:
     if isinstance(matched, str) and matched in text:
         return text[: text.index(matched)]
     return text
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How much of ``text`` a stream may send now: up to a stop string it holds, else all but a tail that may be
+    the start of a stop string or an incomplete character (decoded as U+FFFD)."""
+    found = [text.index(stop) for stop in stops if stop in text]
+    if found:
+        return min(found)
+    end = len(text)
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                end = min(end, len(text) - size)
+                break
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return end
 
 
 def _check_generate_fields(body: dict) -> None:

@@ -44,6 +44,7 @@ from miles_core.engines.local_server import (
     MAX_PROMPTS_PER_REQUEST,
     ROUTE_BODY_BYTES,
     LocalEngineServer,
+    held_back,
     unless_client_leaves,
     visible_text,
 )
@@ -277,23 +278,6 @@ def _finish_reason(result: GenerationResult) -> str:
             "the engine is pausing or updating its weights; send the request again",
         )
     return "stop" if kind == "stop" else "length"
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How much of ``text`` a stream may send now: up to a stop string it holds, else all but a tail that may be
-    the start of a stop string or an incomplete character (decoded as U+FFFD)."""
-    found = [text.index(stop) for stop in stops if stop in text]
-    if found:
-        return min(found)
-    end = len(text)
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:size]):
-                end = min(end, len(text) - size)
-                break
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    return end
 
 
 class _TextDelta:

@@ -17,6 +17,7 @@ import transformers
 
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.local_engine import LocalEngine, TokenUpdate
+from miles_core.engines.local_server import held_back
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
@@ -453,3 +454,33 @@ def test_engine_stream_updates_add_up_to_the_result_and_closing_it_cancels(model
         assert engine.generated_tokens - before < 4000 - len(first.output_ids)
 
     asyncio.run(scenario())
+
+
+def test_native_streaming_never_shows_a_piece_of_a_stop_string(engine, model_dir) -> None:
+    ids = encode(model_dir, "native stop")
+    full = greedy_native(engine, ids, max_new_tokens=24)["text"]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]  # cut where it first appears, which may be earlier
+    assert len(stop) == 2, full
+    params = {"temperature": 0, "max_new_tokens": 24, "stop": stop}
+    chunks = [
+        json.loads(e) for e in sse_events(engine, {"input_ids": ids, "sampling_params": params, "stream": True})[:-1]
+    ]
+    texts = [c["text"] for c in chunks]
+    assert texts[-1] == full[: full.index(stop)]
+    assert all(stop[0] not in t[full.index(stop) :] for t in texts)  # nothing of the stop string, even for a moment
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))  # the text only grows
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "sendable"),
+    [
+        ("hello wor", ["world"], "hello "),  # "wor" may become "world"
+        ("hello world!", ["world"], "hello "),
+        ("abc", [], "abc"),
+        ("abc\ufffd", [], "abc"),  # an incomplete character waits for its next byte
+        ("xyz", ["zq", "yzz"], "x"),  # the longest tail that may start any stop string
+        ("ab", ["abc", "b"], "a"),  # "b" is there: the text ends before it, whatever "abc" would have done
+    ],
+)
+def test_held_back(text: str, stops: list[str], sendable: str) -> None:
+    assert text[: held_back(text, stops)] == sendable

@@ -22,10 +22,10 @@ import httpx
 
 from miles_core.testkit.sglang_bench import SGLANG_PYTHON_ENV, run_bench_serving, sglang_python
 from miles_core.testkit.tiny_models import save_tiny_llama
-from miles_core.testkit.tokenizers import save_char_tokenizer
+from miles_core.testkit.tokenizers import ROLE_TAG_CHAT_TEMPLATE, save_char_tokenizer
 from miles_core.workers.process import free_ports
 
-BACKENDS = ("sglang", "sglang-oai")  # /generate streamed; /v1/completions streamed
+BACKENDS = ("sglang", "sglang-oai", "sglang-oai-chat")  # /generate, /v1/completions, /v1/chat/completions; streamed
 METRICS = (
     ("request_throughput", "req/s"),
     ("output_throughput", "out tok/s"),
@@ -33,7 +33,7 @@ METRICS = (
     ("median_ttft_ms", "TTFT ms"),
     ("median_itl_ms", "ITL ms"),
 )
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?<>"
 
 
 def main() -> None:
@@ -60,7 +60,7 @@ def main() -> None:
             num_key_value_heads=4,
             max_position_embeddings=4096,
         )
-        save_char_tokenizer(model, ALPHABET)
+        save_char_tokenizer(model, ALPHABET, chat_template=ROLE_TAG_CHAT_TEMPLATE)  # for --backend sglang-oai-chat
         servers = {
             "local engine": [
                 sys.executable,
@@ -162,11 +162,11 @@ def _report(results: dict[str, dict], args: argparse.Namespace) -> None:
         f"sglang.bench_serving, random-ids, {args.num_prompts} prompts of {args.input_len} tokens, "
         f"{args.output_len} new tokens each (ignore_eos), all at once, medians of {args.repeats}"
     )
-    header = f"{'server':14s} {'--backend':11s} " + " ".join(f"{label:>10s}" for _, label in METRICS)
+    header = f"{'server':14s} {'--backend':15s} " + " ".join(f"{label:>10s}" for _, label in METRICS)
     print(header)
     for name, per_backend in results.items():
         for backend, values in per_backend.items():
-            print(f"{name:14s} {backend:11s} " + " ".join(f"{values[key]:10.1f}" for key, _ in METRICS))
+            print(f"{name:14s} {backend:15s} " + " ".join(f"{values[key]:10.1f}" for key, _ in METRICS))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """SGLang's own benchmark client against a real local-engine server: every request succeeds, on the native route
-(``--backend sglang``: ``/generate`` with ``stream: true``) and the OpenAI one (``--backend sglang-oai``:
-``/v1/completions``, streamed). It needs an SGLang environment (``make sglang``, or ``$MILES_SGLANG_PYTHON``)."""
+(``--backend sglang``: ``/generate`` with ``stream: true``) and the OpenAI ones (``sglang-oai``: ``/v1/completions``,
+``sglang-oai-chat``: ``/v1/chat/completions``, both streamed). It needs an SGLang environment (``make sglang``, or
+``$MILES_SGLANG_PYTHON``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from miles_core.testkit.sglang_bench import SGLANG_PYTHON_ENV, run_bench_serving, sglang_python
 from miles_core.testkit.tiny_models import save_tiny_llama
-from miles_core.testkit.tokenizers import save_char_tokenizer
+from miles_core.testkit.tokenizers import ROLE_TAG_CHAT_TEMPLATE, save_char_tokenizer
 from tests.engines.test_local_engine_hostile import EngineProcess
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def python() -> Path:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a HF tokenizer directory (bench_serving loads the tokenizer to make its prompts)."""
     path = save_tiny_llama(tmp_path_factory.mktemp("bench") / "model", max_position_embeddings=1024)
-    save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz0123456789 ")
+    save_char_tokenizer(path, "abcdefghijklmnopqrstuvwxyz0123456789 <>", chat_template=ROLE_TAG_CHAT_TEMPLATE)
     return path
 
 
@@ -45,7 +46,7 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     process.stop()
 
 
-@pytest.mark.parametrize("backend", ["sglang", "sglang-oai"])
+@pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat"])
 def test_bench_serving_completes_every_request(
     python: Path, engine: EngineProcess, model_dir: Path, tmp_path: Path, backend: str
 ) -> None:

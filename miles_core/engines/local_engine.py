@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, generate_batch
+from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, generate_batch
 from miles_core.engines.staging import confined_staging_file, parse_staging_description, weight_staging_dir
 from miles_core.engines.weights import (
     GROUP_BACKENDS,
@@ -72,6 +73,15 @@ def check_weight_version(value: object, *, field: str = "weight_version") -> str
 class _Pending:
     request: GenerationRequest
     future: asyncio.Future
+
+
+@dataclasses.dataclass
+class TokenUpdate:
+    """Tokens sampled since the previous update of a stream (see :meth:`LocalEngine.stream`)."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[float, int]]]  # empty unless the request asked for them
 
 
 class LocalEngine:
@@ -140,7 +150,19 @@ class LocalEngine:
         elif params.max_new_tokens > room:
             raise RequestError(f"max_new_tokens {params.max_new_tokens} with a prompt of {len(ids)} tokens exceeds "
                                f"the context length ({self.context_length}): ask for at most {room}")  # fmt: skip
-        return GenerationRequest(list(ids), params, request.cancel)
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                "stop strings need the model's tokenizer, and this model directory has none: use stop_token_ids"
+            )
+        top = request.top_logprobs_num
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r:.40}")
+        return dataclasses.replace(request, input_ids=list(ids), params=params)
+
+    def decode(self, output_ids: list[int]) -> str:
+        """The text of ``output_ids`` as answers carry it (special tokens skipped, as SGLang does by default);
+        empty without a tokenizer."""
+        return self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Admit requests (all or none), queue them and wait for their results (they may be batched with other
@@ -157,6 +179,39 @@ class LocalEngine:
             for item in pending:  # queued ones are skipped (their futures are cancelled), running ones stop
                 item.request.cancel.set()
             raise
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenUpdate | GenerationResult]:
+        """Generate ``request`` (admitted and batched as by :meth:`generate`), yielding a :class:`TokenUpdate` as
+        soon as tokens are sampled (everything sampled since the last one) and the :class:`GenerationResult` last.
+        Closing the iterator early cancels the request."""
+        loop = asyncio.get_running_loop()
+        arrived: asyncio.Queue[tuple[int, float, list[tuple[float, int]] | None]] = asyncio.Queue()
+
+        def on_token(token: int, logprob: float, top: list[tuple[float, int]] | None) -> None:
+            loop.call_soon_threadsafe(arrived.put_nowait, (token, logprob, top))  # from the sampling thread
+
+        task = asyncio.ensure_future(self.generate([dataclasses.replace(request, on_token=on_token)]))
+        try:
+            while not task.done():
+                getter = asyncio.ensure_future(arrived.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                items = [getter.result()]
+                while not arrived.empty():
+                    items.append(arrived.get_nowait())
+                yield TokenUpdate(
+                    [t for t, _, _ in items],
+                    [lp for _, lp, _ in items],
+                    [top for _, _, top in items if top is not None],
+                )
+            yield (await task)[0]  # the whole result: a consumer may trust it over the updates
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _batch_loop(self) -> None:
         assert self._queue is not None
@@ -194,6 +249,7 @@ class LocalEngine:
             results = generate_batch(
                 self.model, requests, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
                 default_seed=self.seed * 1_000_003 + self._batches * 4099, should_abort=lambda: self._abort_message,
+                decode=self.decode if self.tokenizer is not None else None,
             )  # fmt: skip
         self.generated_tokens += sum(len(r.output_ids) for r in results)
         return results

@@ -7,7 +7,10 @@ key is ``--admin-api-key`` (or the run's token in ``$MILES_RUN_TOKEN``); without
 writes it to a file only its user can read (``--admin-key-file``, printed at start). Every JSON answer carries the
 engine's ``weight_version``. Every request is bounded (body size per route, strict JSON, each field checked, at most
 :data:`MAX_PROMPTS_PER_REQUEST` prompts, each query parameter once, a head and body that keep arriving) and refused
-with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled.
+with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled. Every ``/generate`` key is
+implemented (``stream: true`` is SGLang's native server-sent events) or refused by name
+(:data:`GENERATE_FIELDS`, :data:`NEUTRAL_GENERATE_FIELDS`). The OpenAI-compatible routes (``/v1/...``) live in
+:mod:`miles_core.engines.openai_routes`.
 
 ``/generate`` needs no key, so the engine refuses what only a web page would send
 (:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
@@ -21,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -35,12 +40,12 @@ import pydantic
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from miles_core import __version__
-from miles_core.engines.local_engine import LocalEngine, check_weight_version
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
+from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
+from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import MilesError
 from miles_core.http import (
@@ -70,6 +75,42 @@ MAX_PROMPTS_PER_REQUEST = 16384
 objects and a sampling-parameter check before the engine sees it, so 32 MiB of ``[[0],[0],...]`` (8 million
 one-token prompts) would cost gigabytes and minutes of CPU."""
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs and tests see why it ended
+
+GENERATE_FIELDS = frozenset(
+    {
+        "input_ids",
+        "text",
+        "sampling_params",
+        "rid",
+        "stream",
+        "return_logprob",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "log_metrics",
+    }
+)
+"""The ``/generate`` fields the local engine implements (``log_metrics`` only concerns SGLang's own metrics)."""
+NEUTRAL_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
+    "logprob_start_len": (None, -1),  # -1: logprobs of the output only (prompt logprobs are not computed)
+    "lora_path": (None,),
+    "lora_id": (None,),
+    "image_data": (None,),
+    "video_data": (None,),
+    "audio_data": (None,),
+    "input_embeds": (None,),
+    "modalities": (None,),
+    "return_hidden_states": (None, False),
+    "return_routed_experts": (None, False),
+    "custom_logit_processor": (None,),
+    "session_params": (None,),
+    "token_ids_logprob": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+    "data_parallel_rank": (None,),
+}
+"""SGLang's ``/generate`` fields that its clients send (``sglang.bench_serving`` sends several), accepted only with
+the value that asks for nothing: any other value is a feature the local engine does not have, refused with a 400."""
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +147,9 @@ class LocalEngineServer:
                   for path, fn in public.items()]  # fmt: skip
         routes += [Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"])
                    for path, fn in control.items()]  # fmt: skip
+        from miles_core.engines.openai_routes import OpenAIRoutes  # deferred: that module builds on this one
+
+        routes += OpenAIRoutes(self).routes()
         return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=JSON_ERRORS)
 
     @contextlib.asynccontextmanager
@@ -128,7 +172,7 @@ class LocalEngineServer:
                     self._check_admin(request)
                 body = await _request_body(request, limit=limit)
                 work = handler(body)
-                result = await (_unless_client_leaves(request, work) if cancel_when_gone else work)
+                result = await (unless_client_leaves(request, work) if cancel_when_gone else work)
             except HttpError as exc:
                 result = self._refusal(exc.status, str(exc))
             except (MilesError, ValueError) as exc:
@@ -157,38 +201,111 @@ class LocalEngineServer:
     async def generate(self, body: dict) -> Any:
         """Every field is checked here and every prompt admitted by the engine before any is queued: a bad
         request gets its own 400 and never reaches (or fails) a batch."""
-        if _optional(body, "stream", bool, False):
-            raise HttpError(400, "stream=true is not supported by the local engine")
-        return_logprob = _optional(body, "return_logprob", bool, False)
+        _check_generate_fields(body)
+        _optional(body, "log_metrics", bool, True)
+        stream = _optional(body, "stream", bool, False)
+        logprobs = _LogprobOptions(
+            enabled=_optional(body, "return_logprob", bool, False),
+            top=_optional(body, "top_logprobs_num", int, 0, low=0, high=MAX_TOP_LOGPROBS),
+            with_text=_optional(body, "return_text_in_logprobs", bool, False),
+        )
         batch, single = _input_batch(body, self.engine.tokenizer)
         params = _sampling_params(body.get("sampling_params"), len(batch))
         rids = _rids(body.get("rid"), len(batch), single=single)
-        requests = [GenerationRequest(ids, p) for ids, p in zip(batch, params, strict=True)]
+        top = logprobs.top if logprobs.enabled else 0
+        requests = [
+            self.engine.admit(GenerationRequest(ids, p, top_logprobs_num=top))
+            for ids, p in zip(batch, params, strict=True)
+        ]
+        if stream:
+            if not single:
+                raise HttpError(400, "stream=true takes one prompt: send one request per prompt")
+            return self._stream(requests[0], logprobs, rids[0])
+        results = await self.generate_counted(requests)
+        outputs = [self._output(r, req, logprobs, rid) for r, req, rid in zip(results, requests, rids, strict=True)]
+        return outputs[0] if single else outputs
+
+    async def generate_counted(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """``engine.generate``, counted in ``in_flight`` (``/flush_cache`` refuses while requests run) and
+        ``generate_requests`` (a batch counts once)."""
         self.in_flight += len(requests)
         self.generate_requests += 1
         try:
-            results = await self.engine.generate(requests)
+            return await self.engine.generate(requests)
         finally:
             self.in_flight -= len(requests)
-        outputs = [self._output(r, req, return_logprob, rid)
-                   for r, req, rid in zip(results, requests, rids, strict=True)]  # fmt: skip
-        return outputs[0] if single else outputs
 
-    def _output(self, result: GenerationResult, request: GenerationRequest, logprob: bool, rid: str | None) -> dict:
+    async def stream_tokens(self, request: GenerationRequest) -> AsyncIterator[TokenUpdate | GenerationResult]:
+        """``engine.stream``, counted in ``in_flight`` (for the OpenAI routes too)."""
+        self.in_flight += 1
+        self.generate_requests += 1
+        try:
+            async for item in self.engine.stream(request):
+                yield item
+        finally:
+            self.in_flight -= 1
+
+    def _stream(self, request: GenerationRequest, logprobs: _LogprobOptions, rid: str | None) -> Response:
+        """SGLang's native streaming: server-sent events ``data: {json}``, each with the text, ``output_ids`` and
+        ``meta_info`` so far (cumulative, as SGLang sends them by default), then ``data: [DONE]``."""
+        rid = rid or f"local-{os.getpid()}-{id(request)}"
+
+        async def events() -> AsyncIterator[bytes]:
+            ids: list[int] = []
+            lps: list[float] = []
+            tops: list[list[tuple[float, int]]] = []
+            try:
+                async for item in self.stream_tokens(request):
+                    if isinstance(item, TokenUpdate):
+                        ids += item.output_ids
+                        lps += item.logprobs
+                        tops += item.top_logprobs
+                        partial = GenerationResult(ids, lps, {}, tops)
+                        chunk = self._output(partial, request, logprobs, rid, finished=False)
+                    else:
+                        chunk = self._output(item, request, logprobs, rid)
+                    yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            except Exception as exc:  # a defect: the 200 is sent already, so say it in the stream, as SGLang does
+                log.exception("local engine: a /generate stream failed")
+                error = {"message": safe_message(f"internal error: {type(exc).__name__}: {exc}"), "code": 500}
+                yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _output(
+        self,
+        result: GenerationResult,
+        request: GenerationRequest,
+        logprobs: _LogprobOptions,
+        rid: str | None,
+        *,
+        finished: bool = True,
+    ) -> dict:
         meta: dict[str, Any] = {
             "id": rid or f"local-{os.getpid()}-{id(result)}",
-            "finish_reason": result.finish_reason,
+            "finish_reason": result.finish_reason if finished else None,
             "prompt_tokens": len(request.input_ids),
             "completion_tokens": len(result.output_ids),
             "cached_tokens": 0,
             "weight_version": self.engine.weight_version,
         }
-        if logprob:
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids,
-                                                                                  strict=True)]  # fmt: skip
-        tokenizer = self.engine.tokenizer
-        text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
+        if logprobs.enabled:
+            text = self._token_text if logprobs.with_text else _no_text
+            meta["output_token_logprobs"] = [
+                [lp, tok, text(tok)] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
+            ]
+            if logprobs.top:
+                meta["output_top_logprobs"] = [
+                    [[lp, tok, text(tok)] for lp, tok in position] for position in result.top_logprobs
+                ]
+        text = self.engine.decode(result.output_ids)
+        # a finished answer is cut before its stop string; a streamed one never shows a piece of one either
+        text = visible_text(text, result.finish_reason) if finished else text[: held_back(text, request.params.stop)]
         return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+    def _token_text(self, token: int) -> str | None:
+        return self.engine.decode([token]) if self.engine.tokenizer is not None else None
 
     async def health(self, body: dict) -> Response:
         return Response(status_code=200)
@@ -314,8 +431,9 @@ def _query_fields(request: Request) -> dict[str, str]:
     return fields
 
 
-async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``work``, cancelling it if the client disconnects first (its requests leave their batch)."""
+async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``work``, cancelling it if the client disconnects first (its requests leave their batch); then the
+    answer is a :data:`CLIENT_GONE` response that nobody reads."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -335,6 +453,65 @@ async def _disconnected(request: Request) -> None:
     """Return once the client has closed the connection (the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _LogprobOptions:
+    enabled: bool
+    top: int  # alternatives per position (SGLang's top_logprobs_num)
+    with_text: bool  # each token's text beside its id (SGLang's return_text_in_logprobs)
+
+
+def _no_text(token: int) -> None:
+    return None
+
+
+def visible_text(text: str, finish_reason: dict | None) -> str:
+    """``text`` as an answer shows it: cut before the stop string that ended it, as SGLang does."""
+    matched = (finish_reason or {}).get("matched")
+    if isinstance(matched, str) and matched in text:
+        return text[: text.index(matched)]
+    return text
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How much of ``text`` a stream may send now: up to a stop string it holds, else all but a tail that may be
+    the start of a stop string or an incomplete character (decoded as U+FFFD)."""
+    found = [text.index(stop) for stop in stops if stop in text]
+    if found:
+        return min(found)
+    end = len(text)
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:size]):
+                end = min(end, len(text) - size)
+                break
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return end
+
+
+def _check_generate_fields(body: dict) -> None:
+    """Every key of a ``/generate`` body is implemented, or one of SGLang's with its no-effect value: anything
+    else is refused by name (silently ignoring ``lora_path`` or ``image_data`` would answer a different question)."""
+    for key, value in body.items():
+        if key in GENERATE_FIELDS:
+            continue
+        allowed = NEUTRAL_GENERATE_FIELDS.get(key)
+        if allowed is None:
+            raise HttpError(
+                400,
+                f"unknown field {key[:80]!r}: the local engine's /generate takes "
+                f"{', '.join(sorted(GENERATE_FIELDS))} (and SGLang's "
+                f"{', '.join(sorted(NEUTRAL_GENERATE_FIELDS))} at their defaults)",
+            )
+        if not any(value is v or (type(value) is type(v) and value == v) for v in allowed):
+            shown = " or ".join(json.dumps(v) for v in allowed)
+            raise HttpError(
+                400,
+                f"field {key!r} = {value!r:.80} is not supported by the local engine: it takes "
+                f"only {shown} (the default, which asks for nothing)",
+            )
 
 
 def _require(body: dict, key: str, kind: type, *, low: int | None = None, high: int | None = None) -> Any:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
+from typing import Annotated
 
 import pydantic
 import torch
@@ -18,6 +19,14 @@ MIN_TEMPERATURE = 1e-6
 """Temperatures below this are greedy, as in SGLang: dividing logits by less overflows float32 (NaN logprobs)."""
 
 MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for at each position (OpenAI's own limit)."""
+
+TokenCallback = Callable[[int, float, list[tuple[float, int]] | None], None]
+"""Told each token (id, logprob, its top alternatives if asked for) as soon as it is sampled, on the sampling
+thread: it must only hand them on (to an event loop, a queue)."""
 
 
 class SamplingParams(pydantic.BaseModel):
@@ -34,6 +43,16 @@ class SamplingParams(pydantic.BaseModel):
     ignore_eos: bool = False
     sampling_seed: int | None = pydantic.Field(default=None, ge=0, le=MAX_SEED)
     n: int = pydantic.Field(default=1, ge=1, le=1)  # one sample per request; send a group as separate requests
+    stop: list[Annotated[str, pydantic.Field(min_length=1, max_length=MAX_STOP_CHARS)]] = pydantic.Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    """Stop strings: the request ends once its decoded output holds one (the engine needs a tokenizer)."""
+
+    @pydantic.field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        """SGLang takes a single stop string as well as a list of them."""
+        return [value] if isinstance(value, str) else value
 
     @pydantic.field_validator("temperature", "top_p", mode="before")
     @classmethod
@@ -55,13 +74,18 @@ class GenerationRequest:
     input_ids: list[int]
     params: SamplingParams
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    top_logprobs_num: int = 0  # the most likely tokens to report at each position, with their logprobs
+    on_token: TokenCallback | None = None  # streaming: told each token as it is sampled
 
 
 @dataclasses.dataclass
 class GenerationResult:
     output_ids: list[int]
     logprobs: list[float]
-    finish_reason: dict  # {"type": "length", "length": N} or {"type": "stop", "matched": token_id}
+    finish_reason: dict  # {"type": "length", "length": N}, {"type": "stop", "matched": token_id or stop string}
+    top_logprobs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)
+    """Per output token, when asked for: the ``top_logprobs_num`` most likely ``(logprob, token)``, best first,
+    from the same distribution as ``logprobs``."""
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -80,8 +104,18 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 class _Sampler:
     """Per-request state: generator, stop set, outputs."""
 
-    def __init__(self, request: GenerationRequest, eos_token_ids: set[int], default_seed: int) -> None:
+    def __init__(
+        self,
+        request: GenerationRequest,
+        eos_token_ids: set[int],
+        default_seed: int,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self.params = request.params
+        self.top_logprobs_num = request.top_logprobs_num
+        self.on_token = request.on_token
+        self.decode = decode
+        self.top_logprobs: list[list[tuple[float, int]]] = []
         seed = self.params.sampling_seed if self.params.sampling_seed is not None else default_seed
         self.generator = torch.Generator().manual_seed(seed)
         self.stop_ids = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else eos_token_ids)
@@ -93,10 +127,23 @@ class _Sampler:
         """Append the chosen token; note whether the request ended."""
         self.output_ids.append(token)
         self.logprobs.append(logprob)
+        if self.on_token is not None:
+            self.on_token(token, logprob, self.top_logprobs[-1] if self.top_logprobs_num > 0 else None)
         if token in self.stop_ids:
             self.finish_reason = {"type": "stop", "matched": token}
+        elif (matched := self._stop_string()) is not None:
+            self.finish_reason = {"type": "stop", "matched": matched}
         elif len(self.output_ids) >= self.params.max_new_tokens:
             self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+
+    def _stop_string(self) -> str | None:
+        """The stop string that the decoded output now holds first, if any (decoded whole: a token's text may
+        depend on the tokens before it)."""
+        if not self.params.stop or self.decode is None:
+            return None
+        text = self.decode(self.output_ids)
+        found = [(text.find(stop), stop) for stop in self.params.stop if stop in text]
+        return min(found)[1] if found else None
 
 
 def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -117,6 +164,10 @@ def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> 
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    for i, row in enumerate(rows):  # the alternatives come from the distribution the reported logprob is from
+        if samplers[row].top_logprobs_num > 0:
+            top = torch.topk(logprobs[i], min(samplers[row].top_logprobs_num, logprobs.shape[-1]))
+            samplers[row].top_logprobs.append(list(zip(top.values.tolist(), top.indices.tolist(), strict=True)))
     return tokens.tolist(), chosen.tolist()
 
 
@@ -129,15 +180,19 @@ def generate_batch(
     pad_token_id: int = 0,
     default_seed: int = 0,
     should_abort: Callable[[], str | None] = lambda: None,
+    decode: Callable[[list[int]], str] | None = None,
 ) -> list[GenerationResult]:
     """Sample every request to completion in one left-padded batch that shares a KV cache.
 
     ``should_abort`` is asked before every step; a message ends the unfinished requests with an ``abort`` reason.
     A request whose ``cancel`` is set ends the same way, alone; the batch ends when no request is left running.
+    ``decode`` (token ids to text) is what stop strings are looked for in; without it a request may not have any.
     """
     if not requests:
         return []
-    samplers = [_Sampler(r, set(eos_token_ids), default_seed + i) for i, r in enumerate(requests)]
+    if decode is None and any(r.params.stop for r in requests):
+        raise ValueError("stop strings need a tokenizer to decode the output: pass decode")
+    samplers = [_Sampler(r, set(eos_token_ids), default_seed + i, decode) for i, r in enumerate(requests)]
     device = next(model.parameters()).device
     width = max(len(r.input_ids) for r in requests)
     input_ids = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
@@ -174,5 +229,9 @@ def generate_batch(
         input_ids = torch.tensor(tokens, dtype=torch.long, device=device).unsqueeze(1)
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(requests), 1))], dim=1)
         positions = positions[:, -1:] + 1
-    return [GenerationResult(s.output_ids, s.logprobs, s.finish_reason or {"type": "length",
-            "length": len(s.output_ids)}) for s in samplers]  # fmt: skip
+    return [
+        GenerationResult(
+            s.output_ids, s.logprobs, s.finish_reason or {"type": "length", "length": len(s.output_ids)}, s.top_logprobs
+        )
+        for s in samplers
+    ]

@@ -624,6 +624,10 @@ ROUTES = {
     "/health": {},
     "/model_info": {},
     "/server_info": {},
+    "/v1/completions": {"model": "m", "prompt": [4, 5], "max_tokens": 2, "logprobs": 1, "stop_token_ids": [3],
+                        "stream": True, "stream_options": {"include_usage": True}},
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                             "logprobs": True, "top_logprobs": 1},
 }  # fmt: skip
 """A body per route that is refused or harmless; the fuzz breaks it further (a mutation may repair one, e.g. a
 valid version or pause: the test undoes it)."""

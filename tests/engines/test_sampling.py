@@ -88,3 +88,64 @@ def test_a_cancelled_request_leaves_its_batch_and_the_others_run_on() -> None:
     kept, dropped = generate_batch(model, [keep, drop])
     assert len(kept.output_ids) == 5 and kept.finish_reason == {"type": "length", "length": 5}
     assert dropped.output_ids == [] and dropped.finish_reason["type"] == "abort"
+
+
+def greedy_model() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def letters(ids: list[int]) -> str:
+    """A decoder for the tests: token t is the letter ``t % 26``."""
+    return "".join(chr(ord("a") + t % 26) for t in ids)
+
+
+def test_every_token_is_reported_as_it_is_sampled_with_its_alternatives() -> None:
+    seen: list[tuple[int, float, list]] = []
+    request = GenerationRequest(
+        [3, 4],
+        SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True),
+        top_logprobs_num=3,
+        on_token=lambda t, lp, top: seen.append((t, lp, top)),
+    )
+    (result,) = generate_batch(greedy_model(), [request])
+    assert [t for t, _, _ in seen] == result.output_ids and [lp for _, lp, _ in seen] == result.logprobs
+    assert [top for _, _, top in seen] == result.top_logprobs and len(result.top_logprobs) == 6
+    for token, logprob, top in zip(result.output_ids, result.logprobs, result.top_logprobs, strict=True):
+        assert len(top) == 3 and [lp for lp, _ in top] == sorted((lp for lp, _ in top), reverse=True)
+        assert top[0] == (logprob, token)  # greedy: the chosen token is the most likely one
+
+
+def test_the_alternatives_are_the_distributions_top_k() -> None:
+    sampler = _Sampler(GenerationRequest([1], SamplingParams(temperature=0.5), top_logprobs_num=2), set(), 0)
+    _choose([sampler], [0], LOGITS)
+    expected = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)
+    assert sampler.top_logprobs == [[(pytest.approx(expected[0].item()), 0), (pytest.approx(expected[1].item()), 1)]]
+
+
+def test_a_stop_string_ends_the_request_at_the_token_that_completes_it() -> None:
+    model = greedy_model()
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    (free,) = generate_batch(model, [GenerationRequest([5, 6], params)], decode=letters)
+    text = letters(free.output_ids)
+    stop = text[4:6]
+    first = text.index(stop)
+    stopped_params = params.model_copy(update={"stop": [stop, "zzzzzzzz"]})
+    (stopped,) = generate_batch(model, [GenerationRequest([5, 6], stopped_params)], decode=letters)
+    assert stopped.output_ids == free.output_ids[: first + len(stop)]
+    assert stopped.finish_reason == {"type": "stop", "matched": stop}
+
+
+def test_stop_strings_need_a_decoder() -> None:
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        generate_batch(greedy_model(), [GenerationRequest([5], SamplingParams(stop="x"))])
+
+
+@pytest.mark.parametrize("stop", [[""], ["x"] * 17, [5], "y" * 257])
+def test_bad_stop_strings_are_refused(stop: object) -> None:
+    with pytest.raises(pydantic.ValidationError):
+        SamplingParams.model_validate({"stop": stop})
+
+
+def test_a_single_stop_string_is_a_list_of_one() -> None:
+    assert SamplingParams.model_validate({"stop": "end"}).stop == ["end"]

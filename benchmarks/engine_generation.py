@@ -137,6 +137,8 @@ def main() -> None:
     print(f"ratio local engine (HTTP) / in process: {results[LOCAL_HTTP] / results['local engine']:.2f}x")
     if SGLANG_HTTP in results:
         print(f"ratio real SGLang / local engine (HTTP): {results[SGLANG_HTTP] / results[LOCAL_HTTP]:.2f}x")
+    else:
+        print("ratio real SGLang / local engine (HTTP): skipped (real SGLang cannot serve here: see above)")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,8 @@ def report(results: dict[tuple[str, str], tuple[float, float]], memcpy: float) -
     ]
     if pairs:
         print("ratios real SGLang / local engine: " + ", ".join(f"{n} {s / lo:.2f}x" for n, s, lo in pairs))
+    else:
+        print("ratios real SGLang / local engine: none (real SGLang skipped, or no protocol measured into both)")
 
 
 if __name__ == "__main__":

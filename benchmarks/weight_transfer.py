@@ -1,9 +1,14 @@
-"""Every weight-transfer protocol moving a ~1 GiB model from this process into a local engine, against a
-same-size memory copy into preallocated tensors (the physical limit on this machine), in one run.
+"""Every weight-transfer protocol moving a ~1 GiB model from this process into a local engine, and ``disk`` and
+``broadcast`` into a real SGLang server, against a same-size memory copy into preallocated tensors (the physical
+limit on this machine), in one run. Both engines are started through the sglang plugin's engine spec and the local
+worker provider, as ``miles train`` starts them, one at a time.
 
-Usage: ``python benchmarks/weight_transfer.py [--repeats 3] [--protocols disk,tensor,...]``. Prints GB/s per
-protocol (median of the repeats after two warm-up transfers, each including the engine's load into its model)
-and, last, the ratios to memcpy.
+Usage: ``python benchmarks/weight_transfer.py [--repeats 3] [--protocols disk,tensor,...] [--sglang-protocols
+disk,broadcast]``. The SGLang environment is ``sglang.python`` (``$MILES_SGLANG_PYTHON``, else ``./.venv-sglang``;
+``make sglang``); where SGLang cannot serve (no environment, a CPU without AVX512-BF16 or AMX) it says why and the
+local engine's rows still run. Prints GB/s and seconds per update (medians of the repeats after two warm-up
+transfers, each including the engine's load into its model) and, last, the ratios to memcpy and real SGLang's to
+the local engine. The trainer's weights are float32; SGLang serves them in bf16 (its CPU kernels' dtype).
 """
 
 from __future__ import annotations
@@ -12,22 +17,24 @@ import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
+from miles_plugins_sglang.standalone import cpu_unavailable_reason, engine_server
 
+from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.local_provider import LocalWorkerProvider
-from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench-admin"
 WARMUP = 2  # an RL run transfers every step: the first transfers (which create staging files) are reported apart
+LOCAL, SGLANG = "local engine", "real SGLang"
+LOCAL_SERVER = ["{python}", "-m", "miles_core.engines.local_server"]
 SETTINGS = {"tensor-http": ("tensor", {"shared_memory": False}), "tensor-shm": ("tensor", {"shared_memory": True})}
 
 
@@ -64,56 +71,102 @@ class MemoryCopy:
 
 def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
     copy = MemoryCopy(model)
+    copy.rate()  # the first copy faults the targets' pages in: "preallocated" means touched already
     return statistics.median(copy.rate() for _ in range(repeats))
 
 
-async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int,
-                        bucket_bytes: int) -> float:  # fmt: skip
+async def protocol_rate(
+    name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int, bucket_bytes: int
+) -> tuple[float, float]:
+    """GB/s and seconds of one update (medians of ``repeats`` after the warm-up transfers) into one engine."""
     registry_name, settings = SETTINGS.get(name, (name, {}))
     registries = MilesPluginManager.load().registries
     protocol = registries["weight_transfer_protocols"].get_or_raise(registry_name).load()(**settings)
     await protocol.connect([endpoint])
-    rates = []
+    reports = []
     try:
         for version in range(1, repeats + WARMUP + 1):
-            report = await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=bucket_bytes)),
-                                             version=version)  # fmt: skip
-            rates.append(report.gb_per_s)
+            reports.append(
+                await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=bucket_bytes)), version=version)
+            )
     finally:
         await protocol.close()
-    print(f"{name:22s} first transfers {', '.join(f'{r:.2f}' for r in rates[:WARMUP])} GB/s (set-up, not counted)")
-    return statistics.median(rates[WARMUP:])
+    first = ", ".join(f"{r.gb_per_s:.2f}" for r in reports[:WARMUP])
+    print(f"{name:22s} {endpoint.name}: first transfers {first} GB/s (set-up, not counted)", flush=True)
+    counted = reports[WARMUP:]
+    return statistics.median(r.gb_per_s for r in counted), statistics.median(r.seconds for r in counted)
+
+
+def engine_configs(args: argparse.Namespace) -> dict[str, tuple[Any, list[str]]]:
+    """Per engine: its run config and the protocols measured into it. Stock SGLang reads ``disk`` and ``broadcast``
+    (not the ``tensor`` protocol's buffers); where it cannot serve here its row says why and is left out."""
+    manager = MilesPluginManager.load()
+    common = {"engine.backend": "sglang", "weight_transfer.mode": "disk", "engine.startup_timeout_s": 600}
+    local = build_config(manager, overrides={**common, "sglang.launch_command": LOCAL_SERVER})
+    engines = {LOCAL: (local, args.protocols.split(","))}
+    if args.sglang_protocols:
+        # the checkpoint is float32 (the trainer's weights); SGLang's CPU kernels serve bf16
+        sglang = build_config(
+            manager,
+            overrides={**common, "sglang.python": args.sglang_python, "sglang.server_args": {"dtype": "bfloat16"}},
+        )
+        reason = cpu_unavailable_reason(sglang.sglang.sglang_python())
+        if reason:
+            print(f"{SGLANG}: skipped: {reason}", flush=True)
+        else:
+            engines[SGLANG] = (sglang, args.sglang_protocols.split(","))
+    return engines
 
 
 async def main(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="miles-bench-transfer-"))
     model = one_gib_model(workdir / "model")
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    provider = LocalWorkerProvider(token=TOKEN, run_dir=workdir)
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(workdir / "model"),
-            "--host", "{host}", "--port", "{port}"]  # fmt: skip
-    spec = CommandWorkerSpec(
-        name="bench-engine", argv=argv, ports=["port"], health_url="http://{host}:{port}/health", startup_timeout_s=300
-    )
-    info = await provider.start(spec)
-    endpoint = EngineEndpoint(name="bench-engine", url=info.url, admin_key=TOKEN)
     print(f"model: {nbytes / 2**30:.2f} GiB of weights, bucket {args.bucket_mb} MiB, {args.repeats} repeats")
-    results = {"memcpy (preallocated)": memcpy_rate(model, args.repeats)}
+    memcpy = memcpy_rate(model, args.repeats)
+    results: dict[tuple[str, str], tuple[float, float]] = {}
     try:
-        for name in args.protocols.split(","):
-            results[name] = await protocol_rate(name, endpoint, model, args.repeats, args.bucket_mb << 20)
-            print(f"{name:22s} {results[name]:6.2f} GB/s", flush=True)
+        for index, (engine, (config, protocols)) in enumerate(engine_configs(args).items()):
+            server = engine_server(
+                config, model_path=workdir / "model", run_dir=workdir / "run", token=TOKEN, cell_id=f"engine-{index}"
+            )
+            async with server as info:  # one engine at a time: each holds the model (a GiB) on a small machine
+                endpoint = EngineEndpoint(name=f"engine-{index}", url=info.url, admin_key=TOKEN)
+                for name in protocols:
+                    results[name, engine] = await protocol_rate(
+                        name, endpoint, model, args.repeats, args.bucket_mb << 20
+                    )
+                    print(f"{name:22s} {engine:14s} {results[name, engine][0]:6.2f} GB/s", flush=True)
     finally:
-        await provider.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)  # a GiB-sized model and its staging files
-    print(f"{'memcpy (preallocated)':22s} {results['memcpy (preallocated)']:6.2f} GB/s")
-    base = results["memcpy (preallocated)"]
-    print("ratios to memcpy: " + ", ".join(f"{n} {r / base:.2f}" for n, r in results.items() if n[0] != "m"))
+    report(results, memcpy)
+
+
+def report(results: dict[tuple[str, str], tuple[float, float]], memcpy: float) -> None:
+    """The table, then the ratios to memcpy and real SGLang's to the local engine per protocol."""
+    print(f"{'protocol':22s} {'engine':14s} {'GB/s':>6s} {'s/update':>9s}")
+    for (name, engine), (rate, seconds) in results.items():
+        print(f"{name:22s} {engine:14s} {rate:6.2f} {seconds:9.2f}")
+    print(f"{'memcpy (preallocated)':37s} {memcpy:6.2f}")
+    print("ratios to memcpy: " + ", ".join(f"{n} ({e}) {r / memcpy:.2f}" for (n, e), (r, _) in results.items()))
+    pairs = [
+        (name, rate, results[name, LOCAL][0])
+        for (name, engine), (rate, _) in results.items()
+        if engine == SGLANG and (name, LOCAL) in results
+    ]
+    if pairs:
+        print("ratios real SGLang / local engine: " + ", ".join(f"{n} {s / lo:.2f}x" for n, s, lo in pairs))
+    else:
+        print("ratios real SGLang / local engine: none (real SGLang skipped, or no protocol measured into both)")
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=256)
-    parser.add_argument("--protocols", default="tensor-shm,broadcast,disk,sharded-disk,tensor-http")
+    parser.add_argument(
+        "--protocols", default="tensor-shm,broadcast,disk,sharded-disk,tensor-http", help="into the local engine"
+    )
+    parser.add_argument("--sglang-protocols", default="disk,broadcast", help="into real SGLang ('' for none)")
+    parser.add_argument("--sglang-python", default="auto", help="the SGLang environment's interpreter (sglang.python)")
     asyncio.run(main(parser.parse_args()))

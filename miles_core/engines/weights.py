@@ -156,7 +156,8 @@ def new_weight_update_group(
     backend: str = "gloo",
 ) -> dist.ProcessGroup:  # fmt: skip
     """A process group of its own (rank 0 hosts the store) for broadcasting weights to engines: gloo over CPU
-    tensors, or NCCL over CUDA tensors (every rank on a GPU of its own)."""
+    tensors, or NCCL over CUDA tensors (every rank on a GPU of its own). It meets SGLang's side of the group (see
+    :func:`group_store`), so engines may be Miles' local engine or stock SGLang servers."""
     backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     # rank 0's store listens on the master address alone (torch's own socket would take every interface)
@@ -165,19 +166,25 @@ def new_weight_update_group(
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    # gloo's default device listens on the address of the machine's host name; this one, on the address that
-    # reaches the master (127.0.0.1 for a master on 127.0.0.1).
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
-    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # gloo's default device listens on the address of the machine's host name; this one, on the address that
+        # reaches the master (127.0.0.1 for a master on 127.0.0.1).
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+    # rank 0 publishes the group's first sequence number and the others wait for it (torch does this for every
+    # group it makes: SGLang's ranks would wait for it forever otherwise)
+    group._set_sequence_number_for_group()
+    return group
 
 
 def group_store(store: dist.Store, *, group_name: str, backend: str) -> dist.Store:
-    """The keys of a weight-update group's rendezvous, named as SGLang names them: its ``init_custom_process_group``
-    prefixes the group name, then torch's ``_new_process_group_helper`` adds ``<group name>/`` and ``<device>/``.
-    An engine on other keys would never meet the trainer (the store wait times out)."""
+    """The keys of a weight-update group as SGLang's side names them: its ``init_custom_process_group`` prefixes
+    the rendezvous store with the group's name, then torch's ``_new_process_group_helper`` with ``"<name>/"`` and
+    the backend's device (``"cpu/"`` for gloo, ``"cuda/"`` for NCCL). Keys named any other way are never found by
+    an SGLang rank (the group times out)."""
     device = "cuda" if backend == "nccl" else "cpu"
     return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
 

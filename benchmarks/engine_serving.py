@@ -3,23 +3,33 @@ against the local engine and, where one can run, a real SGLang server on the sam
 latency of both side by side, the ratio last.
 
 Usage: ``python benchmarks/engine_serving.py [--num-prompts 64 --input-len 128 --output-len 64 --repeats 3]``. It
-needs an SGLang environment (``$MILES_SGLANG_PYTHON``, else ``.venv-sglang/bin/python``: ``make sglang``). SGLang's
-CPU build needs Intel AMX (``amx_tile`` in ``/proc/cpuinfo``); without it (or with ``--no-sglang-server``) the real
-server is skipped and the reason printed. Each figure is the median over ``--repeats`` runs of the client.
+needs an SGLang environment (``$MILES_SGLANG_PYTHON``, else ``.venv-sglang/bin/python``: ``make sglang``). The real
+server is started with the command line ``miles train --engine sglang`` uses (the plugin's engine spec, its CPU
+settings) but with SGLang's tokenizer on, for the text backends. SGLang's CPU engine needs an Intel CPU with
+AVX512-BF16 or AMX; elsewhere (or with ``--no-sglang-server``) the real server is skipped and the reason printed.
+Each figure is the median over ``--repeats`` runs of the client.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from miles_plugins_sglang.launch import sglang_engine_spec
+from miles_plugins_sglang.standalone import cpu_unavailable_reason
 
+from miles_core.config.build import build_config
+from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.sglang_bench import SGLANG_PYTHON_ENV, run_bench_serving, sglang_python
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import ROLE_TAG_CHAT_TEMPLATE, save_char_tokenizer
@@ -61,29 +71,10 @@ def main() -> None:
             max_position_embeddings=4096,
         )
         save_char_tokenizer(model, ALPHABET, chat_template=ROLE_TAG_CHAT_TEMPLATE)  # for --backend sglang-oai-chat
-        servers = {
-            "local engine": [
-                sys.executable,
-                "-m",
-                "miles_core.engines.local_server",
-                "--model-path",
-                str(model),
-                "--admin-api-key",
-                "benchmark",
-            ]
-        }
-        reason = "--no-sglang-server was given" if args.no_sglang_server else _why_no_sglang_server()
+        servers = {"local engine": functools.partial(_local_command, model=model)}
+        reason = "--no-sglang-server was given" if args.no_sglang_server else cpu_unavailable_reason(str(python))
         if reason is None:
-            servers["SGLang"] = [
-                str(python),
-                "-m",
-                "sglang.launch_server",
-                "--model-path",
-                str(model),
-                "--device",
-                "cpu",
-                "--skip-server-warmup",
-            ]
+            servers["SGLang"] = functools.partial(_sglang_command, python=python, model=model)
         results = {name: _measure(argv, python, model, workdir, args) for name, argv in servers.items()}
     _report(results, args)
     if "SGLang" not in results:
@@ -98,25 +89,36 @@ def main() -> None:
         )
 
 
-def _why_no_sglang_server() -> str | None:
-    """Why a real SGLang server cannot run here, or None."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError as exc:
-        return f"cannot read /proc/cpuinfo ({exc.strerror})"
-    if "amx_tile" not in flags:
-        return "SGLang's CPU build needs Intel AMX, and this CPU has none (no amx_tile in /proc/cpuinfo)"
-    return None
+def _local_command(port: int, *, model: Path) -> tuple[list[str], dict[str, str]]:
+    """The local engine's server command line (no extra environment)."""
+    module = "miles_core.engines.local_server"
+    argv = [sys.executable, "-m", module, "--model-path", str(model), "--admin-api-key", "benchmark"]
+    return [*argv, "--host", "127.0.0.1", "--port", str(port)], {}
 
 
-def _measure(argv: list[str], python: Path, model: Path, workdir: Path, args: argparse.Namespace) -> dict:
+def _sglang_command(port: int, *, python: Path, model: Path) -> tuple[list[str], dict[str, str]]:
+    """The real SGLang server's command line and extra environment, from the plugin's engine spec."""
+    settings = {"engine.backend": "sglang", "weight_transfer.mode": "disk", "sglang.python": str(python)}
+    tokenizer_on = {"sglang.server_args": {"skip_tokenizer_init": False}}
+    config = build_config(MilesPluginManager.load(), overrides={**settings, **tokenizer_on})
+    spec = sglang_engine_spec(config, cell_id="engine-0", model_path=str(model))
+    resolved = spec.resolve({"port": port}, token="benchmark")
+    return resolved.argv, resolved.env
+
+
+ServerCommand = Callable[[int], tuple[list[str], dict[str, str]]]
+"""A server's command line and extra environment for a port."""
+
+
+def _measure(command: ServerCommand, python: Path, model: Path, workdir: Path, args: argparse.Namespace) -> dict:
     """Start the server, run the client ``--repeats`` times per backend (after a warm-up), stop it: the medians."""
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     log_path = workdir / f"server-{port}.log"
-    with open(log_path, "wb") as log:
+    argv, env = command(port)
+    with open(log_path, "wb") as log:  # a session of its own: SGLang's launcher has child processes
         server = subprocess.Popen(
-            [*argv, "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
         )
     try:
         _wait_healthy(url, server, log_path)
@@ -135,11 +137,11 @@ def _measure(argv: list[str], python: Path, model: Path, workdir: Path, args: ar
             medians[backend] = {key: statistics.median(r[key] for r in records) for key, _ in METRICS}
         return medians
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=60)
 
 

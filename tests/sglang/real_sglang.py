@@ -9,20 +9,15 @@ the real-SGLang tests skip with the reason :func:`unavailable_reason` gives.
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from miles_plugins_sglang.config import is_this_interpreter, resolve_sglang_python
-from miles_plugins_sglang.launch import sglang_engine_spec
+from miles_plugins_sglang.config import resolve_sglang_python
+from miles_plugins_sglang.standalone import cpu_unavailable_reason, engine_server
 
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.provider import WorkerInfo
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -36,35 +31,9 @@ def sglang_python() -> str:
         return resolve_sglang_python("auto")
 
 
-def cpu_flags() -> tuple[str, set[str]]:
-    """The CPU's vendor and flags, from ``/proc/cpuinfo``."""
-    vendor, flags = "", set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                vendor = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    return vendor, flags
-
-
-@functools.cache
 def unavailable_reason() -> str | None:
     """Why a real SGLang server cannot run here, or None when it can."""
-    vendor, flags = cpu_flags()
-    if vendor != "GenuineIntel" or not flags & {"amx_bf16", "avx512_bf16"}:
-        return (f"SGLang's CPU engine needs an Intel CPU with AVX512-BF16 or AMX (this one: {vendor or 'unknown'}, "
-                f"amx_bf16/avx512_bf16 absent)")  # fmt: skip
-    python = sglang_python()
-    if not os.path.isfile(python) or is_this_interpreter(python):
-        return "no SGLang environment: run `make sglang` (creates .venv-sglang) or set $MILES_SGLANG_PYTHON"
-    probe = subprocess.run([python, "-c", "import sglang, sgl_kernel"], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
-    if probe.returncode != 0:
-        return f"the SGLang environment {python} cannot import sglang and sgl_kernel: {probe.stderr[-300:]}"
-    return None
+    return cpu_unavailable_reason(sglang_python())
 
 
 requires_real_sglang = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
@@ -76,14 +45,9 @@ def real_sglang_config(**overrides: Any) -> Any:
     return build_config(MilesPluginManager.load(), overrides={**settings, **overrides})
 
 
-@contextlib.asynccontextmanager
-async def real_sglang_server(run_dir: Path, model_path: Path, *, token: str = "sglang-admin",
-                             cell_id: str = "engine-0", **overrides: Any) -> AsyncIterator[WorkerInfo]:  # fmt: skip
-    """One stock SGLang server started through the plugin's engine spec and the local worker provider (its log in
-    ``run_dir/logs/<cell_id>.log``), stopped with its process group on exit."""
-    config = real_sglang_config(**overrides)
-    provider = LocalWorkerProvider(token=token, run_dir=run_dir)
-    try:
-        yield await provider.start(sglang_engine_spec(config, cell_id=cell_id, model_path=str(model_path)))
-    finally:
-        await provider.shutdown()
+def real_sglang_server(run_dir: Path, model_path: Path, *, token: str = "sglang-admin", cell_id: str = "engine-0",
+                       **overrides: Any) -> contextlib.AbstractAsyncContextManager[WorkerInfo]:  # fmt: skip
+    """One stock SGLang server started as ``miles train`` starts it (the plugin's :func:`engine_server`), its log in
+    ``run_dir/logs/<cell_id>.log``, stopped with its process group on exit."""
+    return engine_server(real_sglang_config(**overrides), model_path=model_path, run_dir=run_dir, token=token,
+                         cell_id=cell_id)  # fmt: skip

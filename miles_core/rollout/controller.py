@@ -40,7 +40,8 @@ class InferenceController:
         self.model_path = model_path
         self.cells = CellManager(provider)
         self.monitor = HealthMonitor(self.cells, interval_s=config.engine.health_check_interval_s,
-                                     failures_to_restart=1, on_recovered=[self._bring_back])  # fmt: skip
+                                     timeout_s=config.engine.health_check_timeout_s, failures_to_restart=1,
+                                     on_recovered=[self._bring_back])  # fmt: skip
         self.version = 0
         self.weights: WeightSource | None = None
         self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries

@@ -83,6 +83,12 @@ class EngineSection(Section):
     max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)
+    health_check_timeout_s: float = pydantic.Field(
+        default=30.0,
+        gt=0,
+        description="How long one health check may take before it counts as failed (SGLang's "
+        "/health_generate waits up to SGLANG_HEALTH_CHECK_TIMEOUT, 20 s, for the next output of a busy server).",
+    )
 
     removed_fields: ClassVar[Mapping[str, str]] = {
         "router_url": "the external router mode (--engine-router-url) sent generation to a router that Miles never "

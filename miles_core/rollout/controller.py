@@ -40,7 +40,8 @@ class InferenceController:
         self.model_path = model_path
         self.cells = CellManager(provider)
         self.monitor = HealthMonitor(self.cells, interval_s=config.engine.health_check_interval_s,
-                                     failures_to_restart=1, on_recovered=[self._bring_back])  # fmt: skip
+                                     timeout_s=config.engine.health_check_timeout_s, failures_to_restart=1,
+                                     on_recovered=[self._bring_back])  # fmt: skip
         self.version = 0
         self.weights: WeightSource | None = None
         self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries
@@ -196,8 +197,12 @@ class InferenceController:
 
     @contextlib.asynccontextmanager
     async def _generation_paused(self):
+        """Requests in flight wait while the weights change. ``retract`` (not ``in_place``): SGLang refuses a weight
+        update (HTTP 400, "the cache was not flushed") while a request sits paused in place in its running batch,
+        and a router's health-check generation can be one; retracted requests go back to the queue, their KV cache
+        is recomputed with the new weights after ``/continue_generation``. The local engine holds both alike."""
         clients = self.engine_clients()
-        await asyncio.gather(*(c.pause_generation("in_place") for c in clients), return_exceptions=True)
+        await asyncio.gather(*(c.pause_generation("retract") for c in clients), return_exceptions=True)
         try:
             yield
         finally:

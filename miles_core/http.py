@@ -30,9 +30,11 @@ import json
 import math
 import re
 import socket
+import threading
 import time
 from typing import Any, Protocol
 
+import uvicorn
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
@@ -404,3 +406,57 @@ async def _head_too_large(scope: dict, receive: Any, send: Any) -> None:
     headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
     await send({"type": "http.response.start", "status": 431, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class BackgroundServer:
+    """An ASGI ``app`` served by uvicorn on an already bound ``sock`` with :class:`BoundedHttpProtocol`: in a daemon
+    thread (:meth:`start`, inside a training run) or in the calling thread (:meth:`run`); ``what`` names it in
+    errors (``"the dashboard server on http://..."``)."""
+
+    def __init__(
+        self,
+        app: Any,
+        sock: socket.socket,
+        *,
+        what: str,
+        thread_name: str,
+        keep_alive_s: float = 5,
+        start_timeout_s: float = 30.0,
+    ) -> None:
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            http=BoundedHttpProtocol,
+            timeout_keep_alive=keep_alive_s,
+            timeout_graceful_shutdown=5,
+        )
+        self.server = uvicorn.Server(config)
+        self.socket = sock
+        self.what = what
+        self.start_timeout_s = start_timeout_s
+        self.thread = threading.Thread(target=self.run, name=thread_name, daemon=True)
+
+    def start(self) -> None:
+        """Serve in the daemon thread; returns once it answers (a :class:`RuntimeError` if it does not start)."""
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"{self.what} did not start within {self.start_timeout_s:.0f} s")
+
+    def run(self) -> None:
+        """Serve in this thread until stopped (or until SIGINT or SIGTERM when this is the main thread)."""
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self.socket.close()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout=10)
+        self.socket.close()

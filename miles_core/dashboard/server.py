@@ -22,20 +22,16 @@ import json
 import logging
 import mimetypes
 import re
-import threading
-import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from miles_core.dashboard import hosts
 from miles_core.dashboard.api import DashboardApi
 from miles_core.dashboard.store import DashboardDatabaseError, db_path
-from miles_core.http import BoundedHttpProtocol
+from miles_core.http import BackgroundServer
 from miles_core.workers.process import listening_socket
 
 logger = logging.getLogger("miles.dashboard")
@@ -80,11 +76,14 @@ class DashboardServer:
         self.app.port = self.port
         if not hosts.is_loopback_host(self.host):
             logger.warning("dashboard: serving on %s: reachable from other machines, with no authentication", host)
-        config = uvicorn.Config(self.app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                http=BoundedHttpProtocol, timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=5)  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread: threading.Thread | None = None
+        self.background = BackgroundServer(
+            self.app,
+            self.socket,
+            what=f"the dashboard server on {self.url}",
+            thread_name="miles-dashboard",
+            keep_alive_s=KEEP_ALIVE_S,
+            start_timeout_s=START_TIMEOUT_S,
+        )
 
     @property
     def url(self) -> str:
@@ -93,31 +92,16 @@ class DashboardServer:
 
     def start(self) -> DashboardServer:
         """Serve in a daemon thread (inside a training run); returns once it answers."""
-        self.thread = threading.Thread(target=self._serve, name="miles-dashboard", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.server.started:
-            raise RuntimeError(f"the dashboard server on {self.url} did not start within {START_TIMEOUT_S:.0f} s")
+        self.background.start()
         return self
 
     def serve_forever(self) -> None:
         """Serve in this thread until SIGINT or SIGTERM (``miles dashboard``); the signal is raised again once the
         server has stopped, so the handler in place before (``KeyboardInterrupt``) still runs."""
-        self._serve()
-
-    def _serve(self) -> None:
-        try:
-            self.server.run(sockets=[self.socket])
-        finally:
-            self.socket.close()
+        self.background.run()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-        self.socket.close()
+        self.background.stop()
 
 
 class DashboardApp:

@@ -25,17 +25,13 @@ from __future__ import annotations
 
 import math
 import re
-import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from miles_core.dashboard import hosts
 from miles_core.errors import MilesError
-from miles_core.http import BoundedHttpProtocol
+from miles_core.http import BackgroundServer
 from miles_core.metrics.values import numeric
 from miles_core.workers.process import listening_socket
 
@@ -168,18 +164,14 @@ class _EndpointServer:
         self.socket = listening_socket(host, port)
         self.port = self.socket.getsockname()[1]
         self.allowed_names = hosts.allowed_host_names(host)
-        config = uvicorn.Config(
+        self.background = BackgroundServer(
             self,
-            lifespan="off",
-            log_config=None,
-            log_level="warning",
-            access_log=False,
-            http=BoundedHttpProtocol,
-            timeout_keep_alive=KEEP_ALIVE_S,
-            timeout_graceful_shutdown=5,
+            self.socket,
+            what=f"the Prometheus endpoint {self.url}",
+            thread_name="miles-prometheus",
+            keep_alive_s=KEEP_ALIVE_S,
+            start_timeout_s=START_TIMEOUT_S,
         )
-        self.server = uvicorn.Server(config)
-        self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -187,25 +179,10 @@ class _EndpointServer:
         return f"http://{name}:{self.port}{PATH}"
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._serve, name="miles-prometheus", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self.server.started:
-            raise RuntimeError(f"the Prometheus endpoint {self.url} did not start within {START_TIMEOUT_S:.0f} s")
-
-    def _serve(self) -> None:
-        try:
-            self.server.run(sockets=[self.socket])
-        finally:
-            self.socket.close()
+        self.background.start()
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        if self.thread is not None:
-            self.thread.join(timeout=10)
-        self.socket.close()
+        self.background.stop()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -1,7 +1,7 @@
 """The dashboard's built-in plugin: records every dashboard hook of a run in ``RUN_DIR/dashboard.sqlite`` and, with
 ``--dashboard``, serves the live dashboard while the run goes on.
 
-Observability never kills training: every hook body runs under :meth:`DashboardPlugin._guard`, which catches any
+Observability never kills training: every hook body runs under :meth:`RateLimitedWarnings.guard`, which catches any
 exception and warns about it at a limited rate (once per ``dashboard.warn_interval_s`` per kind of event).
 """
 
@@ -43,6 +43,14 @@ class RateLimitedWarnings:
         )
         return True
 
+    @contextlib.contextmanager
+    def guard(self, kind: str) -> Iterator[None]:
+        """Run the body; an exception of ``kind`` is warned about (rate-limited), never raised."""
+        try:
+            yield
+        except Exception as exc:
+            self.warn(kind, exc)
+
 
 class DashboardPlugin:
     """One per plugin manager (the plugin manager builds it): the run's store and, with ``--dashboard``, its
@@ -80,12 +88,12 @@ class DashboardPlugin:
         self.warnings.interval_s = config.dashboard.warn_interval_s
         if not config.dashboard.record:
             return
-        with self._guard("opening the dashboard database"):
+        with self.warnings.guard("opening the dashboard database"):
             self.store = DashboardStore(run_dir)
             self.store.run_started(run_dir=str(run_dir), start_step=start_step, num_steps=config.run.num_steps,
                                    config=config.model_dump(mode="json"))  # fmt: skip
         if config.dashboard.serve and self.store is not None:
-            with self._guard("starting the dashboard server"):
+            with self.warnings.guard("starting the dashboard server"):
                 from miles_core.dashboard.server import DashboardServer  # deferred: http.server, for runs only
 
                 self.server = DashboardServer(run_dir, host=config.dashboard.host, port=config.dashboard.port)
@@ -95,12 +103,12 @@ class DashboardPlugin:
     @hookimpl
     def on_run_end(self, status: str, error: str | None) -> None:
         if self.store is not None:
-            with self._guard("closing the dashboard database"):
+            with self.warnings.guard("closing the dashboard database"):
                 self.store.run_ended(status=status, error=error)
                 self.store.close()
             self.store = None
         if self.server is not None:
-            with self._guard("stopping the dashboard server"):
+            with self.warnings.guard("stopping the dashboard server"):
                 print(f"miles: the dashboard stops with this run; `miles dashboard {self.server.run_dir}` serves it "
                       "again", flush=True)  # fmt: skip
                 self.server.stop()
@@ -152,14 +160,7 @@ class DashboardPlugin:
     # -- failures never reach the loop --------------------------------------------------------------------------
 
     def _record(self, kind: str, method: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``store.method`` under :meth:`_guard`; nothing when the run records nothing."""
+        """Call ``store.method`` under :meth:`RateLimitedWarnings.guard`; nothing when the run records nothing."""
         if self.store is not None:
-            with self._guard(kind):
+            with self.warnings.guard(kind):
                 getattr(self.store, method)(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _guard(self, kind: str) -> Iterator[None]:
-        try:
-            yield
-        except Exception as exc:
-            self.warnings.warn(kind, exc)

@@ -8,9 +8,7 @@ a missing library.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +66,7 @@ class MetricsPlugin:
     @hookimpl
     def on_run_start(self, config: Any, run_dir: Path, start_step: int) -> None:
         for name in config.metrics.exporters:
-            with self._guard(f"starting the {name} exporter"):
+            with self.warnings.guard(f"starting the {name} exporter"):
                 exporter = _make_exporter(name, config.metrics, run_dir)
                 exporter.start(start_step=start_step)
                 self.exporters[name] = exporter
@@ -76,7 +74,7 @@ class MetricsPlugin:
     @hookimpl
     def on_run_end(self, status: str, error: str | None) -> None:
         for name, exporter in self.exporters.items():
-            with self._guard(f"closing the {name} exporter"):
+            with self.warnings.guard(f"closing the {name} exporter"):
                 exporter.close()
         self.exporters = {}
 
@@ -101,15 +99,8 @@ class MetricsPlugin:
 
     def _each(self, hook: str, method: str, *args: Any) -> None:
         for name, exporter in self.exporters.items():
-            with self._guard(f"{hook} of the {name} exporter"):
+            with self.warnings.guard(f"{hook} of the {name} exporter"):
                 getattr(exporter, method)(*args)
-
-    @contextlib.contextmanager
-    def _guard(self, kind: str) -> Iterator[None]:
-        try:
-            yield
-        except Exception as exc:
-            self.warnings.warn(kind, exc)
 
 
 def _make_exporter(name: str, section: Any, run_dir: Path) -> Any:

@@ -1,7 +1,7 @@
 """The real sglang-router in front of real SGLang servers (``miles train --engine sglang --sglang-router true`` with
 the default launch command): requests spread over both engines, an engine whose whole process group is killed in the
-middle of a run loses no sample and comes back registered on the router with the run's current weights, and the run
-learns. Where real SGLang cannot run, the test skips saying why (``requires_real_sglang``)."""
+middle of a run loses no sample and comes back registered on the router with the run's current weights. Where real
+SGLang cannot run, the test skips saying why (``requires_real_sglang``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.slow, requires_real_sglang]
 
 KILLED_AT = 3
 """The rollout at whose start engine-1 dies: its share of that rollout's requests fails mid-rollout."""
-STEPS = 60
+STEPS = 20
+"""Enough for the restart and re-registration to be seen over many steps; learning is test_real_sglang.py's."""
 PROBE = """\
 import json
 import os
@@ -62,7 +63,7 @@ def generate_lines(log: str) -> int:
     return len(re.findall(r'"POST /generate HTTP/1\.1" 200', log))
 
 
-def test_real_sglang_behind_the_router_spreads_survives_an_engine_death_and_learns(tmp_path: Path) -> None:
+def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_path: Path) -> None:
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     run_dir = tmp_path / "run"
@@ -91,5 +92,4 @@ def test_real_sglang_behind_the_router_spreads_survives_an_engine_death_and_lear
     served = {"engine-0": generate_lines(logs["engine-0"]), "engine-1 (restarted)": generate_lines(second_life)}
     assert all(count > 0 for count in served.values()), served  # both engines serve, the restarted one too
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
-    assert evals[-1] >= evals[0] + 0.2, evals
+    assert [row["step"] for row in rows if "rollout/samples" in row] == list(range(1, STEPS + 1))

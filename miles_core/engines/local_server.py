@@ -87,9 +87,11 @@ GENERATE_FIELDS = frozenset(
         "top_logprobs_num",
         "return_text_in_logprobs",
         "log_metrics",
+        "model",
     }
 )
-"""The ``/generate`` fields the local engine implements (``log_metrics`` only concerns SGLang's own metrics)."""
+"""The ``/generate`` fields the local engine implements (``log_metrics`` only concerns SGLang's own metrics;
+``model``, which the sglang-router adds to every request it forwards, names the one model served)."""
 NEUTRAL_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "logprob_start_len": (None, -1),  # -1: logprobs of the output only (prompt logprobs are not computed)
     "lora_path": (None,),
@@ -108,9 +110,15 @@ NEUTRAL_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
     "data_parallel_rank": (None,),
+    # the sglang-router (0.3) adds these to every /generate it forwards
+    "background": (None, False),
+    "no_logs": (None, False),
+    "return_bytes": (None, False),
+    "return_entropy": (None, False),
 }
-"""SGLang's ``/generate`` fields that its clients send (``sglang.bench_serving`` sends several), accepted only with
-the value that asks for nothing: any other value is a feature the local engine does not have, refused with a 400."""
+"""SGLang's ``/generate`` fields that its clients send (``sglang.bench_serving`` and the sglang-router send several),
+accepted only with the value that asks for nothing: any other value is a feature the local engine does not have,
+refused with a 400."""
 
 log = logging.getLogger(__name__)
 

@@ -81,7 +81,8 @@ class BroadcastProtocol(HttpEngineProtocol):
         opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
         failures = [result for result in opened if isinstance(result, BaseException)]
         if failures:
-            await self._end_sessions([c for c, r in zip(self.clients, opened, strict=True) if r not in failures])
+            opened_clients = [c for c, r in zip(self.clients, opened, strict=True) if not isinstance(r, BaseException)]
+            await self._end_sessions(opened_clients)
             raise failures[0]
         try:
             yield

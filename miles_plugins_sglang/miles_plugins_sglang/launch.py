@@ -3,6 +3,7 @@ settings an engine needs on CPU."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any
@@ -111,6 +112,7 @@ def check_engine_environment(config: Any) -> None:
         raise ConfigError(f"the SGLang engine environment {python!r} has no sglang (import sglang fails): {fix}")
 
 
+@functools.cache  # asked once per interpreter: every engine start and restart checks the environment
 def _has_sglang(python: str) -> bool:
     import subprocess  # deferred: only before engines start
 

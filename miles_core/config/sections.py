@@ -89,6 +89,12 @@ class EngineSection(Section):
         description="How long one health check may take before it counts as failed (SGLang's "
         "/health_generate waits up to SGLANG_HEALTH_CHECK_TIMEOUT, 20 s, for the next output of a busy server).",
     )
+    health_check_failures: int = pydantic.Field(
+        default=2,
+        ge=1,
+        description="Failed health checks in a row after which an engine whose process lives is restarted (one "
+        "whose process exited is restarted at once).",
+    )
 
     removed_fields: ClassVar[Mapping[str, str]] = {
         "router_url": "the external router mode (--engine-router-url) sent generation to a router that Miles never "

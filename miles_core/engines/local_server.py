@@ -123,6 +123,22 @@ refused with a 400."""
 log = logging.getLogger(__name__)
 
 
+HEALTH_CHECK_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+"""SGLang's setting, read the same way: how long ``/health_generate`` waits for its generation before a 503."""
+
+
+def health_check_timeout_s() -> float:
+    """``$SGLANG_HEALTH_CHECK_TIMEOUT`` in seconds (20 when unset, SGLang's default)."""
+    value = os.environ.get(HEALTH_CHECK_TIMEOUT_ENV, "20")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise MilesError(f"{HEALTH_CHECK_TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise MilesError(f"{HEALTH_CHECK_TIMEOUT_ENV}={value!r} must be a positive number of seconds")
+    return seconds
+
+
 class LocalEngineServer:
     """Routes of the SGLang API over a :class:`LocalEngine`; control routes need ``admin_key`` (never open)."""
 
@@ -319,11 +335,12 @@ class LocalEngineServer:
         return Response(status_code=200)
 
     async def health_generate(self, body: dict) -> Response:
-        if self.engine.paused:
-            return Response(status_code=200)  # paused on purpose: alive, not serving
+        """As SGLang answers it: 200 once a one-token generation finishes, 503 when it did not within
+        ``$SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (20 by default). A paused engine holds the generation, so it
+        answers 503 as SGLang does: a health check cannot tell a paused engine from a stuck one."""
         request = GenerationRequest([self.engine.pad_token_id], SamplingParams(max_new_tokens=1, temperature=0))
         try:
-            await asyncio.wait_for(self.engine.generate([request]), timeout=20)
+            await asyncio.wait_for(self.engine.generate([request]), timeout=health_check_timeout_s())
         except TimeoutError:
             return Response(status_code=503)
         return Response(status_code=200)
@@ -662,6 +679,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        health_check_timeout_s()  # a bad value stops the start, not a health check later
         engine = LocalEngine(args.model_path, max_batch_size=args.max_batch_size, seed=args.random_seed,
                              context_length=args.context_length,
                              staging_dir=args.weight_staging_dir or weight_staging_dir())  # fmt: skip

@@ -40,12 +40,14 @@ class InferenceController:
         self.model_path = model_path
         self.cells = CellManager(provider)
         self.monitor = HealthMonitor(self.cells, interval_s=config.engine.health_check_interval_s,
-                                     timeout_s=config.engine.health_check_timeout_s, failures_to_restart=1,
+                                     timeout_s=config.engine.health_check_timeout_s,
+                                     failures_to_restart=config.engine.health_check_failures,
                                      on_recovered=[self._bring_back])  # fmt: skip
         self.version = 0
         self.weights: WeightSource | None = None
         self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries
         self._updating = False
+        self._generation_held = False  # inside _generation_paused: the engines produce nothing until it ends
         self._connected: list[EngineEndpoint] = []
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
@@ -119,9 +121,10 @@ class InferenceController:
 
     async def wait_for_engines(self, timeout_s: float) -> None:
         """After a failure: restore dead engines now (not at the next health check) and wait until every cell
-        runs again, up to ``timeout_s``."""
+        runs again, up to ``timeout_s``. While generation is paused for a weight update, only engines whose processes
+        exited are restored: a paused engine cannot pass a generation health check, and is not failing."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        await self.monitor.check_once(ignore_pause=True)
+        await self.monitor.check_once(ignore_pause=True, liveness_only=self._generation_held)
         while len(self.cells.running()) < len(self.cells.cells):
             if asyncio.get_running_loop().time() > deadline:
                 raise MilesError(f"engines not back within {timeout_s:.0f} s: {self.cells.topology()}")
@@ -202,8 +205,10 @@ class InferenceController:
         and a router's health-check generation can be one; retracted requests go back to the queue, their KV cache
         is recomputed with the new weights after ``/continue_generation``. The local engine holds both alike."""
         clients = self.engine_clients()
+        self._generation_held = True
         await asyncio.gather(*(c.pause_generation("retract") for c in clients), return_exceptions=True)
         try:
             yield
         finally:
+            self._generation_held = False
             await asyncio.gather(*(c.continue_generation() for c in self.engine_clients()), return_exceptions=True)

@@ -3,6 +3,11 @@
 A failed cell is stopped, restarted from its specs, then handed to the recovery callbacks, which re-register it
 wherever it was registered (the router, the dashboard) and bring it to the current weight version, while the run
 goes on. Checks pause around weight updates (:meth:`HealthMonitor.paused`).
+
+A cell whose process exited is restarted at the first check that sees it; one whose process lives but does not answer
+its health URL is restarted after ``failures_to_restart`` such checks in a row, since a busy server can miss one (SGLang
+answers ``/health_generate`` with 503 when its scheduler produced nothing for 20 s). The owner of a generation pause
+checks with ``liveness_only``: a paused SGLang server produces nothing, so its health URL cannot say it is well.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ RecoveryCallback = Callable[[Cell], Awaitable[None]]
 
 
 class HealthMonitor:
-    """Checks cells every ``interval_s``; after ``failures_to_restart`` failed checks in a row a cell is restarted."""
+    """Checks cells every ``interval_s``; restarts a cell whose process exited, or whose health URL failed
+    ``failures_to_restart`` checks in a row."""
 
     def __init__(
         self,
@@ -78,10 +84,12 @@ class HealthMonitor:
 
     # -- checking -------------------------------------------------------------------------------------------
 
-    async def check_once(self, *, ignore_pause: bool = False) -> list[str]:
+    async def check_once(self, *, ignore_pause: bool = False, liveness_only: bool = False) -> list[str]:
         """One round over the running and failed cells; returns the ids of the cells it restored.
 
-        ``ignore_pause`` is for the owner of the pause itself (a weight update that must restore an engine)."""
+        ``ignore_pause`` is for the owner of the pause itself (a weight update that must restore an engine);
+        ``liveness_only`` restores only cells whose processes exited, without asking any health URL (for engines
+        whose generation the caller holds paused)."""
         if self.is_paused and not ignore_pause:
             return []
         async with self._round:
@@ -89,32 +97,42 @@ class HealthMonitor:
             for cell in list(self.cells.cells.values()):
                 if self.is_paused and not ignore_pause:
                     break
-                if await self._needs_recovery(cell) and await self._recover(cell):
+                if await self._needs_recovery(cell, liveness_only=liveness_only) and await self._recover(cell):
                     restored.append(cell.cell_id)
             return restored
 
     async def is_healthy(self, cell: Cell) -> bool:
         """Every worker of the cell is alive and answers its health URL with 200."""
+        return await self.is_alive(cell) and await self.answers_health(cell)
+
+    async def is_alive(self, cell: Cell) -> bool:
+        """The cell has workers and every one of their processes is alive."""
+        alive = [await self.cells.provider.is_alive(worker.name) for worker in cell.workers]
+        return bool(alive) and all(alive)
+
+    async def answers_health(self, cell: Cell) -> bool:
+        """Every worker with a health URL answers it with 200 within ``timeout_s``."""
         headers = {"Authorization": f"Bearer {self.cells.provider.token}"}
         async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
-            for worker in cell.workers:
-                if not await self.cells.provider.is_alive(worker.name):
-                    return False
-                if worker.health_url is None:
-                    continue
+            for url in (worker.health_url for worker in cell.workers if worker.health_url is not None):
                 try:
-                    if (await client.get(worker.health_url)).status_code != 200:
+                    if (await client.get(url)).status_code != 200:
                         return False
                 except httpx.HTTPError:
                     return False
-        return bool(cell.workers)
+        return True
 
-    async def _needs_recovery(self, cell: Cell) -> bool:
+    async def _needs_recovery(self, cell: Cell, *, liveness_only: bool) -> bool:
         if cell.state == CellState.FAILED:
             return True
         if cell.state != CellState.RUNNING:
             return False
-        if await self.is_healthy(cell):
+        if not await self.is_alive(cell):
+            self._event(cell.cell_id, "a process exited")
+            return True
+        if liveness_only:
+            return False
+        if await self.answers_health(cell):
             self.failures[cell.cell_id] = 0
             return False
         self.failures[cell.cell_id] = self.failures.get(cell.cell_id, 0) + 1

@@ -14,6 +14,27 @@ import pytest
 
 MILES = Path(sys.executable).parent / "miles"
 REPO = Path(__file__).resolve().parent.parent
+SERIAL_TESTS = (
+    "tests/sglang/",  # real SGLang servers: each takes both cores
+    "tests/engines/test_bench_serving.py",
+    "tests/megatron/",  # gloo process groups of several ranks
+    "tests/rdt/",
+    "tests/test_train_rdt.py",
+    "tests/weight_transfer/test_broadcast_",
+    "tests/workers/",  # RPC deadlines and health timeouts of a second or so, and Ray clusters
+    "tests/test_train.py",  # learning runs and engine deaths mid-run
+    "tests/metrics/test_train_exporters.py",
+    "tests/dashboard/test_browser.py",
+    "tests/dashboard/test_cli.py",  # signals to a dashboard in the background
+)
+"""Tests marked ``serial`` (by path prefix): ``make test`` runs them one at a time after the others, which run on
+several workers (pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(item.path).relative_to(REPO).as_posix().startswith(SERIAL_TESTS):
+            item.add_marker(pytest.mark.serial)
 
 
 def run_miles(

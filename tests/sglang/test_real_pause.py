@@ -3,7 +3,8 @@
 ``abort`` ends in-flight requests with finish reason ``abort``; ``retract`` and ``in_place`` hold them (and every new
 request) until ``/continue_generation``, after which they finish with all their tokens; a weight update from disk
 while paused ``in_place`` lets the in-flight request finish afterwards, its ``meta_info.weight_versions`` segments
-recording where the new version took over. Each scenario runs against both servers; where the local engine differs
+recording where the new version took over. Each scenario runs against both servers (one of each kind for the module,
+serving again after every test); where the local engine differs
 (see ``LOCAL_ENGINE_DIFFERS``), the test asserts what each one does. The real-SGLang cases skip, saying why, where
 SGLang cannot run (``requires_real_sglang``)."""
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -47,15 +48,53 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                  for seed in (0, 1))  # fmt: skip
 
 
-@contextlib.asynccontextmanager
-async def served(server: str, run_dir: Path, model: Path) -> AsyncIterator[EngineClient]:
-    """A client of a fresh server of kind ``server`` on ``model``."""
-    if server == "sglang":
-        context = real_sglang_server(run_dir, model, token=ADMIN, **{"engine.max_batch_size": 8})
-    else:
-        context = local_engine_server(run_dir, model)
-    async with context as info, EngineClient(info.url, admin_key=ADMIN, name=server) as client:
-        yield client
+class ServerLoop:
+    """One server of a kind for the whole module, started and stopped on its own event loop; each test runs its
+    scenario on that loop with a client of the server (starting SGLang takes about half a minute on CPU)."""
+
+    def __init__(self, server: str, run_dir: Path, model: Path) -> None:
+        self.loop = asyncio.new_event_loop()
+        if server == "sglang":
+            self._context = real_sglang_server(run_dir, model, token=ADMIN, **{"engine.max_batch_size": 8})
+        else:
+            self._context = local_engine_server(run_dir, model)
+        self.url = self.loop.run_until_complete(self._context.__aenter__()).url
+        self.name = server
+
+    def run(self, scenario: Callable[[EngineClient], Awaitable[None]]) -> None:
+        """Run ``scenario(client)``; the server serves again afterwards, whatever the scenario left paused."""
+
+        async def with_client() -> None:
+            async with EngineClient(self.url, admin_key=ADMIN, name=self.name) as client:
+                try:
+                    await scenario(client)
+                finally:
+                    await client.continue_generation()
+
+        self.loop.run_until_complete(with_client())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self._context.__aexit__(None, None, None))
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerLoop]]:
+    """The module's servers by kind, each started on first use."""
+    started: dict[str, ServerLoop] = {}
+    yield started
+    for server in started.values():
+        server.close()
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest, servers: dict[str, ServerLoop], models,
+           tmp_path_factory: pytest.TempPathFactory) -> ServerLoop:  # fmt: skip
+    """The module's server of the test's kind (its ``server`` parameter), on ``models[0]`` when it started."""
+    kind = request.node.callspec.params["server"]
+    if kind not in servers:
+        servers[kind] = ServerLoop(kind, tmp_path_factory.mktemp(f"pause-{kind}"), models[0])
+    return servers[kind]
 
 
 @contextlib.asynccontextmanager
@@ -85,42 +124,39 @@ async def finished_within(task: asyncio.Task, seconds: float) -> bool:
 
 
 @pytest.mark.parametrize("server", SERVERS)
-def test_pause_abort_ends_in_flight_requests(server: str, models, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with served(server, tmp_path, models[0]) as client:
-            running = await in_flight(client)
-            await client.pause_generation("abort")
-            aborted = await asyncio.wait_for(running, 60)
-            assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
-            assert len(aborted["output_ids"]) < LONG
-            await client.continue_generation()
-            after = await client.generate(PROMPT, {**GREEDY, "max_new_tokens": 4})
-            assert len(after["output_ids"]) == 4  # serving again
+def test_pause_abort_ends_in_flight_requests(server: str, served: ServerLoop) -> None:
+    async def scenario(client: EngineClient) -> None:
+        running = await in_flight(client)
+        await client.pause_generation("abort")
+        aborted = await asyncio.wait_for(running, 60)
+        assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(aborted["output_ids"]) < LONG
+        await client.continue_generation()
+        after = await client.generate(PROMPT, {**GREEDY, "max_new_tokens": 4})
+        assert len(after["output_ids"]) == 4  # serving again
 
-    asyncio.run(scenario())
+    served.run(scenario)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 @pytest.mark.parametrize("server", SERVERS)
-def test_pause_retract_and_in_place_hold_requests_until_continue(server: str, mode: str, models,
-                                                                 tmp_path: Path) -> None:  # fmt: skip
-    async def scenario() -> None:
-        async with served(server, tmp_path, models[0]) as client:
-            running = await in_flight(client)
-            await client.pause_generation(mode)
-            queued = asyncio.create_task(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 4}))
-            assert not await finished_within(queued, HELD_S)  # a new request waits for continue
-            if server == "local":  # LOCAL_ENGINE_DIFFERS: its running batch finishes while paused
-                assert await finished_within(running, 120)
-            else:
-                assert not running.done()
-            await client.continue_generation()
-            resumed, short = await asyncio.wait_for(asyncio.gather(running, queued), 300)
-            assert resumed["meta_info"]["finish_reason"]["type"] == "length"
-            assert len(resumed["output_ids"]) == LONG  # all its tokens
-            assert len(short["output_ids"]) == 4
+def test_pause_retract_and_in_place_hold_requests_until_continue(server: str, mode: str, served: ServerLoop) -> None:
+    async def scenario(client: EngineClient) -> None:
+        running = await in_flight(client)
+        await client.pause_generation(mode)
+        queued = asyncio.create_task(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 4}))
+        assert not await finished_within(queued, HELD_S)  # a new request waits for continue
+        if server == "local":  # LOCAL_ENGINE_DIFFERS: its running batch finishes while paused
+            assert await finished_within(running, 120)
+        else:
+            assert not running.done()
+        await client.continue_generation()
+        resumed, short = await asyncio.wait_for(asyncio.gather(running, queued), 300)
+        assert resumed["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(resumed["output_ids"]) == LONG  # all its tokens
+        assert len(short["output_ids"]) == 4
 
-    asyncio.run(scenario())
+    served.run(scenario)
 
 
 async def update_from_disk(client: EngineClient, model: Path, version: str) -> dict:
@@ -133,30 +169,31 @@ async def update_from_disk(client: EngineClient, model: Path, version: str) -> d
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 @pytest.mark.parametrize("server", SERVERS)
-def test_a_weight_update_while_paused_then_continue(server: str, mode: str, models, tmp_path: Path) -> None:
-    async def scenario() -> None:
-        async with served(server, tmp_path, models[0]) as client:
-            running = await in_flight(client)
-            await client.pause_generation(mode)
-            answer = await update_from_disk(client, models[1], "1")
-            await client.continue_generation()
-            done = await asyncio.wait_for(running, 300)
-            assert done["meta_info"]["finish_reason"]["type"] == "length"
-            assert len(done["output_ids"]) == LONG
-            # SGLang's /model_info takes the new version only from an update it answers with success.
-            refused = server == "sglang" and mode == "in_place"
-            assert await client.weight_version() == ("default" if refused else "1")
-            if server == "local":  # the update waits for the running batch: it ran on the old weights alone
-                assert answer["success"], answer
-                assert "weight_versions" not in done["meta_info"]
-                return
-            if refused:  # the weights changed, but SGLang refuses the update: the paused request's KV cache
-                assert not answer["success"]  # stays in its running batch, so the cache is not flushed
-                assert "the cache was not flushed" in answer["message"], answer
-            else:
-                assert answer["success"], answer
-            (old, new) = done["meta_info"]["weight_versions"]
-            assert old["version"] == "default" and new["version"] == "1", done["meta_info"]["weight_versions"]
-            assert old["start"] == 0 < old["end"] == new["start"] < new["end"] == LONG
+def test_a_weight_update_while_paused_then_continue(server: str, mode: str, served: ServerLoop, models) -> None:
+    async def scenario(client: EngineClient) -> None:
+        before = await client.weight_version()  # the module's server: earlier tests may have updated it
+        version = f"paused-{mode}"
+        running = await in_flight(client)
+        await client.pause_generation(mode)
+        answer = await update_from_disk(client, models[1], version)
+        await client.continue_generation()
+        done = await asyncio.wait_for(running, 300)
+        assert done["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(done["output_ids"]) == LONG
+        # SGLang's /model_info takes the new version only from an update it answers with success.
+        refused = server == "sglang" and mode == "in_place"
+        assert await client.weight_version() == (before if refused else version)
+        if server == "local":  # the update waits for the running batch: it ran on the old weights alone
+            assert answer["success"], answer
+            assert "weight_versions" not in done["meta_info"]
+            return
+        if refused:  # the weights changed, but SGLang refuses the update: the paused request's KV cache
+            assert not answer["success"]  # stays in its running batch, so the cache is not flushed
+            assert "the cache was not flushed" in answer["message"], answer
+        else:
+            assert answer["success"], answer
+        (old, new) = done["meta_info"]["weight_versions"]
+        assert old["version"] == before and new["version"] == version, done["meta_info"]["weight_versions"]
+        assert old["start"] == 0 < old["end"] == new["start"] < new["end"] == LONG
 
-    asyncio.run(scenario())
+    served.run(scenario)

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, requires_real_sglang]
 
 KILLED_AT = 3
 """The rollout at whose start engine-1 dies: its share of that rollout's requests fails mid-rollout."""
-STEPS = 20
+STEPS = 10
 """Enough for the restart and re-registration to be seen over many steps; learning is test_real_sglang.py's."""
 PROBE = """\
 import json

@@ -152,7 +152,9 @@ def on_metrics(rollout_id, metrics):
 
 
 @pytest.mark.slow
-def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_death(tmp_path: Path) -> None:
+def test_train_through_the_real_router_spreads_and_survives_an_engine_death(tmp_path: Path) -> None:
+    """Local engines behind the real sglang-router. Learning through the router was measured equal to the direct
+    run's (eval 0 -> 0.34 in 60 steps, both); it is ``test_train.py``'s to check, so this run is short."""
     probe = tmp_path / "probe.py"
     probe.write_text(ROUTER_PROBE)
     result = run_miles(
@@ -166,7 +168,7 @@ def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_dea
         "--engine-num-engines",
         "2",
         "--num-steps",
-        "60",
+        "12",
         "--run-eval-every",
         "0",
         "--run-checkpoint-every",
@@ -177,14 +179,13 @@ def test_train_through_the_real_router_learns_spreads_and_survives_an_engine_dea
         "--plugin",
         str(probe),
         timeout_s=600,
-    )  # fmt: skip  (60 steps, two engines, a router and a restart: about 2 s a step on 2 cores; eval 0 -> 0.34)
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
-    assert [p["step"] for p in probes] == list(range(60)) and all(p["samples"] == 128 for p in probes)
+    assert [p["step"] for p in probes] == list(range(12)) and all(p["samples"] == 128 for p in probes)
     assert all(p["router"] == sorted(p["engines"].values()) for p in probes)  # routes to exactly the engines
     assert probes[-1]["restarts"] == {"engine-0": 0, "engine-1": 1}
     assert probes[2]["engines"]["engine-1"] != probes[-1]["engines"]["engine-1"]  # came back on a new port
     assert all(count > 0 for count in probes[-1]["served"].values())  # both engines serve through the router
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
-    assert evals[-1] >= evals[0] + 0.2, evals
+    assert [row["step"] for row in rows if "rollout/samples" in row] == list(range(1, 13))

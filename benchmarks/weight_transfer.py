@@ -81,7 +81,7 @@ async def protocol_rate(
     """GB/s and seconds of one update (medians of ``repeats`` after the warm-up transfers) into one engine."""
     registry_name, settings = SETTINGS.get(name, (name, {}))
     registries = MilesPluginManager.load().registries
-    protocol = registries["weight_transfer_protocols"].get_or_raise(registry_name).load()(**settings)
+    protocol = registries.weight_transfer_protocols.get_or_raise(registry_name).load()(**settings)
     await protocol.connect([endpoint])
     reports = []
     try:

@@ -70,7 +70,7 @@ async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Mod
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         settings = {**settings, "staging_bucket_mb": (nbytes >> 20) + 16}
     registries = MilesPluginManager.load().registries
-    protocol = registries["weight_transfer_protocols"].get_or_raise(registry_name).load()(**settings)
+    protocol = registries.weight_transfer_protocols.get_or_raise(registry_name).load()(**settings)
     await protocol.connect([endpoint])
     rates, ratios = [], []
     try:

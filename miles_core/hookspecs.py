@@ -82,15 +82,6 @@ def provide_weight_transfer_protocols() -> list[Implementation] | None:
 
 
 @hookspec
-def provide_hf_weight_iterators() -> list[Implementation] | None:
-    """HF weight iterators, keyed by training-backend name.
-
-    Called once when the registries are built. Each entry's target is an ``HfWeightIterator`` subclass that turns a
-    trainer's parameters into buckets of HF-named tensors.
-    """
-
-
-@hookspec
 def provide_model_implementations() -> list[Implementation] | None:
     """Model implementations, named ``"FAMILY/IMPL"`` (for example ``"qwen3/megatron"``).
 
@@ -123,11 +114,13 @@ def provide_reward_functions() -> list[Implementation] | None:
 
 @hookspec
 def provide_tasks() -> list[Implementation] | None:
-    """Tasks: prompt datasets with their default reward, listed by ``miles plugins``.
+    """Tasks (``--task NAME``; the default is the embedded ``echo_last``): prompt sets, each with the reward function
+    of the same name as its default reward.
 
-    Called once when the registries are built. No flag selects a task: a run reads ``--prompts FILE`` (with
-    ``--reward``), or the embedded ``echo_last`` task without it. Each target is a callable
-    ``prompts(*, seed: int, train_size: int, eval_size: int) -> (train_prompts, eval_prompts)``.
+    Called once when the registries are built. A run without ``--prompts FILE`` takes the task's prompts, and without
+    ``--reward`` the reward function registered under the task's name. Each target is a callable
+    ``prompts(*, seed: int) -> (train_prompts, eval_prompts)``, two non-empty lists of
+    :class:`miles_core.rollout.prompts.Prompt`.
     """
 
 

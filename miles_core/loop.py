@@ -44,7 +44,7 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
 async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:
     registries: Registries = manager.registries
     protocol = make_protocol(config, registries)  # bad protocol settings fail before any worker starts
-    backend = registries["training_backends"].get_or_raise(config.train.backend).load()
+    backend = registries.training_backends.get_or_raise(config.train.backend).load()
     trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
                               run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
     implementation = getattr(trainer, "implementation", "?")
@@ -69,7 +69,7 @@ def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol
     """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
     refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
     mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
-    protocol_cls = registries["weight_transfer_protocols"].get_or_raise(mode).load()
+    protocol_cls = registries.weight_transfer_protocols.get_or_raise(mode).load()
     try:
         return protocol_cls(**settings)
     except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
@@ -81,7 +81,7 @@ def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol
 async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any,
                             protocol: WeightTransferProtocol, *, progress: bool) -> RunReporter:  # fmt: skip
     registries: Registries = manager.registries
-    provider = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()(
+    provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()(
         token=setup.token, run_dir=setup.run_dir)  # fmt: skip
     controller = InferenceController(config=config, hooks=manager.hook, provider=provider,
                                      protocol=protocol,
@@ -92,8 +92,7 @@ async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer:
     reporter = RunReporter(setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step,
                            enabled=progress)  # fmt: skip
     try:
-        await controller.start()  # inside the try: engines that did start are stopped if another one fails
-        controller.version = setup.start_step
+        await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
     finally:
         reporter.close()

@@ -21,6 +21,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Iterable, Sequence
@@ -221,7 +222,7 @@ class MilesPluginManager:
                     f"{_describe_entry_point(ep)} is named like the built-in plugin {ep.name!r}; rename the entry "
                     f"point (the built-in plugins are {', '.join(BUILTIN_PLUGINS)})"
                 )
-            self._register_module(_load_entry_point(ep), name=ep.name, source="entry point", dist=ep.dist)
+            self._register_module(_load_plugin_entry_point(ep), name=ep.name, source="entry point", dist=ep.dist)
 
     def _register_weight_transfer_entry_points(self) -> None:
         entry_points = [
@@ -311,6 +312,17 @@ def _load_entry_point(entry_point: metadata.EntryPoint) -> Any:
     """Import what ``entry_point`` names; whatever the import raises is an error naming it and its distribution."""
     with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
         return entry_point.load()
+
+
+def _load_plugin_entry_point(entry_point: metadata.EntryPoint) -> Any:
+    """A ``miles.plugins`` entry point's plugin: the module it names, or an instance of the class it names, made
+    here without arguments (one per plugin manager: a plugin's state belongs to its manager, not to its module).
+    Whatever the import or the constructor raises is an error naming the entry point and its distribution."""
+    loaded = _load_entry_point(entry_point)
+    if not inspect.isclass(loaded):
+        return loaded
+    with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
+        return loaded()
 
 
 def _describe_entry_point(entry_point: metadata.EntryPoint) -> str:

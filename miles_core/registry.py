@@ -21,7 +21,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "engine_backends": "provide_engine_backends",
     "worker_providers": "provide_worker_providers",
     "weight_transfer_protocols": "provide_weight_transfer_protocols",
-    "hf_weight_iterators": "provide_hf_weight_iterators",
     "model_implementations": "provide_model_implementations",
     "reward_functions": "provide_reward_functions",
     "tasks": "provide_tasks",
@@ -137,15 +136,25 @@ def _is_installed(distribution: str) -> bool:
 
 
 class Registries:
-    """All registries, built once from a plugin manager's hooks."""
+    """All registries, built once from a plugin manager's hooks; each is an attribute (``registries.tasks``)."""
+
+    training_backends: Registry
+    engine_backends: Registry
+    worker_providers: Registry
+    weight_transfer_protocols: Registry
+    model_implementations: Registry
+    reward_functions: Registry
+    tasks: Registry
 
     def __init__(self, registries: Mapping[str, Registry]) -> None:
+        if set(registries) != set(REGISTRY_HOOKS):
+            raise ValueError(f"registries {sorted(registries)} are not the kinds {sorted(REGISTRY_HOOKS)}")
         self._registries = dict(registries)
-
-    def __getitem__(self, kind: str) -> Registry:
-        return self._registries[kind]
+        for kind, registry in registries.items():
+            setattr(self, kind, registry)
 
     def items(self) -> Iterator[tuple[str, Registry]]:
+        """``(kind, registry)`` for every registry, in :data:`REGISTRY_HOOKS` order."""
         return iter(self._registries.items())
 
     @classmethod

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_core.default.task import echo_last_prompts, echo_last_reward
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import (
@@ -23,7 +22,7 @@ from miles_core.models.hf_checkpoint import (
     tokenizer_files,
 )
 from miles_core.models.selection import check_families_given
-from miles_core.registry import Registries
+from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.targets import describe_callable, import_target, is_target
 
@@ -55,7 +54,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     run_dir = Path(config.run.output_dir)
     model_path = Path(config.model.path) if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
-    train_prompts, eval_prompts = load_prompts(config)
+    train_prompts, eval_prompts = load_prompts(config, registries)
     check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path,
                          max_new_tokens=config.rollout.max_new_tokens)  # fmt: skip
     reward_fn, reward_name = load_reward(config, registries)
@@ -206,32 +205,59 @@ def _int_of(model_config: dict[str, Any], key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def load_prompts(config: Any) -> tuple[list[Prompt], list[Prompt]]:
+DEFAULT_TASK = "echo_last"
+"""The embedded task, made for the embedded default model (its character tokenizer)."""
+
+
+def load_prompts(config: Any, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
+    """The prompt file's prompts (eval: the eval file's, else the first 64), or else the task's own."""
     rollout = config.rollout
-    if rollout.prompts is None:
-        if config.model.path is not None:
-            raise ConfigError("--model needs --prompts FILE.jsonl: the default task is made for the default model")
-        return echo_last_prompts(seed=config.run.seed)
-    train = read_prompts_jsonl(rollout.prompts)
-    evaluation = read_prompts_jsonl(rollout.eval_prompts) if rollout.eval_prompts else train[: min(64, len(train))]
-    return train, evaluation
+    if rollout.prompts is not None:
+        train = read_prompts_jsonl(rollout.prompts)
+        evaluation = read_prompts_jsonl(rollout.eval_prompts) if rollout.eval_prompts else train[: min(64, len(train))]
+        return train, evaluation
+    if rollout.task == DEFAULT_TASK and config.model.path is not None:
+        raise ConfigError("--model needs --prompts FILE.jsonl (or a --task made for that model): the default task is "
+                          "made for the default model")  # fmt: skip
+    return task_prompts(rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed)
+
+
+def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[Prompt], list[Prompt]]:
+    """Call the task's ``prompts(seed=...)``; an error or anything but two non-empty lists of prompts is a
+    :class:`ConfigError` naming the task."""
+    what = f"task {name!r} ({entry.target})"
+    try:
+        result = entry.load()(seed=seed)
+    except Exception as exc:
+        raise ConfigError(f"{what} failed to make its prompts: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise ConfigError(f"{what} returned {result!r:.80}; expected (train_prompts, eval_prompts)")
+    for kind, prompts in zip(("train", "eval"), result, strict=True):
+        if not (isinstance(prompts, list) and prompts and all(isinstance(p, Prompt) for p in prompts)):
+            raise ConfigError(f"{what} returned {kind} prompts {prompts!r:.80}; expected a non-empty list of Prompt")
+    return result[0], result[1]
 
 
 def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., float], str]:
+    """``--reward`` (a registered name or module:function), else the reward function named like the task."""
     name = config.rollout.reward
     if name is None:
         if config.rollout.prompts is not None:
             raise ConfigError(f"--prompts needs --reward NAME or module:function; registered: "
-                              f"{', '.join(registries['reward_functions'])}")  # fmt: skip
-        return echo_last_reward, "echo_last"
-    entry = registries["reward_functions"].get(name)
+                              f"{', '.join(registries.reward_functions)}")  # fmt: skip
+        task = config.rollout.task
+        if task not in registries.reward_functions:
+            raise ConfigError(f"task {task!r} needs --reward NAME or module:function: no reward function is named "
+                              f"like it (registered: {', '.join(registries.reward_functions) or 'none'})")  # fmt: skip
+        return registries.reward_functions[task].load(), task
+    entry = registries.reward_functions.get(name)
     if entry is not None:
         reward = entry.load()
     elif is_target(name):
         reward = import_target(name, what=f"--reward {name!r}")
     else:
         raise ConfigError(f"--reward {name!r} is neither a registered reward function (registered: "
-                          f"{', '.join(registries['reward_functions']) or 'none'}) nor module:function")  # fmt: skip
+                          f"{', '.join(registries.reward_functions) or 'none'}) nor module:function")  # fmt: skip
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
     described = describe_callable(reward)

@@ -179,6 +179,10 @@ def broken_distributions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             '[project.entry-points."miles.plugins"]\nmissing-object = "miles_missing_object.plugin:no_such_object"\n',
             {"__init__.py": "", "plugin.py": "VALUE = 1\n"},
         ),
+        "miles-raising-class": (
+            '[project.entry-points."miles.plugins"]\nraising-class = "miles_raising_class:Plugin"\n',
+            {"__init__.py": "class Plugin:\n    def __init__(self):\n        raise RuntimeError('no licence key')\n"},
+        ),
         "miles-missing-protocol": (
             '[project.entry-points."miles.weight_transfer"]\nghost = "miles_missing_protocol:NoSuchProtocol"\n',
             {"__init__.py": ""},
@@ -209,6 +213,19 @@ def test_entry_point_naming_a_missing_object(broken_distributions) -> None:
     assert result.returncode == 2
     assert "distribution miles-missing-object 9.9.9" in result.stderr
     assert "miles_missing_object.plugin:no_such_object) failed to load: AttributeError" in result.stderr
+
+
+def test_an_entry_point_naming_a_plugin_class_is_instantiated_and_its_constructor_errors_named(
+    broken_distributions,
+) -> None:
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions["miles-raising-class"]))
+    assert result.returncode == 2
+    assert (
+        "plugin 'raising-class' (distribution miles-raising-class 9.9.9, entry point miles.plugins: "
+        "raising-class = miles_raising_class:Plugin) failed to load: RuntimeError: no licence key"
+    ) in result.stderr
+    sglang_hooks = plugins_json()["sglang"]["hooks"]  # miles_plugins_sglang.plugin:SglangPlugin is such a class
+    assert {"launch_engines", "launch_router", "register_router", "register_engines"} <= set(sglang_hooks)
 
 
 def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:

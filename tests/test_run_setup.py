@@ -30,6 +30,7 @@ from miles_core.run_setup import (
     RunSetup,
     check_prompts_encode,
     default_model,
+    load_prompts,
     load_reward,
     load_tokenizer,
     prepare_run,
@@ -350,10 +351,111 @@ def test_settings_a_protocol_refuses_are_a_config_error_naming_it(manager, mode:
 def test_a_third_party_protocol_raising_value_error_is_a_config_error(manager) -> None:
     """The example protocol (an entry point of its own distribution) raises ValueError for a bad value."""
     plugins = MilesPluginManager.load()
-    if "sharded-disk" not in plugins.registries["weight_transfer_protocols"]:
+    if "sharded-disk" not in plugins.registries.weight_transfer_protocols:
         pytest.fail("the example distribution miles-example-transfer is not installed: `make setup` installs it")
     run_config = build_config(plugins, overrides={"weight_transfer.mode": "sharded-disk",
                                                   "weight_transfer.settings": {"keep_versions": 0}})  # fmt: skip
     with pytest.raises(ConfigError, match=r"protocol 'sharded-disk' \(miles_example_transfer.protocol:.*\): "
                                           "ValueError: keep_versions must be at least 1, got 0"):  # fmt: skip
         make_protocol(run_config, plugins.registries)
+
+
+# -- tasks (--task) --------------------------------------------------------------------------------------------
+
+TASK_PLUGIN = """\
+from miles_core import hookimpl
+from miles_core.registry import Implementation
+from miles_core.rollout.prompts import Prompt
+
+
+def parity_prompts(*, seed):
+    prompts = [Prompt(text=f"{n}:", label=str(n % 2), metadata={"seed": seed}) for n in range(10)]
+    return prompts[:8], prompts[8:]
+
+
+def parity(*, prompt, response, label, metadata):
+    return float(response[:1] == label)
+
+
+def nothing_prompts(*, seed):
+    return [], []
+
+
+def raising_prompts(*, seed):
+    raise OSError("the dataset server is down")
+
+
+@hookimpl
+def provide_tasks():
+    return [
+        Implementation("parity", f"{__name__}:parity_prompts"),
+        Implementation("empty", f"{__name__}:nothing_prompts"),
+        Implementation("raising", f"{__name__}:raising_prompts"),
+    ]
+
+
+@hookimpl
+def provide_reward_functions():
+    return [Implementation("parity", f"{__name__}:parity")]
+"""
+
+
+@pytest.fixture
+def task_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> MilesPluginManager:
+    (tmp_path / "task_plugin.py").write_text(TASK_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield MilesPluginManager.load(["task_plugin"], environ={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    sys.modules.pop("task_plugin", None)
+
+
+def test_a_task_gives_the_prompts_and_the_reward_of_its_name(task_manager) -> None:
+    run_config = config(task_manager, **{"rollout.task": "parity", "run.seed": 4})
+    train, evaluation = load_prompts(run_config, task_manager.registries)
+    assert [p.text for p in train] == [f"{n}:" for n in range(8)] and [p.label for p in evaluation] == ["0", "1"]
+    assert train[0].metadata == {"seed": 4}
+    reward, name = load_reward(run_config, task_manager.registries)
+    assert name == "parity" and reward(prompt="3:", response="1", label="1", metadata={}) == 1.0
+    default = config(task_manager)
+    expected = echo_last_prompts(seed=default.run.seed)
+    assert default.rollout.task == "echo_last" and load_prompts(default, task_manager.registries) == expected
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ("nope", "rollout.task (--task) = 'nope': unknown task 'nope'; available: echo_last, empty, parity, raising"),
+    ],
+)
+def test_an_unknown_task_is_refused_when_the_config_is_built(task_manager, task: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        config(task_manager, **{"rollout.task": task})
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("task", "message"),
+    [
+        ("empty", "task 'empty' (task_plugin:nothing_prompts) returned train prompts []; expected a non-empty list"),
+        ("raising", "task 'raising' (task_plugin:raising_prompts) failed to make its prompts: OSError: the dataset"),
+    ],
+)
+def test_a_task_whose_prompts_fail_is_a_clear_error(task_manager, task: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_prompts(config(task_manager, **{"rollout.task": task}), task_manager.registries)
+
+
+def test_a_task_without_a_reward_of_its_name_needs_a_reward(task_manager) -> None:
+    with pytest.raises(ConfigError, match=r"task 'empty' needs --reward NAME or module:function: no reward function"):
+        load_reward(config(task_manager, **{"rollout.task": "empty"}), task_manager.registries)
+    run_config = config(task_manager, **{"rollout.task": "empty", "rollout.reward": "parity"})
+    reward, _ = load_reward(run_config, task_manager.registries)
+    assert reward(prompt="", response="0", label="0", metadata={}) == 1.0
+
+
+def test_the_default_task_refuses_another_model(task_manager, tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "other-model")
+    with pytest.raises(ConfigError, match=r"--model needs --prompts FILE.jsonl \(or a --task made for that model\)"):
+        load_prompts(config(task_manager, **{"model.path": str(model)}), task_manager.registries)
+    run_config = config(task_manager, **{"model.path": str(model), "rollout.task": "parity"})
+    train, _ = load_prompts(run_config, task_manager.registries)
+    assert len(train) == 8

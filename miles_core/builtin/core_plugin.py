@@ -42,6 +42,7 @@ def config_flags() -> list[ConfigFlag]:
     return [
         ConfigFlag(flag="--seed", path="run.seed", help="seed of the run", metavar="N"),
         ConfigFlag(flag="--model", path="model.path", help="HF checkpoint directory", metavar="PATH"),
+        ConfigFlag(flag="--task", path="rollout.task", help="task (`miles plugins` lists them)", metavar="NAME"),
         ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
         ConfigFlag(
             flag="--reward", path="rollout.reward", help="reward: registry name or module:function", metavar="NAME"
@@ -78,16 +79,20 @@ def validate_config(config: Any, registries: Registries) -> None:
     check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
-    for kind, name, field in (("training_backends", config.train.backend, "train.backend (--trainer)"),
-                              ("engine_backends", config.engine.backend, "engine.backend (--engine)"),
-                              ("worker_providers", config.run.worker_provider, "run.worker_provider")):  # fmt: skip
+    named = [
+        (registries.training_backends, config.train.backend, "train.backend (--trainer)"),
+        (registries.engine_backends, config.engine.backend, "engine.backend (--engine)"),
+        (registries.worker_providers, config.run.worker_provider, "run.worker_provider"),
+        (registries.tasks, config.rollout.task, "rollout.task (--task)"),
+    ]
+    for registry, name, field in named:
         try:
-            registries[kind].get_or_raise(name)
+            registry.get_or_raise(name)
         except RegistryError as exc:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
     if config.rollout.reward is not None and ":" not in config.rollout.reward:
         try:
-            registries["reward_functions"].get_or_raise(config.rollout.reward)
+            registries.reward_functions.get_or_raise(config.rollout.reward)
         except RegistryError as exc:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
@@ -121,7 +126,7 @@ def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
     """Load the protocol class called ``name``; a :class:`ConfigError` names the flag and lists what exists."""
     field = f"weight_transfer.mode (--update-weight-transfer-mode) = {name!r}"
     try:
-        protocol = registries["weight_transfer_protocols"].get_or_raise(name).load()
+        protocol = registries.weight_transfer_protocols.get_or_raise(name).load()
     except (RegistryError, PluginLoadError) as exc:
         raise ConfigError(f"{field}: {exc}") from exc
     if not (isinstance(protocol, type) and issubclass(protocol, WeightTransferProtocol)):

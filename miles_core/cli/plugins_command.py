@@ -56,7 +56,7 @@ def _provides_text(registries: Registries, provides: dict[str, list[str]]) -> st
     def shown(kind: str, name: str) -> str:
         if kind != "model_implementations" or not name.startswith(prefix):
             return name
-        return f"{name.removeprefix(prefix)}: {registries[kind][name].description or 'any family'}"
+        return f"{name.removeprefix(prefix)}: {registries.model_implementations[name].description or 'any family'}"
 
     return "; ".join(f"{kind}: {', '.join(shown(kind, n) for n in names)}" for kind, names in provides.items()) or "-"
 

@@ -48,8 +48,13 @@ class RolloutSection(Section):
     temperature: float = pydantic.Field(default=1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = pydantic.Field(default=-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    task: str = pydantic.Field(
+        default="echo_last",
+        description="Task (`miles plugins` lists them): its prompts when no prompt file is given, and the reward "
+        "function of the same name when no reward is.",
+    )
     prompts: str | None = pydantic.Field(
-        default=None, description="JSONL prompt file ({prompt, label, metadata} per line); None: the default task."
+        default=None, description="JSONL prompt file ({prompt, label, metadata} per line); None: the task's prompts."
     )
     eval_prompts: str | None = pydantic.Field(default=None, description="JSONL file of held-out eval prompts.")
     reward: str | None = pydantic.Field(

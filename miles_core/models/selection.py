@@ -23,7 +23,7 @@ def implementation_flag(family: str, impl: str) -> str:
 def check_model_implementation(registries: Registries, family: str, impl: str) -> Implementation:
     """The registry entry for ``FAMILY/IMPL`` (or ``*/IMPL``, which serves every family), or a
     :class:`ConfigError` that lists what is installed."""
-    registry = registries["model_implementations"]
+    registry = registries.model_implementations
     entry = find_model_implementation(registry, family, impl)
     if entry is not None:
         return entry

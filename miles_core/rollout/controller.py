@@ -4,7 +4,8 @@ Engines start from worker specs (the ``launch_engines`` hook) through the worker
 ``engine-0``, ``engine-1``, ... A health monitor restarts a failed engine and brings it to the current weights.
 A weight update pauses generation, moves every bucket through the protocol, publishes the version, optionally
 checks checksums, and resumes; an engine that fails half-way is re-synced (or restarted), so no engine ever
-serves a mix of versions.
+serves a mix of versions. An update reads the trainer's weights once: the buckets the protocol sends are copied to
+CPU on their way (:class:`RecordedWeights`), and the checksum and a restarted engine's weights come from that copy.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import torch
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.weights import checksum
@@ -28,6 +31,23 @@ logger = logging.getLogger(__name__)
 
 WeightSource = Callable[[], Iterable[list]]
 """Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class RecordedWeights:
+    """One pass over a source's weight buckets, as the protocol consumes them: each bucket is yielded unchanged after
+    its tensors are copied to CPU (:attr:`copy`). ``complete`` once the protocol has taken every bucket."""
+
+    def __init__(self, buckets: Iterable[list]) -> None:
+        self._buckets = buckets
+        self.copy: NamedTensors = []
+        self.complete = False
+
+    def __iter__(self) -> Iterator[list]:
+        for bucket in self._buckets:
+            self.copy.extend((name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket)
+            yield bucket
+        self.complete = True
 
 
 class InferenceController:
@@ -44,8 +64,7 @@ class InferenceController:
                                      failures_to_restart=config.engine.health_check_failures,
                                      on_recovered=[self._bring_back])  # fmt: skip
         self.version = 0
-        self.weights: WeightSource | None = None
-        self.published: list[tuple[str, Any]] = []  # a CPU copy of the last published weights, for recoveries
+        self.published: NamedTensors = []  # a CPU copy of the last published weights, for restarted engines
         self._updating = False
         self._generation_held = False  # inside _generation_paused: the engines produce nothing until it ends
         self._connected: list[EngineEndpoint] = []
@@ -56,9 +75,10 @@ class InferenceController:
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, *, version: int = 0) -> None:
         """Start the router (when a plugin launches one), every engine cell, connect the protocol, start health
-        monitoring."""
+        monitoring. ``version`` is the weight version the engines start with (a resumed run's step)."""
+        self.version = version
         await self._start_router()
         self.cells.add_server("engine", count=self.config.engine.num_engines, specs=self._specs)
         started = await asyncio.gather(*(self.cells.start(c) for c in self.cells.cells), return_exceptions=True)
@@ -146,42 +166,47 @@ class InferenceController:
     # -- weights ----------------------------------------------------------------------------------------------
 
     async def update_weights(self, weights: WeightSource, *, version: int) -> TransferReport:
-        """Publish new weights as ``version`` on every engine."""
-        self.weights = weights
+        """Publish new weights as ``version`` on every engine, reading ``weights()`` once (again only to retry a
+        failed transfer)."""
         self._updating = True
         try:
-            report = await self._update(version)
+            report, published = await self._update(weights, version)
         finally:
             self._updating = False
-        self.published = [(name, tensor.detach().clone()) for bucket in weights() for name, tensor in bucket]
+        self.published = published
         self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
         self.reports.append(report)
         return report
 
-    async def _update(self, version: int) -> TransferReport:
+    async def _update(self, weights: WeightSource, version: int) -> tuple[TransferReport, NamedTensors]:
         async with self.monitor.paused(), self._generation_paused():
             self.hooks.before_weight_update(version=version, protocol=self.protocol)
             with contextlib.ExitStack() as wrappers:
                 for wrapper in self.hooks.weight_update_wrapper(version=version, protocol=self.protocol):
                     if wrapper is not None:
                         wrappers.enter_context(wrapper)
-                return await self._transfer_all(version)
+                return await self._transfer_all(weights, version)
 
-    async def _transfer_all(self, version: int, *, attempts: int = 2) -> TransferReport:
+    async def _transfer_all(self, weights: WeightSource, version: int, *,
+                            attempts: int = 2) -> tuple[TransferReport, NamedTensors]:  # fmt: skip
         for attempt in range(1, attempts + 1):
             try:
                 await self._connect(force=attempt > 1)
-                report = await self.protocol.transfer(iter(self.weights()), version=version)
+                recorded = RecordedWeights(weights())
+                report = await self.protocol.transfer(iter(recorded), version=version)
                 break
             except (EngineError, MilesError, OSError) as exc:
                 if attempt == attempts:
                     raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
                 logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
                 await self.wait_for_engines(self.config.engine.startup_timeout_s)
+        if not recorded.complete:
+            raise MilesError(f"the {type(self.protocol).__name__} protocol reported v{version} sent before taking "
+                             f"every weight bucket ({len(recorded.copy)} tensors taken)")  # fmt: skip
         self.version = version
         if self.config.weight_transfer.verify_checksum:
-            report = await self._verify(report)
-        return report
+            report = await self._verify(report, recorded.copy)
+        return report, recorded.copy
 
     async def _connect(self, *, force: bool = False) -> None:
         """(Re)connect the protocol when the set of engines changed (or after a failure)."""
@@ -190,8 +215,8 @@ class InferenceController:
             await self.protocol.connect(endpoints)
             self._connected = endpoints
 
-    async def _verify(self, report: TransferReport) -> TransferReport:
-        expected = checksum(name_tensor for bucket in self.weights() for name_tensor in bucket)
+    async def _verify(self, report: TransferReport, sent: NamedTensors) -> TransferReport:
+        expected = checksum(sent)
         served = await asyncio.gather(*(client.weights_checksum() for client in self.engine_clients()))
         ok = all(digest == expected for digest in served)
         if not ok:

@@ -88,12 +88,12 @@ class ProtocolContract:
 
     def make_protocol(self) -> WeightTransferProtocol:
         registries = MilesPluginManager.load().registries
-        protocol_cls = registries["weight_transfer_protocols"].get_or_raise(self.protocol_name).load()
+        protocol_cls = registries.weight_transfer_protocols.get_or_raise(self.protocol_name).load()
         return protocol_cls(**self.protocol_settings)
 
     def test_bad_settings_are_refused_as_documented(self) -> None:
         registries = MilesPluginManager.load().registries
-        protocol_cls = registries["weight_transfer_protocols"].get_or_raise(self.protocol_name).load()
+        protocol_cls = registries.weight_transfer_protocols.get_or_raise(self.protocol_name).load()
         for bad in [{**self.protocol_settings, "no_such_setting_for_the_contract": 1}, *self.bad_settings]:
             with pytest.raises((TypeError, ValueError, MilesError)) as refused:
                 protocol_cls(**bad)

@@ -42,12 +42,6 @@ def provide_training_backends() -> list[Implementation]:
 
 
 @hookimpl
-def provide_hf_weight_iterators() -> list[Implementation]:
-    return [Implementation("megatron", "miles_plugins_megatron.weight_iterator:MegatronHfWeightIterator",
-                           "gathers TP shards, splits fused QKV and gate/up, HF names")]  # fmt: skip
-
-
-@hookimpl
 def provide_model_implementations() -> list[Implementation]:
     return [model_implementation(family, "megatron", "miles_plugins_megatron.causal_lm:MegatronCausalLM",
                                  f"megatron-core GPTModel ({family} layout)") for family in FAMILIES]  # fmt: skip

@@ -57,7 +57,7 @@ class MegatronTrainer:
     def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
                 registries: Any) -> MegatronTrainer:  # fmt: skip
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
-        provider_cls = registries["worker_providers"].get_or_raise(config.run.worker_provider).load()
+        provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
         trainer = cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
                           provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
                           reference_path=initial_model_path, tokenizer_from=initial_model_path)  # fmt: skip

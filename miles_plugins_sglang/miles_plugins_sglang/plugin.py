@@ -1,4 +1,5 @@
-"""The Miles plugin module of miles-plugins-sglang, registered through the entry-point group ``miles.plugins``.
+"""The Miles plugin of miles-plugins-sglang: :class:`SglangPlugin`, registered through the entry-point group
+``miles.plugins`` (one instance per plugin manager).
 
 Provides the engine backend ``sglang`` (servers started from ``sglang.launch_command``, by default
 ``python -m sglang.launch_server``), the ``sglang`` config section, and the sglang-router as a worker in front of
@@ -8,45 +9,16 @@ command imports this module, so it imports nothing heavy at the top.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation
 
+if TYPE_CHECKING:
+    from miles_plugins_sglang.router import RouterRegistrar
+
 LOCAL_ENGINE_MODULE = "miles_core.engines.local_server"
-_ROUTERS: dict[str, Any] = {}  # the run's router registrar, by router name ("router")
-
-
-@hookimpl
-def config_sections() -> dict[str, type]:
-    from miles_plugins_sglang.config import SglangSection  # deferred: pydantic
-
-    return {"sglang": SglangSection}
-
-
-@hookimpl
-def provide_engine_backends() -> list[Implementation]:
-    return [Implementation("sglang", "miles_plugins_sglang.launch:sglang_engine_spec",
-                           "servers speaking SGLang's HTTP API, from sglang.launch_command")]  # fmt: skip
-
-
-@hookimpl
-def validate_config(config: Any) -> None:
-    if config.sglang.router and config.engine.backend != "sglang":
-        raise ConfigError(f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), "
-                          f"not {config.engine.backend!r}")  # fmt: skip
-    stock_sglang = config.sglang.runs_stock_sglang()
-    if config.engine.backend == "sglang" and stock_sglang and config.weight_transfer.mode == "tensor":
-        raise ConfigError("weight_transfer.mode = 'tensor' sends safetensors buffers (or shared-memory staging), which "
-                          "stock SGLang's /update_weights_from_tensor does not read (it takes pickled tensors, which "
-                          "Miles never sends); with sglang.launch_server use --update-weight-transfer-mode disk or "
-                          "broadcast")  # fmt: skip
-    if config.engine.backend == "sglang" and config.weight_transfer.verify_checksum and not serves_checksum(config):
-        raise ConfigError("weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs the "
-                          "/weights_checksum route, which only Miles' local engine serves (--engine local, or "
-                          f"sglang.launch_command running {LOCAL_ENGINE_MODULE}); SGLang has no such route: with "
-                          "--engine sglang leave it false")  # fmt: skip
 
 
 def serves_checksum(config: Any) -> bool:
@@ -55,42 +27,83 @@ def serves_checksum(config: Any) -> bool:
     return any(LOCAL_ENGINE_MODULE in part for part in config.sglang.launch_command)
 
 
-@hookimpl
-def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
-    if config.engine.backend != "sglang":
-        return None
-    from miles_plugins_sglang.launch import check_engine_environment, sglang_engine_spec
-
-    check_engine_environment(config)
-    return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
-
-
-@hookimpl
-def launch_router(config: Any) -> Any | None:
-    if config.engine.backend != "sglang" or not config.sglang.router:
-        return None
-    from miles_plugins_sglang.launch import router_spec
-
-    return router_spec(config)
+TENSOR_MODE_REFUSED = (
+    "weight_transfer.mode = 'tensor' sends safetensors buffers (or shared-memory staging), which stock SGLang's "
+    "/update_weights_from_tensor does not read (it takes pickled tensors, which Miles never sends); with "
+    "sglang.launch_server use --update-weight-transfer-mode disk or broadcast"
+)
+CHECKSUM_REFUSED = (
+    "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs the /weights_checksum route, "
+    f"which only Miles' local engine serves (--engine local, or sglang.launch_command running {LOCAL_ENGINE_MODULE}); "
+    "SGLang has no such route: with --engine sglang leave it false"
+)
 
 
-@hookimpl
-def register_router(router: dict) -> None:
-    from miles_plugins_sglang.router import RouterRegistrar
+class SglangPlugin:
+    """The ``sglang`` engine backend, its config section and the sglang-router; the run's router registrars (by
+    router name) live on the instance, so two plugin managers in one process never share a router."""
 
-    previous = _ROUTERS.pop(router["name"], None)
-    if previous is not None:
-        previous.close()
-    _ROUTERS[router["name"]] = RouterRegistrar(router["url"])
+    def __init__(self) -> None:
+        self.routers: dict[str, RouterRegistrar] = {}
 
+    @hookimpl
+    def config_sections(self) -> dict[str, type]:
+        from miles_plugins_sglang.config import SglangSection  # deferred: pydantic
 
-@hookimpl
-def register_engines(engines: list[dict]) -> None:
-    """Route to exactly the running engines (the controller calls this once they serve the current weights)."""
-    urls = [worker["url"] for engine in engines if engine["state"] == "running" for worker in engine["workers"]]
-    for registrar in _ROUTERS.values():
-        registrar.sync(urls)
-        if not engines:  # the run is stopping: forget the router with its engines
-            registrar.close()
-    if not engines:
-        _ROUTERS.clear()
+        return {"sglang": SglangSection}
+
+    @hookimpl
+    def provide_engine_backends(self) -> list[Implementation]:
+        description = "servers speaking SGLang's HTTP API, from sglang.launch_command"
+        return [Implementation("sglang", "miles_plugins_sglang.launch:sglang_engine_spec", description)]
+
+    @hookimpl
+    def validate_config(self, config: Any) -> None:
+        backend = config.engine.backend
+        if config.sglang.router and backend != "sglang":
+            raise ConfigError(
+                f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), not {backend!r}"
+            )
+        if backend != "sglang":
+            return
+        if config.sglang.runs_stock_sglang() and config.weight_transfer.mode == "tensor":
+            raise ConfigError(TENSOR_MODE_REFUSED)
+        if config.weight_transfer.verify_checksum and not serves_checksum(config):
+            raise ConfigError(CHECKSUM_REFUSED)
+
+    @hookimpl
+    def launch_engines(self, config: Any, cell_id: str, model_path: str) -> list[Any] | None:
+        if config.engine.backend != "sglang":
+            return None
+        from miles_plugins_sglang.launch import check_engine_environment, sglang_engine_spec
+
+        check_engine_environment(config)
+        return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
+
+    @hookimpl
+    def launch_router(self, config: Any) -> Any | None:
+        if config.engine.backend != "sglang" or not config.sglang.router:
+            return None
+        from miles_plugins_sglang.launch import router_spec
+
+        return router_spec(config)
+
+    @hookimpl
+    def register_router(self, router: dict) -> None:
+        from miles_plugins_sglang.router import RouterRegistrar
+
+        previous = self.routers.pop(router["name"], None)
+        if previous is not None:
+            previous.close()
+        self.routers[router["name"]] = RouterRegistrar(router["url"])
+
+    @hookimpl
+    def register_engines(self, engines: list[dict]) -> None:
+        """Route to exactly the running engines (the controller calls this once they serve the current weights)."""
+        urls = [worker["url"] for engine in engines if engine["state"] == "running" for worker in engine["workers"]]
+        for registrar in self.routers.values():
+            registrar.sync(urls)
+            if not engines:  # the run is stopping: forget the router with its engines
+                registrar.close()
+        if not engines:
+            self.routers.clear()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from miles_plugins_sglang.config import server_arg_fields, server_flags
 from miles_plugins_sglang.launch import sglang_engine_spec
+from miles_plugins_sglang.plugin import SglangPlugin
 
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError
@@ -115,6 +116,15 @@ def test_a_port_already_in_use_is_a_clear_error(manager, tmp_path: Path) -> None
                                                    r"already in use"):  # fmt: skip
             start_engine(manager, tmp_path, **{"sglang.launch_command": LOCAL_ENGINE,
                                                "sglang.extra_args": ["--port", str(port)]})  # fmt: skip
+
+
+def test_each_plugin_manager_has_its_own_sglang_plugin_and_router_registrars() -> None:
+    first, second = MilesPluginManager.load(), MilesPluginManager.load()
+    plugins = [manager.pm.get_plugin("sglang") for manager in (first, second)]
+    assert all(isinstance(plugin, SglangPlugin) for plugin in plugins) and plugins[0] is not plugins[1]
+    first.hook.register_router(router={"name": "router", "url": "http://127.0.0.1:9"})
+    assert list(plugins[0].routers) == ["router"] and plugins[1].routers == {}  # no state in the module
+    plugins[0].routers.pop("router").close()
 
 
 ROUTER_PROBE = """\

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -59,6 +58,7 @@ from miles_core.http import (
     read_body,
     safe_message,
 )
+from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc_wire import TOKEN_ENV
 
 MIB = 1 << 20
@@ -694,11 +694,8 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr, flush=True)  # fmt: skip
     server = LocalEngineServer(engine, admin_key=admin_key, host=args.host, port=args.port,
                                key_file=key_file if args.admin_key_file is None else None)  # fmt: skip
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock = listening_socket(args.host, args.port)
     except OSError as exc:
         print(f"local engine: error: cannot listen on {args.host}:{args.port}: {exc.strerror}", file=sys.stderr)
         raise SystemExit(2) from None

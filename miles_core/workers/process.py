@@ -34,7 +34,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on ``host:port`` and on no other address (``host`` a name or an IPv4/IPv6 address)."""
+    """A TCP socket listening on ``host:port`` and on no other address (``host`` a name or an IPv4/IPv6 address):
+    the one way every Miles server binds (the local engine, the RPC server, the dashboard, the Prometheus endpoint,
+    the distributed store). Accepted connections get ``TCP_NODELAY`` from asyncio."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:

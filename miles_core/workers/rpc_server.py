@@ -18,7 +18,6 @@ import json
 import math
 import os
 import re
-import socket
 import threading
 import traceback
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from miles_core.http import (
     read_body,
 )
 from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
+from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc_arguments import ArgumentCheck, ArgumentError, short_repr
 from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
@@ -167,10 +167,7 @@ class RpcServer:
 
     async def start(self) -> None:
         """Bind the socket and start serving in the running event loop."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted connections
-        sock.bind((self.host, self.port))
+        sock = listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._groups = {name: _Group(name, limit) for name, limit in self._group_limits.items()}
         self._stopping = asyncio.Event()

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from miles_plugins_sglang.launch import router_spec, sglang_engine_spec
+from miles_plugins_sglang.launch import sglang_engine_spec, sglang_router_spec
 from miles_plugins_sglang.router import RouterRegistrar
 
 from miles_core.config.build import build_config
@@ -52,7 +52,7 @@ async def main(engines: int, samples: int, repeats: int) -> None:
         infos = await asyncio.gather(*(provider.start(sglang_engine_spec(config, cell_id=f"engine-{i}",
                                                                          model_path=str(model)))
                                        for i in range(engines)))  # fmt: skip
-        router = await provider.start(router_spec(config))
+        router = await provider.start(sglang_router_spec(config))
         registrar = RouterRegistrar(router.url)
         await asyncio.to_thread(registrar.sync, [info.url for info in infos])
         direct = [EngineClient(info.url, name=info.name) for info in infos]

@@ -144,6 +144,5 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "config_sections": _config_sections,
     "config_flags": _config_flags,
     "validate_config": _none("validate_config", "it raises miles_core.ConfigError to refuse a config"),
-    "launch_engines": _list_or_none,
     "weight_update_wrapper": _context_manager_or_none,
 }

@@ -58,8 +58,10 @@ def provide_training_backends() -> list[Implementation] | None:
 def provide_engine_backends() -> list[Implementation] | None:
     """Inference-engine backends (``--engine NAME``), such as ``local`` or ``sglang``.
 
-    Called once when the registries are built. Each entry's target is an engine-backend class whose workers speak
-    SGLang's native HTTP API.
+    Called once when the registries are built. Each entry's target is a class satisfying
+    :class:`miles_core.EngineBackend`: made once per run with no arguments, it returns the worker specs of each engine
+    cell (servers speaking SGLang's native HTTP API) and of the router in front of them, if any. The controller
+    starts exactly what the configured backend returns; no hook takes part in launching engines.
     """
 
 
@@ -155,33 +157,6 @@ def validate_config(config: Any, registries: Registries) -> None:
     Called once, right after the config is constructed (every source merged, every section validated). Raise
     :class:`miles_core.errors.ConfigError` with a message that names the fields, the values and what would be
     accepted; return ``None`` otherwise. Example: "the rdt protocol needs engines hosted in Ray actors".
-    """
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Engines
-# --------------------------------------------------------------------------------------------------------------
-
-
-@hookspec(firstresult=True)
-def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
-    """The worker specs that launch one engine cell of ``config.engine.backend``.
-
-    Called by the ``InferenceController`` for every engine cell it starts (and again when a cell is restarted),
-    with the run config, the cell id (``"engine-0"``, ...) and the checkpoint directory the engine loads first. The
-    plugin that owns the configured backend returns a list of ``WorkerSpec`` (usually one ``CommandWorkerSpec``
-    running a server that speaks SGLang's HTTP API with ``{host}``/``{port}`` placeholders); the others return
-    ``None``. The controller starts the specs through the worker provider. ``firstresult``.
-    """
-
-
-@hookspec(firstresult=True)
-def launch_router(config: Any) -> Any | None:
-    """The worker spec of a router in front of the engines (a ``CommandWorkerSpec``), or ``None`` for none.
-
-    Called once by the ``InferenceController`` before the engines start. When a spec is returned the controller
-    starts it through the worker provider, calls :func:`register_router`, and the rollout sends generation through
-    the router's URL; :func:`register_engines` tells the router plugin which engines to route to. ``firstresult``.
     """
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import transformers
 
+from miles_core.engines.backend import load_engine_backend
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
@@ -83,9 +84,15 @@ async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer:
     registries: Registries = manager.registries
     provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()(
         token=setup.token, run_dir=setup.run_dir)  # fmt: skip
-    controller = InferenceController(config=config, hooks=manager.hook, provider=provider,
-                                     protocol=protocol,
-                                     model_path=str(setup.model_path))  # fmt: skip
+    backend = load_engine_backend(registries, config.engine.backend)
+    controller = InferenceController(
+        config=config,
+        hooks=manager.hook,
+        provider=provider,
+        protocol=protocol,
+        backend=backend,
+        model_path=str(setup.model_path),
+    )
     executor = RolloutExecutor(config=config, tokenizer=setup.tokenizer, train_prompts=setup.train_prompts,
                                eval_prompts=setup.eval_prompts, reward_fn=setup.reward_fn,
                                reward_name=setup.reward_name, controller=controller)  # fmt: skip

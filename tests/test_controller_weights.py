@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from miles_core.config.build import build_config
+from miles_core.engines.backend import load_engine_backend
 from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.loop import make_protocol
@@ -41,8 +42,9 @@ def controller_for(manager: MilesPluginManager, config, model: Path, tmp_path: P
     """A controller of the run's engines (local engines on ``model``) and the configured protocol."""
     provider = LocalWorkerProvider(token="controller-token", run_dir=tmp_path / "run")
     protocol = make_protocol(config, manager.registries)
+    backend = load_engine_backend(manager.registries, config.engine.backend)
     return InferenceController(
-        config=config, hooks=manager.hook, provider=provider, protocol=protocol, model_path=str(model)
+        config=config, hooks=manager.hook, provider=provider, protocol=protocol, backend=backend, model_path=str(model)
     )
 
 

@@ -225,7 +225,7 @@ def test_an_entry_point_naming_a_plugin_class_is_instantiated_and_its_constructo
         "raising-class = miles_raising_class:Plugin) failed to load: RuntimeError: no licence key"
     ) in result.stderr
     sglang_hooks = plugins_json()["sglang"]["hooks"]  # miles_plugins_sglang.plugin:SglangPlugin is such a class
-    assert {"launch_engines", "launch_router", "register_router", "register_engines"} <= set(sglang_hooks)
+    assert {"provide_engine_backends", "validate_config", "register_router", "register_engines"} <= set(sglang_hooks)
 
 
 def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:

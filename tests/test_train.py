@@ -267,16 +267,23 @@ FAILING_ENGINE = """\
 import sys
 
 from miles_core import hookimpl
+from miles_core.engines.local_backend import LocalEngineBackend
+from miles_core.registry import Implementation
 from miles_core.workers.specs import CommandWorkerSpec
 
 
-@hookimpl(tryfirst=True)
-def launch_engines(config, cell_id, model_path):
-    if cell_id != "engine-1":
-        return None  # the core launches engine-0
-    # It fails after engine-0 is up, so engine-0 must be stopped by the run, not by a cancelled start.
-    argv = [sys.executable, "-c", "import sys, time; time.sleep(20); print('engine-1: out of memory'); sys.exit(3)"]
-    return [CommandWorkerSpec(name=cell_id, argv=argv, ports=["port"], health_url="http://{host}:{port}/health")]
+class HalfFailingBackend(LocalEngineBackend):
+    def engine_specs(self, config, *, cell_id, model_path):
+        if cell_id != "engine-1":
+            return super().engine_specs(config, cell_id=cell_id, model_path=model_path)
+        # It fails after engine-0 is up, so engine-0 must be stopped by the run, not by a cancelled start.
+        argv = [sys.executable, "-c", "import sys, time; time.sleep(20); print('engine-1: out of memory'); sys.exit(3)"]
+        return [CommandWorkerSpec(name=cell_id, argv=argv, ports=["port"], health_url="http://{host}:{port}/health")]
+
+
+@hookimpl
+def provide_engine_backends():
+    return [Implementation("half-failing", f"{__name__}:HalfFailingBackend")]
 """
 
 
@@ -286,7 +293,8 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_leaves_no_engine_behind
     plugin = tmp_path / "failing_engine.py"
     plugin.write_text(FAILING_ENGINE)
     run_dir = tmp_path / "run"
-    result = train(run_dir, *QUICK, "--num-steps", "2", "--engine-num-engines", "2", "--plugin", str(plugin), ok=False)
+    result = train(run_dir, *QUICK, "--num-steps", "2", "--engine-num-engines", "2", "--engine", "half-failing",
+                   "--plugin", str(plugin), ok=False)  # fmt: skip
     assert result.returncode == 2
     assert "worker engine-1 exited while starting" in result.stderr and "engine-1: out of memory" in result.stderr
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]

@@ -170,7 +170,8 @@ def provide_training_backends() -> list[Implementation]:
 
 @hookimpl
 def provide_engine_backends() -> list[Implementation]:
-    return [Implementation("local", "miles_core.engines.local_server:main", "transformers model, SGLang HTTP API")]
+    target = "miles_core.engines.local_backend:LocalEngineBackend"
+    return [Implementation("local", target, "transformers model, SGLang HTTP API")]
 
 
 @hookimpl
@@ -181,12 +182,3 @@ def provide_reward_functions() -> list[Implementation]:
 @hookimpl
 def provide_tasks() -> list[Implementation]:
     return [Implementation("echo_last", "miles_core.default.task:echo_last_prompts", "repeat the last digit")]
-
-
-@hookimpl
-def launch_engines(config: Any, cell_id: str, model_path: str) -> list[Any] | None:
-    if config.engine.backend != "local":
-        return None
-    from miles_core.engines.local_backend import local_engine_spec  # deferred: pydantic worker specs
-
-    return [local_engine_spec(config, cell_id=cell_id, model_path=model_path)]

@@ -5,7 +5,17 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from miles_core.workers.specs import CommandWorkerSpec
+from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
+
+
+class LocalEngineBackend:
+    """:class:`~miles_core.engines.backend.EngineBackend` of Miles' own local engine; no router."""
+
+    def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
+        return [local_engine_spec(config, cell_id=cell_id, model_path=model_path)]
+
+    def router_spec(self, config: Any) -> WorkerSpec | None:
+        return None
 
 
 def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:

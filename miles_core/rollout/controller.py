@@ -1,6 +1,7 @@
 """``InferenceController``: the engines of a run as infrastructure: cells, health, pause/continue, weight updates.
 
-Engines start from worker specs (the ``launch_engines`` hook) through the worker provider, in cells
+Engines start from the worker specs of the run's engine backend (:class:`EngineBackend`) through the worker
+provider, in cells
 ``engine-0``, ``engine-1``, ... A health monitor restarts a failed engine and brings it to the current weights.
 A weight update pauses generation, moves every bucket through the protocol, publishes the version, optionally
 checks checksums, and resumes; an engine that fails half-way is re-synced (or restarted), so no engine ever
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from miles_core.engines.backend import EngineBackend
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
@@ -26,12 +28,14 @@ from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, 
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
+from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 WeightSource = Callable[[], Iterable[list]]
 """Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
 NamedTensors = list[tuple[str, torch.Tensor]]
+WORKER_SPECS = (CommandWorkerSpec, PythonWorkerSpec)
 
 
 class RecordedWeights:
@@ -52,8 +56,9 @@ class RecordedWeights:
 
 class InferenceController:
     def __init__(self, *, config: Any, hooks: Any, provider: BaseWorkerProvider, protocol: WeightTransferProtocol,
-                 model_path: str) -> None:  # fmt: skip
+                 backend: EngineBackend, model_path: str) -> None:  # fmt: skip
         self.config = config
+        self.backend = backend
         self.hooks = hooks
         self.provider = provider
         self.protocol = protocol
@@ -70,7 +75,7 @@ class InferenceController:
         self._connected: list[EngineEndpoint] = []
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
-        self.router: WorkerInfo | None = None  # a router a plugin launched (``launch_router``)
+        self.router: WorkerInfo | None = None  # the backend's router (``EngineBackend.router_spec``), if any
         self.router_client: EngineClient | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
@@ -106,18 +111,22 @@ class InferenceController:
             self.router = None
 
     async def _start_router(self) -> None:
-        spec = self.hooks.launch_router(config=self.config)
+        spec = self.backend.router_spec(self.config)
         if spec is None:
             return
+        if not isinstance(spec, WORKER_SPECS):
+            raise MilesError(f"engine backend {self.config.engine.backend!r} returned {spec!r:.80} as its router; "
+                             "expected a CommandWorkerSpec or PythonWorkerSpec, or None")  # fmt: skip
         self.router = await self.provider.start(spec)
         self.router_client = EngineClient(self.router.url, name=self.router.name, admin_key=self.provider.token,
                                           is_router=True)  # fmt: skip
         self.hooks.register_router(router={"name": self.router.name, "url": self.router.url, "pid": self.router.pid})
 
-    def _specs(self, cell_id: str) -> list:
-        specs = self.hooks.launch_engines(config=self.config, cell_id=cell_id, model_path=self.model_path)
-        if not specs:
-            raise MilesError(f"no plugin launches engines of backend {self.config.engine.backend!r}")
+    def _specs(self, cell_id: str) -> list[WorkerSpec]:
+        specs = self.backend.engine_specs(self.config, cell_id=cell_id, model_path=self.model_path)
+        if not (isinstance(specs, list) and specs and all(isinstance(spec, WORKER_SPECS) for spec in specs)):
+            raise MilesError(f"engine backend {self.config.engine.backend!r} returned {specs!r:.80} for {cell_id}; "
+                             "expected a non-empty list of CommandWorkerSpec or PythonWorkerSpec")  # fmt: skip
         return specs
 
     # -- engines ----------------------------------------------------------------------------------------------

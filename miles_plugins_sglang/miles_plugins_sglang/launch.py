@@ -12,7 +12,7 @@ import psutil
 
 from miles_core.errors import ConfigError
 from miles_core.models.hf_checkpoint import read_model_config
-from miles_core.workers.specs import CommandWorkerSpec
+from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, is_this_interpreter, server_flags
 
 STOCK_SERVER_ARGS: dict[str, Any] = {
@@ -37,6 +37,19 @@ CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 KV_MEMORY_FRACTION = 0.1
 """Of the machine's available memory, what a CPU engine's KV pool may take (the trainer needs the rest)."""
 KV_TOKENS_RANGE = (4096, 131072)
+
+
+class SglangEngineBackend:
+    """The ``sglang`` engine backend (a ``miles_core.EngineBackend``): each cell is a server from
+    ``sglang.launch_command`` (stock ``sglang.launch_server`` by default, its environment checked before the first
+    engine starts), with the sglang-router in front when ``sglang.router`` is true."""
+
+    def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
+        check_engine_environment(config)
+        return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
+
+    def router_spec(self, config: Any) -> WorkerSpec | None:
+        return sglang_router_spec(config) if config.sglang.router else None
 
 
 def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
@@ -125,7 +138,7 @@ def _has_sglang(python: str) -> bool:
     return done.returncode == 0
 
 
-def router_spec(config: Any) -> CommandWorkerSpec:
+def sglang_router_spec(config: Any) -> CommandWorkerSpec:
     """The sglang-router, with its server and its Prometheus endpoint on the worker's host (never 0.0.0.0)."""
     sglang = config.sglang
     argv = [

@@ -1,10 +1,11 @@
 """The Miles plugin of miles-plugins-sglang: :class:`SglangPlugin`, registered through the entry-point group
 ``miles.plugins`` (one instance per plugin manager).
 
-Provides the engine backend ``sglang`` (servers started from ``sglang.launch_command``, by default
-``python -m sglang.launch_server``), the ``sglang`` config section, and the sglang-router as a worker in front of
-the engines (``--sglang-router true``), kept in step with the engines through ``register_engines``. Every ``miles``
-command imports this module, so it imports nothing heavy at the top.
+Provides the engine backend ``sglang`` (:class:`miles_plugins_sglang.launch.SglangEngineBackend`: servers started
+from ``sglang.launch_command``, by default ``python -m sglang.launch_server``, and the sglang-router as a worker in
+front of them with ``--sglang-router true``), the ``sglang`` config section, and the router kept in step with the
+engines through ``register_router`` and ``register_engines``. Every ``miles`` command imports this module, so it
+imports nothing heavy at the top.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class SglangPlugin:
     @hookimpl
     def provide_engine_backends(self) -> list[Implementation]:
         description = "servers speaking SGLang's HTTP API, from sglang.launch_command"
-        return [Implementation("sglang", "miles_plugins_sglang.launch:sglang_engine_spec", description)]
+        return [Implementation("sglang", "miles_plugins_sglang.launch:SglangEngineBackend", description)]
 
     @hookimpl
     def validate_config(self, config: Any) -> None:
@@ -70,23 +71,6 @@ class SglangPlugin:
             raise ConfigError(TENSOR_MODE_REFUSED)
         if config.weight_transfer.verify_checksum and not serves_checksum(config):
             raise ConfigError(CHECKSUM_REFUSED)
-
-    @hookimpl
-    def launch_engines(self, config: Any, cell_id: str, model_path: str) -> list[Any] | None:
-        if config.engine.backend != "sglang":
-            return None
-        from miles_plugins_sglang.launch import check_engine_environment, sglang_engine_spec
-
-        check_engine_environment(config)
-        return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
-
-    @hookimpl
-    def launch_router(self, config: Any) -> Any | None:
-        if config.engine.backend != "sglang" or not config.sglang.router:
-            return None
-        from miles_plugins_sglang.launch import router_spec
-
-        return router_spec(config)
 
     @hookimpl
     def register_router(self, router: dict) -> None:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from miles_core.config.build import build_config
+from miles_core.engines.local_backend import LocalEngineBackend
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.controller import InferenceController
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -45,7 +46,8 @@ def test_an_engine_whose_health_check_answers_slowly_is_not_restarted(tmp_path: 
     spec = CommandWorkerSpec(name="engine-0", argv=[sys.executable, "-c", SLOW_HEALTH_SERVER, "{port}",
                                                     str(SLOW_HEALTH_DELAY_S)],
                              ports=["port"], health_url="http://{host}:{port}/health_generate")  # fmt: skip
-    controller = InferenceController(config=config, hooks=None, provider=provider, protocol=None, model_path="")
+    controller = InferenceController(config=config, hooks=None, provider=provider, protocol=None,
+                                     backend=LocalEngineBackend(), model_path="")  # fmt: skip
 
     async def scenario() -> None:
         try:

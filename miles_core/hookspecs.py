@@ -44,13 +44,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def provide_training_backends() -> list[Implementation] | None:
     """Training backends (``--trainer NAME``), such as ``torch`` or ``megatron``.
 
-    Called once when the registries are built. Each entry's target is a trainer class offering
-    ``for_run(config, *, model_path, initial_model_path, run_dir, token, registries)`` (a classmethod that builds
-    the trainer of a run; ``initial_model_path`` is the KL reference, which a resumed run's checkpoint is not),
-    ``train_step(batch) -> metrics`` (called in a worker thread), ``weight_iterator(bucket_bytes)`` (an
-    ``HfWeightIterator``), ``save_checkpoint(directory)`` (an HF checkpoint directory with the model's tokenizer
-    files: :func:`miles_core.models.hf_checkpoint.save_hf_checkpoint` copies them; the loop adds them when a trainer
-    wrote none), ``load_checkpoint(directory)`` and ``close()``.
+    Called once when the registries are built. Each entry's target is a class satisfying
+    :class:`miles_core.TrainingBackend`: ``for_run(config, *, model_path, initial_model_path, run_dir, token,
+    registries)`` (a classmethod that builds the trainer of a run; ``initial_model_path`` is the KL reference, which a
+    resumed run's checkpoint is not), ``train_step(batch) -> metrics`` (called in a worker thread),
+    ``weight_iterator(bucket_bytes)`` (an ``HfWeightIterator``), ``save_checkpoint(directory)`` (an HF checkpoint
+    directory with the model's tokenizer files: :func:`miles_core.models.hf_checkpoint.save_hf_checkpoint` copies
+    them; the loop adds them when a trainer wrote none), ``load_checkpoint(directory)``, ``implementation``
+    (``FAMILY/IMPL``), ``rank_names()`` and ``close()``. A trainer lacking one is refused, naming what it lacks.
     """
 
 

@@ -24,6 +24,7 @@ from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
+from miles_core.training.backend import TrainingBackend, missing_members
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
@@ -45,14 +46,12 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
 async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:
     registries: Registries = manager.registries
     protocol = make_protocol(config, registries)  # bad protocol settings fail before any worker starts
-    backend = registries.training_backends.get_or_raise(config.train.backend).load()
-    trainer = backend.for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
-                              run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
-    implementation = getattr(trainer, "implementation", "?")
-    print(f"miles: {config.train.backend} trainer, model {implementation}", flush=True)
+    trainer = _build_trainer(config, registries, setup)
+    print(f"miles: {config.train.backend} trainer, model {trainer.implementation}", flush=True)
     try:
-        manager.hook.register_trainer(trainer={"backend": config.train.backend, "implementation": implementation,
-                                               "ranks": _rank_names(trainer)})  # fmt: skip
+        trainer_info = {"backend": config.train.backend, "implementation": trainer.implementation,
+                        "ranks": list(trainer.rank_names())}  # fmt: skip
+        manager.hook.register_trainer(trainer=trainer_info)
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)
         return await _run_with_trainer(config, manager, setup, trainer, protocol, progress=progress)
@@ -60,10 +59,21 @@ async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progres
         trainer.close()
 
 
-def _rank_names(trainer: Any) -> list[str]:
-    """The trainer's ranks (``rank_names()``, optional for third-party trainers: one rank in the driver)."""
-    rank_names = getattr(trainer, "rank_names", None)
-    return list(rank_names()) if callable(rank_names) else ["driver"]
+def _build_trainer(config: Any, registries: Registries, setup: RunSetup) -> TrainingBackend:
+    """The run's trainer from its backend's ``for_run``; one lacking a :class:`TrainingBackend` member is closed
+    (when it can be) and refused, naming the backend and what it lacks."""
+    entry = registries.training_backends.get_or_raise(config.train.backend)
+    trainer = entry.load().for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
+                                   run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
+    missing = missing_members(trainer)
+    if missing:
+        if callable(getattr(trainer, "close", None)):
+            trainer.close()
+        raise MilesError(
+            f"training backend {config.train.backend!r} ({entry.target}) made a trainer without "
+            f"{', '.join(missing)} (miles_core.TrainingBackend lists what a trainer provides)"
+        )
+    return trainer
 
 
 def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:

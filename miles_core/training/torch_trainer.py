@@ -60,6 +60,7 @@ class TorchTrainer:
         self.optimizer = build_optimizer(model.parameters(), settings)
         self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
         self.step = 0
+        self.implementation = f"{getattr(hf_config, 'model_type', 'model')}/{type(model).__name__}"  # for_run names it
 
     @classmethod
     def from_pretrained(cls, path: str | Path, settings: Any, *, seed: int = 0) -> TorchTrainer:
@@ -83,6 +84,10 @@ class TorchTrainer:
 
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
+
+    def rank_names(self) -> list[str]:
+        """One rank: the driver process itself."""
+        return ["driver"]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics."""

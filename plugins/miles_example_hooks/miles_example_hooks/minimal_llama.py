@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from miles_core.errors import MilesError
-from miles_core.models.causal_lm import CausalLM
+from miles_core import CausalLM, MilesError
 
 
 class RMSNorm(nn.Module):

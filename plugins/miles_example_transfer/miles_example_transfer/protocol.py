@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 from safetensors.torch import save_file
 
-from miles_core.errors import MilesError
-from miles_core.weight_transfer import EngineEndpoint, TransferReport, WeightBucket, WeightTransferProtocol
+from miles_core import EngineEndpoint, MilesError, TransferReport, WeightBucket, WeightTransferProtocol
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -41,9 +41,10 @@ def main() -> None:
     for name, values in samples.items():
         print(f"{name:16s} median {medians[name] * 1000:7.1f} ms  min {min(values) * 1000:7.1f} ms  (n={len(values)})")
     baseline = medians["python -c pass"]
-    print("ratios to python -c pass: " + ", ".join(
-        f"{name} {medians[name] / baseline:.1f}x" for name in COMMANDS if name != "python -c pass"
-    ))  # fmt: skip
+    print(
+        "ratios to python -c pass: "
+        + ", ".join(f"{name} {medians[name] / baseline:.1f}x" for name in COMMANDS if name != "python -c pass")
+    )
 
 
 if __name__ == "__main__":

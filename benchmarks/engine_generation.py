@@ -47,8 +47,16 @@ def in_process_rates(model: torch.nn.Module, prompts: torch.Tensor, args: argpar
 
     def reference() -> int:
         with torch.inference_mode():
-            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                                 max_new_tokens=args.new, min_new_tokens=args.new, pad_token_id=0, top_k=0)  # fmt: skip
+            out = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                temperature=1.0,
+                max_new_tokens=args.new,
+                min_new_tokens=args.new,
+                pad_token_id=0,
+                top_k=0,
+            )
         return (out.shape[1] - prompts.shape[1]) * prompts.shape[0]
 
     runs: dict[str, Callable[[], int]] = {"local engine": ours, "transformers generate()": reference}
@@ -121,9 +129,16 @@ def main() -> None:
     parser.add_argument("--sglang-python", default="auto", help="the SGLang environment's interpreter (sglang.python)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=4096, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                                      num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                                      pad_token_id=0, eos_token_id=None)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=4096,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     prompts = torch.randint(3, 4096, (args.batch, args.prompt))
     results = in_process_rates(model, prompts, args)

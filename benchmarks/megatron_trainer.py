@@ -31,9 +31,14 @@ SETTINGS = TrainSection(lr=1e-4, micro_batch_size=8)
 
 def save_model(path: Path) -> int:
     config = transformers.LlamaConfig(
-        vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
@@ -46,8 +51,12 @@ def batch(samples: int = 16, prompt: int = 16, response: int = 16) -> TrainBatch
     def ids(length: int) -> list[int]:
         return torch.randint(0, 16000, (length,), generator=generator).tolist()
 
-    return TrainBatch([TrainSample(ids(prompt), ids(response), [-9.0] * response, 1.0 if i % 2 else -1.0, 0.0)
-                       for i in range(samples)])  # fmt: skip
+    return TrainBatch(
+        [
+            TrainSample(ids(prompt), ids(response), [-9.0] * response, 1.0 if i % 2 else -1.0, 0.0)
+            for i in range(samples)
+        ]
+    )
 
 
 def median_step(trainer, steps: int) -> tuple[float, float]:
@@ -96,12 +105,16 @@ def main() -> None:
             with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider) as mt:
                 step, export = median_step(mt, args.steps)
             rows.append((tp, step, export))
-            print(f"megatron trainer TP={tp} (ranks)     step {step * 1e3:8.1f} ms   export {export * 1e3:7.1f} ms "
-                  f"({nbytes / export / 1e9:.2f} GB/s)")  # fmt: skip
+            print(
+                f"megatron trainer TP={tp} (ranks)     step {step * 1e3:8.1f} ms   export {export * 1e3:7.1f} ms "
+                f"({nbytes / export / 1e9:.2f} GB/s)"
+            )
         print(f"memcpy of the same bytes: {memcpy:.2f} GB/s")
         for tp, step, export in rows:
-            print(f"ratios TP={tp}: megatron step / torch step = {step / torch_step:.2f}x; "
-                  f"export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}")  # fmt: skip
+            print(
+                f"ratios TP={tp}: megatron step / torch step = {step / torch_step:.2f}x; "
+                f"export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}"
+            )
 
 
 if __name__ == "__main__":

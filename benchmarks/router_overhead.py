@@ -45,13 +45,17 @@ async def main(engines: int, samples: int, repeats: int) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="miles-router-bench-"))
     model = default_model(run_dir, seed=0)
     manager = MilesPluginManager.load()
-    config = build_config(manager, overrides={"engine.backend": "sglang", "sglang.router": True,
-                                              "sglang.launch_command": LOCAL_ENGINE})  # fmt: skip
+    config = build_config(
+        manager, overrides={"engine.backend": "sglang", "sglang.router": True, "sglang.launch_command": LOCAL_ENGINE}
+    )
     provider = LocalWorkerProvider(token=TOKEN, run_dir=run_dir)
     try:
-        infos = await asyncio.gather(*(provider.start(sglang_engine_spec(config, cell_id=f"engine-{i}",
-                                                                         model_path=str(model)))
-                                       for i in range(engines)))  # fmt: skip
+        infos = await asyncio.gather(
+            *(
+                provider.start(sglang_engine_spec(config, cell_id=f"engine-{i}", model_path=str(model)))
+                for i in range(engines)
+            )
+        )
         router = await provider.start(sglang_router_spec(config))
         registrar = RouterRegistrar(router.url)
         await asyncio.to_thread(registrar.sync, [info.url for info in infos])
@@ -62,8 +66,12 @@ async def main(engines: int, samples: int, repeats: int) -> None:
 
         async def batches() -> None:
             share = [list(range(i, samples, engines)) for i in range(engines)]
-            await asyncio.gather(*(client.generate([prompts[j] for j in part], [seeded[j] for j in part])
-                                   for client, part in zip(direct, share, strict=True)))  # fmt: skip
+            await asyncio.gather(
+                *(
+                    client.generate([prompts[j] for j in part], [seeded[j] for j in part])
+                    for client, part in zip(direct, share, strict=True)
+                )
+            )
 
         async def singles_direct() -> None:
             await asyncio.gather(*(direct[j % engines].generate(prompts[j], seeded[j]) for j in range(samples)))
@@ -72,8 +80,11 @@ async def main(engines: int, samples: int, repeats: int) -> None:
             await asyncio.gather(*(routed.generate(prompts[j], seeded[j]) for j in range(samples)))
 
         rates = {}
-        for name, run in (("direct batches", batches), ("direct single requests", singles_direct),
-                          ("single requests via the router", singles_routed)):  # fmt: skip
+        for name, run in (
+            ("direct batches", batches),
+            ("direct single requests", singles_direct),
+            ("single requests via the router", singles_routed),
+        ):
             rates[name] = samples / await timed(run, repeats)
             print(f"{name:32s} {rates[name]:8.1f} samples/s")
         base = rates["direct single requests"]

@@ -84,8 +84,10 @@ async def main(calls: int, concurrency: int) -> None:
             samples = await latencies(call, calls)
             rate = await throughput(call, calls, concurrency)
             results[name] = (statistics.median(samples), p99(samples), rate)
-            print(f"{name:10s} median {results[name][0] * 1e3:6.2f} ms  p99 {results[name][1] * 1e3:6.2f} ms  "
-                  f"{rate:7.0f} calls/s ({concurrency} concurrent callers)")  # fmt: skip
+            print(
+                f"{name:10s} median {results[name][0] * 1e3:6.2f} ms  p99 {results[name][1] * 1e3:6.2f} ms  "
+                f"{rate:7.0f} calls/s ({concurrency} concurrent callers)"
+            )
     finally:
         await client.aclose()
         await http.aclose()

@@ -19,8 +19,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     args, extra = parser.parse_known_args()
     run_dir = Path(tempfile.mkdtemp(prefix="miles-bench-phases-"))
-    status = miles(["train", "--no-progress", "--num-steps", str(args.steps), "--run-eval-every", "0",
-                    "--run-checkpoint-every", "0", "--output-dir", str(run_dir), *extra])  # fmt: skip
+    status = miles(
+        [
+            "train",
+            "--no-progress",
+            "--num-steps",
+            str(args.steps),
+            "--run-eval-every",
+            "0",
+            "--run-checkpoint-every",
+            "0",
+            "--output-dir",
+            str(run_dir),
+            *extra,
+        ]
+    )
     if status != 0:
         raise SystemExit(status)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

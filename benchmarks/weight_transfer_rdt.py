@@ -43,13 +43,31 @@ from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench-admin"
 BUCKET = 256 << 20
-PROTOCOLS = {"rdt-nixl": ("rdt", {"transport": "nixl"}), "rdt-gloo": ("rdt", {"transport": "gloo"}),
-             "broadcast": ("broadcast", {}), "tensor": ("tensor", {"shared_memory": True}),
-             "disk": ("disk", {})}  # fmt: skip
-SHAPES = {256: dict(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=3,
-                    num_attention_heads=16, num_key_value_heads=16),
-          1024: dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=3,
-                     num_attention_heads=16, num_key_value_heads=16)}  # fmt: skip
+PROTOCOLS = {
+    "rdt-nixl": ("rdt", {"transport": "nixl"}),
+    "rdt-gloo": ("rdt", {"transport": "gloo"}),
+    "broadcast": ("broadcast", {}),
+    "tensor": ("tensor", {"shared_memory": True}),
+    "disk": ("disk", {}),
+}
+SHAPES = {
+    256: dict(
+        vocab_size=16000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    ),
+    1024: dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+    ),
+}
 
 
 def make_model(path: Path, size_mb: int) -> torch.nn.Module:
@@ -60,8 +78,9 @@ def make_model(path: Path, size_mb: int) -> torch.nn.Module:
     return model
 
 
-async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int,
-                        memcpy: MemoryCopy, across_machines: bool) -> tuple[float, float]:  # fmt: skip
+async def protocol_rate(
+    name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int, memcpy: MemoryCopy, across_machines: bool
+) -> tuple[float, float]:
     """The median rate of ``name``'s transfers, and the median of each one's ratio to the memcpy timed before it."""
     registry_name, settings = PROTOCOLS[name]
     if across_machines and registry_name == "tensor":
@@ -87,10 +106,25 @@ async def protocol_rate(name: str, endpoint: EngineEndpoint, model: torch.nn.Mod
 async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, args: argparse.Namespace) -> dict:
     model = make_model(workdir / f"model-{size_mb}", size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(workdir / f"model-{size_mb}"),
-            "--host", "{host}", "--port", "{port}"]  # fmt: skip
-    spec = CommandWorkerSpec(name=f"bench-engine-{size_mb}", argv=argv, ports=["port"], num_cpus=0,
-                             health_url="http://{host}:{port}/health", startup_timeout_s=300)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(workdir / f"model-{size_mb}"),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+    ]
+    spec = CommandWorkerSpec(
+        name=f"bench-engine-{size_mb}",
+        argv=argv,
+        ports=["port"],
+        num_cpus=0,
+        health_url="http://{host}:{port}/health",
+        startup_timeout_s=300,
+    )
     info = await provider.start(spec)
     endpoint = EngineEndpoint(name=spec.name, url=info.url, admin_key=TOKEN)
     print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after {WARMUP} warm-ups", flush=True)
@@ -100,10 +134,13 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
     memcpy.rate()  # the targets get their pages before any timing
     try:
         for name in args.protocols.split(","):
-            results[name], ratios[name] = await protocol_rate(name, endpoint, model, args.repeats, memcpy,
-                                                              args.across_machines)  # fmt: skip
-            print(f"{name:10s} {results[name]:6.2f} GB/s  ({ratios[name]:.2f} of the memcpy beside each transfer)",
-                  flush=True)  # fmt: skip
+            results[name], ratios[name] = await protocol_rate(
+                name, endpoint, model, args.repeats, memcpy, args.across_machines
+            )
+            print(
+                f"{name:10s} {results[name]:6.2f} GB/s  ({ratios[name]:.2f} of the memcpy beside each transfer)",
+                flush=True,
+            )
     finally:
         await provider.stop(spec.name)
     print(f"{'memcpy':10s} {results['memcpy']:6.2f} GB/s", flush=True)

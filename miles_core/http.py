@@ -153,10 +153,13 @@ def parse_json(
         raise HttpError(400, f"{subject} is nested deeper than {max_depth} levels")
     pairs_hook = functools.partial(_unique_object, subject=subject) if unique_keys else None
     try:
-        return json.loads(raw, parse_constant=functools.partial(_refuse_constant, subject=subject),
-                          parse_int=functools.partial(_bounded_int, subject=subject),
-                          parse_float=functools.partial(_finite_float, subject=subject),
-                          object_pairs_hook=pairs_hook)  # fmt: skip
+        return json.loads(
+            raw,
+            parse_constant=functools.partial(_refuse_constant, subject=subject),
+            parse_int=functools.partial(_bounded_int, subject=subject),
+            parse_float=functools.partial(_finite_float, subject=subject),
+            object_pairs_hook=pairs_hook,
+        )
     except HttpError:
         raise
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -195,8 +198,12 @@ def allowed_host_names(host: str) -> frozenset[str]:
         import psutil  # deferred: only a server bound to every interface lists them
 
         names |= {url_name(socket.gethostname()), url_name(socket.getfqdn())}
-        names |= {url_name(a.address.split("%")[0]) for addresses in psutil.net_if_addrs().values()
-                  for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6)}  # fmt: skip
+        names |= {
+            url_name(a.address.split("%")[0])
+            for addresses in psutil.net_if_addrs().values()
+            for a in addresses
+            if a.family in (socket.AF_INET, socket.AF_INET6)
+        }
     return frozenset(names)
 
 
@@ -213,8 +220,11 @@ def check_browser_request(headers: Any, *, names: frozenset[str], port: int) -> 
     if origin is not None:
         scheme, _, authority = origin.partition("://")
         if scheme.lower() != "http" or not host_header_matches(authority, names=names, port=port):
-            raise HttpError(403, f"requests from web pages are refused (Origin {origin[:100]!r}): this server is "
-                                 f"for Miles' own clients ({served})")  # fmt: skip
+            raise HttpError(
+                403,
+                f"requests from web pages are refused (Origin {origin[:100]!r}): this server is "
+                f"for Miles' own clients ({served})",
+            )
 
 
 def host_header_matches(value: str | None, *, names: frozenset[str], port: int) -> bool:

@@ -49,8 +49,11 @@ async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progres
     trainer = _build_trainer(config, registries, setup)
     print(f"miles: {config.train.backend} trainer, model {trainer.implementation}", flush=True)
     try:
-        trainer_info = {"backend": config.train.backend, "implementation": trainer.implementation,
-                        "ranks": list(trainer.rank_names())}  # fmt: skip
+        trainer_info = {
+            "backend": config.train.backend,
+            "implementation": trainer.implementation,
+            "ranks": list(trainer.rank_names()),
+        }
         manager.hook.register_trainer(trainer=trainer_info)
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)
@@ -63,8 +66,14 @@ def _build_trainer(config: Any, registries: Registries, setup: RunSetup) -> Trai
     """The run's trainer from its backend's ``for_run``; one lacking a :class:`TrainingBackend` member is closed
     (when it can be) and refused, naming the backend and what it lacks."""
     entry = registries.training_backends.get_or_raise(config.train.backend)
-    trainer = entry.load().for_run(config, model_path=setup.model_path, initial_model_path=setup.initial_model_path,
-                                   run_dir=setup.run_dir, token=setup.token, registries=registries)  # fmt: skip
+    trainer = entry.load().for_run(
+        config,
+        model_path=setup.model_path,
+        initial_model_path=setup.initial_model_path,
+        run_dir=setup.run_dir,
+        token=setup.token,
+        registries=registries,
+    )
     missing = missing_members(trainer)
     if missing:
         if callable(getattr(trainer, "close", None)):
@@ -84,16 +93,20 @@ def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol
     try:
         return protocol_cls(**settings)
     except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
-        raise ConfigError(f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
-                          f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
-                          f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+        raise ConfigError(
+            f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
+            f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
 
 
-async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer: Any,
-                            protocol: WeightTransferProtocol, *, progress: bool) -> RunReporter:  # fmt: skip
+async def _run_with_trainer(
+    config: Any, manager: Any, setup: RunSetup, trainer: Any, protocol: WeightTransferProtocol, *, progress: bool
+) -> RunReporter:
     registries: Registries = manager.registries
     provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()(
-        token=setup.token, run_dir=setup.run_dir)  # fmt: skip
+        token=setup.token, run_dir=setup.run_dir
+    )
     backend = load_engine_backend(registries, config.engine.backend)
     controller = InferenceController(
         config=config,
@@ -103,11 +116,18 @@ async def _run_with_trainer(config: Any, manager: Any, setup: RunSetup, trainer:
         backend=backend,
         model_path=str(setup.model_path),
     )
-    executor = RolloutExecutor(config=config, tokenizer=setup.tokenizer, train_prompts=setup.train_prompts,
-                               eval_prompts=setup.eval_prompts, reward_fn=setup.reward_fn,
-                               reward_name=setup.reward_name, controller=controller)  # fmt: skip
-    reporter = RunReporter(setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step,
-                           enabled=progress)  # fmt: skip
+    executor = RolloutExecutor(
+        config=config,
+        tokenizer=setup.tokenizer,
+        train_prompts=setup.train_prompts,
+        eval_prompts=setup.eval_prompts,
+        reward_fn=setup.reward_fn,
+        reward_name=setup.reward_name,
+        controller=controller,
+    )
+    reporter = RunReporter(
+        setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step, enabled=progress
+    )
     try:
         await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
@@ -132,11 +152,16 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
         if config.run.schedule == "one_step_off" and step < config.run.num_steps:
             next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
-        report = await phases.run("weight_update", controller.update_weights(
-            lambda: trainer.weight_iterator(bucket_bytes), version=step))  # fmt: skip
-        metrics = {**rollout.stats, **{f"train/{k}": v for k, v in train_metrics.items()},
-                   "weight_transfer/gb_per_s": report.gb_per_s, "weight_transfer/seconds": report.seconds,
-                   **phases.seconds}  # fmt: skip
+        report = await phases.run(
+            "weight_update", controller.update_weights(lambda: trainer.weight_iterator(bucket_bytes), version=step)
+        )
+        metrics = {
+            **rollout.stats,
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            "weight_transfer/gb_per_s": report.gb_per_s,
+            "weight_transfer/seconds": report.seconds,
+            **phases.seconds,
+        }
         manager.hook.on_samples(rollout_id=rollout_id, step=step, samples=rollout.samples)
         if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
             metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, step)))
@@ -170,8 +195,9 @@ class _Phases:
         result = await awaitable
         ended = time.time()
         self.seconds[f"time/{phase}"] = ended - started
-        self.manager.hook.on_phase(rollout_id=self.rollout_id, step=self.step, phase=phase, started=started,
-                                   ended=ended)  # fmt: skip
+        self.manager.hook.on_phase(
+            rollout_id=self.rollout_id, step=self.step, phase=phase, started=started, ended=ended
+        )
         return result
 
 

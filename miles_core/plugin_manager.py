@@ -344,8 +344,13 @@ def _import_file(path: Path, *, source: str) -> ModuleType:
         raise PluginLoadError(f"plugin file {str(path)!r} (from {source}) {what}")
     try:
         # Within the bound of any user file: a FIFO would hang the import, /dev/zero would never end.
-        check_regular_file(path, what=f"plugin file {str(path)!r} (from {source})", expected="a .py file",
-                           limit=MAX_PLUGIN_FILE_BYTES, hint="a plugin file is Python source")  # fmt: skip
+        check_regular_file(
+            path,
+            what=f"plugin file {str(path)!r} (from {source})",
+            expected="a .py file",
+            limit=MAX_PLUGIN_FILE_BYTES,
+            hint="a plugin file is Python source",
+        )
     except ConfigError as exc:
         raise PluginLoadError(str(exc)) from None
     module_name = f"miles_plugin_file_{path.stem}"

@@ -62,8 +62,9 @@ class Implementation:
             return self.target
         module_name, _, attribute = self.target.partition(":")
         # Importing runs the plugin's code: whatever it raises is named like a failing hook.
-        with plugin_code(f"cannot load {self.name!r} (target {self.target!r}, from plugin {self.provider!r})",
-                         RegistryError):  # fmt: skip
+        with plugin_code(
+            f"cannot load {self.name!r} (target {self.target!r}, from plugin {self.provider!r})", RegistryError
+        ):
             obj: Any = importlib.import_module(module_name)
             for part in filter(None, attribute.split(".")):
                 obj = getattr(obj, part)

@@ -15,8 +15,15 @@ class RunReporter:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True) -> None:
         self.metrics_file = run_dir / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
-        self.bar = tqdm(total=total_steps, initial=start_step, desc="steps", unit="step", file=sys.stderr,
-                        disable=not enabled, dynamic_ncols=True)  # fmt: skip
+        self.bar = tqdm(
+            total=total_steps,
+            initial=start_step,
+            desc="steps",
+            unit="step",
+            file=sys.stderr,
+            disable=not enabled,
+            dynamic_ncols=True,
+        )
         self.started = time.monotonic()
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
@@ -25,10 +32,12 @@ class RunReporter:
         self.rows.append(row)
         with open(self.metrics_file, "a") as out:
             out.write(json.dumps(row) + "\n")
-        summary = (f"step {step:4d}  reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
-                   f"loss {metrics.get('train/loss', float('nan')):+.4f}  "
-                   f"entropy {metrics.get('train/entropy', float('nan')):.3f}  "
-                   f"step {metrics.get('time/step', 0):.2f}s")  # fmt: skip
+        summary = (
+            f"step {step:4d}  reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
+            f"loss {metrics.get('train/loss', float('nan')):+.4f}  "
+            f"entropy {metrics.get('train/entropy', float('nan')):.3f}  "
+            f"step {metrics.get('time/step', 0):.2f}s"
+        )
         if "eval/reward_mean" in metrics:
             summary += f"  eval {metrics['eval/reward_mean']:.3f}"
         self.bar.write(summary)

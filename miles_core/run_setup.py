@@ -55,8 +55,12 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     model_path = Path(config.model.path) if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config, registries)
-    check_prompts_encode(tokenizer, {"train": train_prompts, "eval": eval_prompts}, model_path=model_path,
-                         max_new_tokens=config.rollout.max_new_tokens)  # fmt: skip
+    check_prompts_encode(
+        tokenizer,
+        {"train": train_prompts, "eval": eval_prompts},
+        model_path=model_path,
+        max_new_tokens=config.rollout.max_new_tokens,
+    )
     reward_fn, reward_name = load_reward(config, registries)
     try:
         if not config.run.resume:
@@ -65,12 +69,23 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
                 model_path = moved_with_run(model_path, run_dir=run_dir, archive=archive)
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # checked at config time, but the file system may have changed since
-        raise ConfigError(f"run.output_dir (--output-dir) = {str(run_dir)!r}: cannot create the run directory: "
-                          f"{exc.strerror or exc}; name a directory you can write") from exc  # fmt: skip
+        raise ConfigError(
+            f"run.output_dir (--output-dir) = {str(run_dir)!r}: cannot create the run directory: "
+            f"{exc.strerror or exc}; name a directory you can write"
+        ) from exc
     if model_path is None:
         model_path = default_model(run_dir, seed=config.run.seed)
-    setup = RunSetup(run_dir, model_path, model_path, tokenizer, train_prompts, eval_prompts, reward_fn, reward_name,
-                     token=secrets.token_urlsafe(24))  # fmt: skip
+    setup = RunSetup(
+        run_dir,
+        model_path,
+        model_path,
+        tokenizer,
+        train_prompts,
+        eval_prompts,
+        reward_fn,
+        reward_name,
+        token=secrets.token_urlsafe(24),
+    )
     if config.run.resume:
         resume_from_latest(setup, num_steps=config.run.num_steps)
     return setup
@@ -82,23 +97,29 @@ def resume_from_latest(setup: RunSetup, *, num_steps: int) -> None:
     traceback from the trainer. No checkpoint: the run starts at step 0, and says so."""
     latest = latest_checkpoint(setup.run_dir)
     if latest is None:
-        print(f"miles: --run-resume true: {str(setup.run_dir / CHECKPOINTS)!r} holds no checkpoint; starting at "
-              "step 0", flush=True)  # fmt: skip
+        print(
+            f"miles: --run-resume true: {str(setup.run_dir / CHECKPOINTS)!r} holds no checkpoint; starting at step 0",
+            flush=True,
+        )
         return
     step = checkpoint_step(latest)
     assert step is not None
     if step >= num_steps:
-        raise ConfigError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} is step {step}, and "
-                          f"run.num_steps (--num-steps) is {num_steps}: nothing is left to run; give --num-steps "
-                          f"above {step} to continue the run")  # fmt: skip
+        raise ConfigError(
+            f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} is step {step}, and "
+            f"run.num_steps (--num-steps) is {num_steps}: nothing is left to run; give --num-steps "
+            f"above {step} to continue the run"
+        )
     try:
         read_model_config(latest)
         if not tokenizer_files(latest):
             raise MilesError("it holds no tokenizer files")
     except MilesError as exc:
-        raise MilesError(f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} cannot be resumed "
-                         f"from ({exc}); move it out of {CHECKPOINTS}/ to resume from the one before it, or start a "
-                         "new run with --run-resume false") from None  # fmt: skip
+        raise MilesError(
+            f"run.resume (--run-resume true): the newest checkpoint {str(latest)!r} cannot be resumed "
+            f"from ({exc}); move it out of {CHECKPOINTS}/ to resume from the one before it, or start a "
+            "new run with --run-resume false"
+        ) from None
     setup.model_path, setup.start_step = latest, step
 
 
@@ -135,11 +156,18 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
 
         tokenizer = DigitTokenizer()
         config = transformers.LlamaConfig(
-            vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=DEFAULT_CONTEXT_LENGTH,
-            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=DEFAULT_CONTEXT_LENGTH,
+            tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
-        )  # fmt: skip
+        )
         torch.manual_seed(seed)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
@@ -150,9 +178,11 @@ def load_tokenizer(model_path: Path) -> Any:
     load, is an error naming the directory and what is missing."""
     require_checkpoint_dir(model_path)
     if not tokenizer_files(model_path):
-        raise MilesError(f"model directory {str(model_path)!r} holds no tokenizer files (one of "
-                         f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
-                         "it (checkpoints of miles train hold theirs)")  # fmt: skip
+        raise MilesError(
+            f"model directory {str(model_path)!r} holds no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
+            "it (checkpoints of miles train hold theirs)"
+        )
     import transformers  # deferred: heavy
 
     try:
@@ -161,8 +191,9 @@ def load_tokenizer(model_path: Path) -> Any:
         raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
-def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None,
-                         max_new_tokens: int = 0) -> None:  # fmt: skip
+def check_prompts_encode(
+    tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None, max_new_tokens: int = 0
+) -> None:
     """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds and that leaves room
     for ``max_new_tokens`` in its context (``model_path`` ``None``: the default model and its built-in tokenizer):
     checked before any worker starts, so a wrong tokenizer or a too-long prompt is an error in seconds instead of a
@@ -184,12 +215,16 @@ def check_prompts_encode(tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *
             if not ids:
                 raise MilesError(f"{source} encodes {where} to no token ids: {_no_ids_hint(prompt, model_path)}")
             if vocab_size is not None and max(ids) >= vocab_size:
-                raise MilesError(f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
-                                 f"vocab_size {vocab_size}: the tokenizer is another model's")  # fmt: skip
+                raise MilesError(
+                    f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
+                    f"vocab_size {vocab_size}: the tokenizer is another model's"
+                )
             if context is not None and len(ids) + max_new_tokens > context:
-                raise MilesError(f"{source} encodes {where} to {len(ids)} token ids, and with rollout.max_new_tokens "
-                                 f"(--rollout-max-new-tokens) {max_new_tokens} that is more than the model's context "
-                                 f"length {context}: shorten the prompt or ask for fewer new tokens")  # fmt: skip
+                raise MilesError(
+                    f"{source} encodes {where} to {len(ids)} token ids, and with rollout.max_new_tokens "
+                    f"(--rollout-max-new-tokens) {max_new_tokens} that is more than the model's context "
+                    f"length {context}: shorten the prompt or ask for fewer new tokens"
+                )
 
 
 def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
@@ -217,8 +252,10 @@ def load_prompts(config: Any, registries: Registries) -> tuple[list[Prompt], lis
         evaluation = read_prompts_jsonl(rollout.eval_prompts) if rollout.eval_prompts else train[: min(64, len(train))]
         return train, evaluation
     if rollout.task == DEFAULT_TASK and config.model.path is not None:
-        raise ConfigError("--model needs --prompts FILE.jsonl (or a --task made for that model): the default task is "
-                          "made for the default model")  # fmt: skip
+        raise ConfigError(
+            "--model needs --prompts FILE.jsonl (or a --task made for that model): the default task is "
+            "made for the default model"
+        )
     return task_prompts(rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed)
 
 
@@ -243,12 +280,16 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
     name = config.rollout.reward
     if name is None:
         if config.rollout.prompts is not None:
-            raise ConfigError(f"--prompts needs --reward NAME or module:function; registered: "
-                              f"{', '.join(registries.reward_functions)}")  # fmt: skip
+            raise ConfigError(
+                f"--prompts needs --reward NAME or module:function; registered: "
+                f"{', '.join(registries.reward_functions)}"
+            )
         task = config.rollout.task
         if task not in registries.reward_functions:
-            raise ConfigError(f"task {task!r} needs --reward NAME or module:function: no reward function is named "
-                              f"like it (registered: {', '.join(registries.reward_functions) or 'none'})")  # fmt: skip
+            raise ConfigError(
+                f"task {task!r} needs --reward NAME or module:function: no reward function is named "
+                f"like it (registered: {', '.join(registries.reward_functions) or 'none'})"
+            )
         return registries.reward_functions[task].load(), task
     entry = registries.reward_functions.get(name)
     if entry is not None:
@@ -256,8 +297,10 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
     elif is_target(name):
         reward = import_target(name, what=f"--reward {name!r}")
     else:
-        raise ConfigError(f"--reward {name!r} is neither a registered reward function (registered: "
-                          f"{', '.join(registries.reward_functions) or 'none'}) nor module:function")  # fmt: skip
+        raise ConfigError(
+            f"--reward {name!r} is neither a registered reward function (registered: "
+            f"{', '.join(registries.reward_functions) or 'none'}) nor module:function"
+        )
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
     described = describe_callable(reward)

@@ -29,19 +29,24 @@ def import_target(target: str, *, what: str) -> Any:
     ``"--reward 'my_rewards:score'"``) and says what was looked for where."""
     match = _TARGET.fullmatch(target)
     if match is None:
-        raise ConfigError(f"{what}: expected module:function (such as my_rewards:score, the module importable or a "
-                          "file MODULE.py in the working directory)")  # fmt: skip
+        raise ConfigError(
+            f"{what}: expected module:function (such as my_rewards:score, the module importable or a "
+            "file MODULE.py in the working directory)"
+        )
     module_name, attribute = match["module"], match["attribute"]
     try:
         with _working_directory_first():
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name != exc.name and not module_name.startswith(f"{exc.name}."):
-            raise ConfigError(f"{what}: importing module {module_name!r} failed: it imports {exc.name!r}, which is "
-                              "not installed") from None  # fmt: skip
-        raise ConfigError(f"{what}: no module named {module_name!r} in the working directory {os.getcwd()!r} or on "
-                          f"the import path (write {module_name.replace('.', '/')}.py there, or install the package "
-                          "that holds it)") from None  # fmt: skip
+            raise ConfigError(
+                f"{what}: importing module {module_name!r} failed: it imports {exc.name!r}, which is not installed"
+            ) from None
+        raise ConfigError(
+            f"{what}: no module named {module_name!r} in the working directory {os.getcwd()!r} or on "
+            f"the import path (write {module_name.replace('.', '/')}.py there, or install the package "
+            "that holds it)"
+        ) from None
     except Exception as exc:  # the module itself failed: a SyntaxError, a NameError at import time, ...
         raise ConfigError(f"{what}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
     obj: Any = module
@@ -49,8 +54,10 @@ def import_target(target: str, *, what: str) -> Any:
         if not hasattr(obj, part):
             owner = ".".join([module_name, *attribute.split(".")[:depth]])
             public = sorted(name for name in dir(obj) if not name.startswith("_"))[:20]
-            raise ConfigError(f"{what}: {owner!r} (from {getattr(module, '__file__', None) or module_name}) has no "
-                              f"attribute {part!r}; it defines: {', '.join(public) or 'nothing public'}")  # fmt: skip
+            raise ConfigError(
+                f"{what}: {owner!r} (from {getattr(module, '__file__', None) or module_name}) has no "
+                f"attribute {part!r}; it defines: {', '.join(public) or 'nothing public'}"
+            )
         obj = getattr(obj, part)
     return obj
 

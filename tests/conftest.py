@@ -87,10 +87,22 @@ def pip_install_distribution(
     for filename, text in files.items():
         (source / package / filename).write_text(textwrap.dedent(text))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(source)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")

@@ -37,8 +37,15 @@ def _cap_memory() -> None:
 
 def miles(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run ``miles`` with the memory cap and the timeout (a hang fails the test with TimeoutExpired)."""
-    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
-                          preexec_fn=_cap_memory, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(MILES), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=cwd,
+        preexec_fn=_cap_memory,
+        check=False,
+    )
 
 
 def refused(*args: str, max_lines: int = 3) -> str:
@@ -130,8 +137,12 @@ def test_plain_yaml_features_still_work(tmp_path: Path) -> None:
         "weight_transfer:\n  settings: {a: &w {transport: gloo}, b: *w, c: {<<: *w, lanes: 2}, when: 2024-01-01}\n"
     )
     settings = config_json("--config", str(path))["weight_transfer"]["settings"]
-    assert settings == {"a": {"transport": "gloo"}, "b": {"transport": "gloo"},
-                        "c": {"transport": "gloo", "lanes": 2}, "when": "2024-01-01"}  # fmt: skip
+    assert settings == {
+        "a": {"transport": "gloo"},
+        "b": {"transport": "gloo"},
+        "c": {"transport": "gloo", "lanes": 2},
+        "when": "2024-01-01",
+    }
 
 
 @pytest.mark.parametrize(
@@ -328,16 +339,24 @@ LOCAL_ENGINE_COMMAND = '["{python}", "-m", "miles_core.engines.local_server"]'
 
 
 def test_verify_checksum_with_sglang_is_refused() -> None:
-    stderr = refused("--engine", "sglang", "--update-weight-transfer-mode", "disk",
-                     "--weight-transfer-verify-checksum", "true")  # fmt: skip
+    stderr = refused(
+        "--engine", "sglang", "--update-weight-transfer-mode", "disk", "--weight-transfer-verify-checksum", "true"
+    )
     assert "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum)" in stderr
     assert "/weights_checksum" in stderr and "--engine local" in stderr
 
 
 def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_accepted() -> None:
     checksum = ["--weight-transfer-verify-checksum", "true"]
-    config = config_json("--engine", "sglang", "--update-weight-transfer-mode", "disk", *checksum,
-                         "--sglang-launch-command", LOCAL_ENGINE_COMMAND)  # fmt: skip
+    config = config_json(
+        "--engine",
+        "sglang",
+        "--update-weight-transfer-mode",
+        "disk",
+        *checksum,
+        "--sglang-launch-command",
+        LOCAL_ENGINE_COMMAND,
+    )
     assert config["weight_transfer"]["verify_checksum"] is True
     assert config_json("--weight-transfer-verify-checksum", "true")["weight_transfer"]["verify_checksum"] is True
 
@@ -359,8 +378,9 @@ def _miles_flags() -> set[str]:
         result = miles(*command)
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
-    engine = subprocess.run([sys.executable, "-m", "miles_core.engines.local_server", "--help"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    engine = subprocess.run(
+        [sys.executable, "-m", "miles_core.engines.local_server", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert engine.returncode == 0, engine.stderr  # the README documents the local engine's own flags too
     flags.update(re.findall(r"--[a-z][a-z0-9-]*", engine.stdout))
     return flags
@@ -432,8 +452,14 @@ def test_output_into_a_closed_pipe_is_no_traceback() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # like `miles config show | head -1` once head has exited
     try:
-        result = subprocess.run([str(MILES), "config", "show"], stdout=write_end, stderr=subprocess.PIPE, text=True,
-                                timeout=TIMEOUT_S, check=False)  # fmt: skip
+        result = subprocess.run(
+            [str(MILES), "config", "show"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+            check=False,
+        )
     finally:
         os.close(write_end)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -109,8 +109,14 @@ def test_every_third_party_import_is_declared(root: Path) -> None:
 
 def test_every_distribution_is_checked() -> None:
     names = {tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"] for root in DISTRIBUTION_ROOTS}
-    assert names == {"miles-core", "miles-plugins-megatron", "miles-plugins-sglang", "miles-plugins-rdt",
-                     "miles-example-transfer", "miles-example-hooks"}  # fmt: skip
+    assert names == {
+        "miles-core",
+        "miles-plugins-megatron",
+        "miles-plugins-sglang",
+        "miles-plugins-rdt",
+        "miles-example-transfer",
+        "miles-example-hooks",
+    }
 
 
 def test_the_walk_finds_what_a_module_really_imports() -> None:

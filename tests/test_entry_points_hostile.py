@@ -46,8 +46,16 @@ def _cap_memory() -> None:
 
 def miles(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``miles ARGS`` with the memory cap and the timeout (a hang fails the test with TimeoutExpired)."""
-    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd,
-                          env={**os.environ, **(env or {})}, preexec_fn=_cap_memory, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(MILES), *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        preexec_fn=_cap_memory,
+        check=False,
+    )
 
 
 def refused(*args: str, cwd: Path, env: dict[str, str] | None = None, max_lines: int = 3) -> str:
@@ -144,8 +152,9 @@ def test_a_malformed_prompt_file_is_an_error_naming_it(tmp_path: Path, name: str
 def test_a_large_prompt_file_with_any_json_labels_is_read(tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     labels = [None, 3, 2.5, "x", [1, {"a": True}], {"k": [None]}]
-    lines = [json.dumps({"prompt": f"{i}:", "label": labels[i % len(labels)], "metadata": {"i": i}})
-             for i in range(100_000)]  # fmt: skip
+    lines = [
+        json.dumps({"prompt": f"{i}:", "label": labels[i % len(labels)], "metadata": {"i": i}}) for i in range(100_000)
+    ]
     path.write_text("\r\n".join(lines) + "\r\n")  # Windows line ends too
     prompts = read_prompts_jsonl(path)
     assert len(prompts) == 100_000
@@ -236,8 +245,15 @@ def test_the_autoload_switch_is_read_strictly(tmp_path: Path) -> None:
 
 
 def _executor(reward_fn) -> RolloutExecutor:
-    return RolloutExecutor(config=types.SimpleNamespace(), tokenizer=None, train_prompts=[], eval_prompts=[],
-                           reward_fn=reward_fn, reward_name="my_rewards:score", controller=None)  # fmt: skip
+    return RolloutExecutor(
+        config=types.SimpleNamespace(),
+        tokenizer=None,
+        train_prompts=[],
+        eval_prompts=[],
+        reward_fn=reward_fn,
+        reward_name="my_rewards:score",
+        controller=None,
+    )
 
 
 def test_a_reward_that_changes_its_inputs_changes_no_other_sample() -> None:
@@ -290,8 +306,9 @@ def test_resuming_from_a_corrupt_or_finished_checkpoint_is_an_error_saying_what_
     (newest / "config.json").write_text('{"model_type": "llama", "vocab_size": 1')  # killed while writing it
 
     def resume(num_steps: int) -> str:
-        config = build_config(manager, overrides={"run.output_dir": str(run_dir), "run.resume": "true",
-                                                  "run.num_steps": str(num_steps)})  # fmt: skip
+        config = build_config(
+            manager, overrides={"run.output_dir": str(run_dir), "run.resume": "true", "run.num_steps": str(num_steps)}
+        )
         with pytest.raises(MilesError) as error:
             prepare_run(config, manager.registries)
         return str(error.value)
@@ -336,9 +353,15 @@ def test_ctrl_c_stops_a_run_cleanly_and_says_where_it_is(tmp_path: Path) -> None
     """SIGINT during ``miles train`` (as Ctrl-C sends it): exit 130, no traceback, no worker left, and the run
     directory named. The run is in a session of its own, so that its leftovers can be found by process group."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([str(MILES), "train", "--num-steps", "500", "--no-progress", "--output-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True, preexec_fn=_default_sigint)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(MILES), "train", "--num-steps", "500", "--no-progress", "--output-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
     try:
         for line in proc.stdout:
             if line.startswith("step    2"):
@@ -405,8 +428,7 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_worker_starts(tm
     check_prompts_encode(tokenizer, {"train": [Prompt(fits)]}, model_path=model, max_new_tokens=8)
     for text in (fits + "1", "1" * 1_000_000):
         with pytest.raises(MilesError) as error:
-            check_prompts_encode(tokenizer, {"train": [Prompt(fits), Prompt(text)]}, model_path=model,
-                                 max_new_tokens=8)  # fmt: skip
+            check_prompts_encode(tokenizer, {"train": [Prompt(fits), Prompt(text)]}, model_path=model, max_new_tokens=8)
         message = str(error.value)
         assert "train prompt 1 (" in message and "with rollout.max_new_tokens (--rollout-max-new-tokens) 8" in message
         assert "more than the model's context length 16: shorten the prompt" in message and len(message) < 600

@@ -25,10 +25,12 @@ def protocol_class() -> type:
 def make_buckets(step: int) -> list[list[tuple[str, torch.Tensor]]]:
     generator = torch.Generator().manual_seed(step)
     return [
-        [("model.embed_tokens.weight", torch.randn(8, 4, generator=generator)),
-         ("model.norm.weight", torch.randn(4, generator=generator).to(torch.bfloat16))],
+        [
+            ("model.embed_tokens.weight", torch.randn(8, 4, generator=generator)),
+            ("model.norm.weight", torch.randn(4, generator=generator).to(torch.bfloat16)),
+        ],
         [("lm_head.weight", torch.randn(8, 4, generator=generator))],
-    ]  # fmt: skip
+    ]
 
 
 def test_writes_one_shard_per_bucket_with_an_index(tmp_path: Path, protocol_class: type) -> None:

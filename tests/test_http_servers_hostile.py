@@ -359,8 +359,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
 @pytest.mark.slow
 def test_an_engine_body_that_stops_arriving_is_a_408_and_others_are_served(engine: EngineProcess) -> None:
     async def scenario() -> bytes:
-        head = (f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: 1000\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 1000\r\n\r\n"
+        ).encode()
         stalled = asyncio.ensure_future(exchange(engine.port, head + b'{"input_ids": [1, 2'))
         await asyncio.sleep(0.5)  # let the stalled request reach the server first (order only, not timing)
         await asyncio.to_thread(assert_still_serving, engine)
@@ -417,8 +419,12 @@ def test_an_engine_batch_over_the_prompt_limit_is_a_400_before_any_prompt_is_rea
 @pytest.mark.slow
 def test_an_engine_error_never_echoes_a_huge_or_control_character_input(engine: EngineProcess) -> None:
     path = "/nonexistent/\x1b[2J" + "p" * 200_000
-    response = httpx.post(f"{engine.url}/update_weights_from_disk", json={"model_path": path},
-                          headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)  # fmt: skip
+    response = httpx.post(
+        f"{engine.url}/update_weights_from_disk",
+        json={"model_path": path},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=60,
+    )
     assert 400 <= response.status_code < 500, response.text[:300]
     assert len(response.json()["error"]) < MAX_MESSAGE_CHARS + 100 and "\x1b" not in response.json()["error"]
     assert_still_serving(engine)
@@ -532,9 +538,11 @@ def test_a_flood_of_generations_during_a_weight_update_is_served_and_the_update_
             before = (await client.post("/weights_checksum", json={}, headers=auth)).json()["checksum"]
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
             flood = [asyncio.ensure_future(client.post("/generate", json=body)) for _ in range(100)]
-            update = await client.post("/update_weights_from_disk", headers=auth,
-                                       json={"model_path": str(engine.model_dir), "weight_version": "flooded",
-                                             "abort_all_requests": True})  # fmt: skip
+            update = await client.post(
+                "/update_weights_from_disk",
+                headers=auth,
+                json={"model_path": str(engine.model_dir), "weight_version": "flooded", "abort_all_requests": True},
+            )
             answers = await asyncio.gather(*flood)
             after = (await client.post("/weights_checksum", json={}, headers=auth)).json()
             return update, answers, before, after

@@ -23,9 +23,15 @@ def save_tiny_checkpoint(path: Path, *, tie: bool, model_type: str = "llama") ->
     """A random tiny HF checkpoint; every weight (norms included) is perturbed so no layout error hides."""
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[model_type]
     config = config_class(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-    )  # fmt: skip
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -86,17 +92,37 @@ def test_transformers_impl_needs_a_checkpoint_directory(tmp_path: Path, registri
 
 TINY_CONFIGS = {
     "qwen3_moe": dict(
-        vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=64,
     ),
     "deepseek_v4": dict(
-        vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, q_lora_rank=16, o_lora_rank=16, num_experts_per_tok=2,
-        n_routed_experts=4, n_shared_experts=1, index_n_heads=2, index_head_dim=16, index_topk=4,
+        vocab_size=97,
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        q_lora_rank=16,
+        o_lora_rank=16,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        index_n_heads=2,
+        index_head_dim=16,
+        index_topk=4,
         max_position_embeddings=64,
     ),
-}  # fmt: skip
+}
 
 
 def save_tiny_family(path: Path, family: str) -> Path:
@@ -114,16 +140,25 @@ def torch_trainer_for(manager: MilesPluginManager, checkpoint: Path, run_dir: Pa
     arguments.add_to(parser)
     overrides = arguments.overrides(parser.parse_args(["--model", str(checkpoint), "--train-kl-coef", "0", *flags]))
     config = build_config(manager, overrides=overrides)
-    return TorchTrainer.for_run(config, model_path=checkpoint, initial_model_path=checkpoint, run_dir=run_dir,
-                                token="test", registries=manager.registries)  # fmt: skip
+    return TorchTrainer.for_run(
+        config,
+        model_path=checkpoint,
+        initial_model_path=checkpoint,
+        run_dir=run_dir,
+        token="test",
+        registries=manager.registries,
+    )
 
 
 def test_transformers_is_accepted_for_any_family_on_the_command_line() -> None:
-    config = config_json("--dsv4-impl", "transformers", "--model-impl", "qwen3_moe=transformers",
-                         "--model-impl", "mistral=transformers")  # fmt: skip
+    config = config_json(
+        "--dsv4-impl", "transformers", "--model-impl", "qwen3_moe=transformers", "--model-impl", "mistral=transformers"
+    )
     assert config["model"]["implementations"] == {
-        "deepseek_v4": "transformers", "qwen3_moe": "transformers", "mistral": "transformers",
-    }  # fmt: skip
+        "deepseek_v4": "transformers",
+        "qwen3_moe": "transformers",
+        "mistral": "transformers",
+    }
 
 
 def test_miles_plugins_lists_transformers_for_any_family() -> None:
@@ -150,10 +185,13 @@ def test_torch_trainer_trains_any_family_with_transformers(tmp_path: Path, famil
 
 @pytest.mark.parametrize(
     "flags",
-    [("--model-impl", "qwen3=transformers"), ("--dsv4-impl", "transformers"),
-     ("--model-impl", "qwen3_moe=transformers", "--model-impl", "qwen3=transformers")],
+    [
+        ("--model-impl", "qwen3=transformers"),
+        ("--dsv4-impl", "transformers"),
+        ("--model-impl", "qwen3_moe=transformers", "--model-impl", "qwen3=transformers"),
+    ],
     ids=["qwen3", "dsv4", "one-matching-one-not"],
-)  # fmt: skip
+)
 def test_an_implementation_for_another_family_is_refused(tmp_path: Path, flags: tuple[str, ...]) -> None:
     checkpoint = save_tiny_family(tmp_path / "moe", "qwen3_moe")
     with pytest.raises(ConfigError) as refused:

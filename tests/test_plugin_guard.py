@@ -63,12 +63,16 @@ def test_plugin_module_ending_its_import(plugin_dir: Path, case: str) -> None:
 def test_plugin_file_and_miles_plugins_module_ending_their_import(tmp_path: Path, plugin_dir: Path, case: str) -> None:
     body, cause = IMPORT_FAILURES[case]
     path = write_module(tmp_path, "ending_file", body)
-    assert_clean_error(run_miles("plugins", "--plugin", str(path)),
-                       f"plugin file {str(path)!r} (from --plugin) failed to import: {cause}")  # fmt: skip
+    assert_clean_error(
+        run_miles("plugins", "--plugin", str(path)),
+        f"plugin file {str(path)!r} (from --plugin) failed to import: {cause}",
+    )
     write_module(plugin_dir, "ending_env", body)
     env = {**with_pythonpath(plugin_dir), "MILES_PLUGINS": "ending_env"}
-    assert_clean_error(run_miles("config", "show", env=env),
-                       f"plugin module 'ending_env' (from MILES_PLUGINS) failed to import: {cause}")  # fmt: skip
+    assert_clean_error(
+        run_miles("config", "show", env=env),
+        f"plugin module 'ending_env' (from MILES_PLUGINS) failed to import: {cause}",
+    )
 
 
 def test_plugin_path_that_is_a_directory(tmp_path: Path) -> None:
@@ -79,33 +83,40 @@ def test_plugin_path_that_is_a_directory(tmp_path: Path) -> None:
 HOOK_FAILURES = {
     "config_sections raises": (
         "@hookimpl\ndef config_sections():\n    raise RuntimeError('no sections today')\n",
-        "config", "failed in hook config_sections: RuntimeError: no sections today",
+        "config",
+        "failed in hook config_sections: RuntimeError: no sections today",
     ),
     "config_sections exits": (
         "@hookimpl\ndef config_sections():\n    sys.exit(0)\n",
-        "config", "failed in hook config_sections: SystemExit(0): the plugin called sys.exit",
+        "config",
+        "failed in hook config_sections: SystemExit(0): the plugin called sys.exit",
     ),
     "validate_config raises": (
         "@hookimpl\ndef validate_config(config):\n    raise ValueError(config.run.seed)\n",
-        "config", "failed in hook validate_config: ValueError: 1234",
+        "config",
+        "failed in hook validate_config: ValueError: 1234",
     ),
     "validate_config interrupts": (
         "@hookimpl\ndef validate_config(config, registries):\n    raise KeyboardInterrupt\n",
-        "config", "failed in hook validate_config: KeyboardInterrupt",
+        "config",
+        "failed in hook validate_config: KeyboardInterrupt",
     ),
     "config_flags raises": (
         "@hookimpl\ndef config_flags():\n    return [ConfigFlag(flag='--x', path='run.seed')][5]\n",
-        "config", "failed in hook config_flags: IndexError: list index out of range",
+        "config",
+        "failed in hook config_flags: IndexError: list index out of range",
     ),
     "a registry hook raises": (
         "@hookimpl\ndef provide_reward_functions():\n    raise RuntimeError('registry down')\n",
-        "plugins", "failed in hook provide_reward_functions: RuntimeError: registry down",
+        "plugins",
+        "failed in hook provide_reward_functions: RuntimeError: registry down",
     ),
     "a registry hook exits": (
         "@hookimpl\ndef provide_tasks():\n    sys.exit(7)\n",
-        "plugins", "failed in hook provide_tasks: SystemExit(7)",
+        "plugins",
+        "failed in hook provide_tasks: SystemExit(7)",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(HOOK_FAILURES))
@@ -131,65 +142,93 @@ BAD_RESULTS = {
     "registry: a string": ("provide_tasks", "'echo'", "returned 'echo' (str); expected a list"),
     "registry: a dict": ("provide_engine_backends", "{'x': 1}", "returned {'x': 1} (dict); expected a list"),
     "registry: a bare Implementation": (
-        "provide_worker_providers", "Implementation('w', 'a.b:C')", "; expected a list of miles_core.Implementation",
+        "provide_worker_providers",
+        "Implementation('w', 'a.b:C')",
+        "; expected a list of miles_core.Implementation",
     ),
     "registry: a non-entry item": (
-        "provide_reward_functions", "['mine.reward']", "returned 'mine.reward' (str) in its list; expected",
+        "provide_reward_functions",
+        "['mine.reward']",
+        "returned 'mine.reward' (str) in its list; expected",
     ),
     "registry: an empty name": (
-        "provide_reward_functions", "[Implementation('', 'a:b')]", "the entry '' with a malformed name",
+        "provide_reward_functions",
+        "[Implementation('', 'a:b')]",
+        "the entry '' with a malformed name",
     ),
     "registry: a name with spaces": (
-        "provide_tasks", "[Implementation('my task', 'a:b')]", "the entry 'my task' with a malformed name",
+        "provide_tasks",
+        "[Implementation('my task', 'a:b')]",
+        "the entry 'my task' with a malformed name",
     ),
     "registry: a malformed target": (
-        "provide_reward_functions", "[Implementation('r', 'not a target!')]",
+        "provide_reward_functions",
+        "[Implementation('r', 'not a target!')]",
         "the entry 'r' with target 'not a target!' (allowed: 'package.module:attribute'",
     ),
     "registry: no target": (
-        "provide_reward_functions", "[Implementation('r', None)]", "the entry 'r' with target None",
+        "provide_reward_functions",
+        "[Implementation('r', None)]",
+        "the entry 'r' with target None",
     ),
     "model registry: no family": (
-        "provide_model_implementations", "[Implementation('minimal', 'a:b')]",
+        "provide_model_implementations",
+        "[Implementation('minimal', 'a:b')]",
         "the entry 'minimal' with a malformed name (allowed: 'FAMILY/IMPL'",
     ),
     "sections: a list": ("config_sections", "[]", "returned [] (list); expected {section_name: Section subclass}"),
     "sections: a bad name": ("config_sections", "{'My-Section': object}", "the section name 'My-Section' (str)"),
     "sections: not a Section": (
-        "config_sections", "{'mine': dict}", "the section 'mine' as <class 'dict'> (type); expected a subclass of",
+        "config_sections",
+        "{'mine': dict}",
+        "the section 'mine' as <class 'dict'> (type); expected a subclass of",
     ),
     "sections: an instance": ("config_sections", "{'mine': 5}", "the section 'mine' as 5 (int); expected a subclass"),
     "flags: not a list": ("config_flags", "ConfigFlag(flag='--x', path='run.seed')", "expected a list of"),
     "flags: a string item": ("config_flags", "['--x']", "returned '--x' (str) in its list; expected"),
     "flags: no dashes": (
-        "config_flags", "[ConfigFlag(flag='seed', path='run.seed')]", "the flag 'seed' with a malformed flag",
+        "config_flags",
+        "[ConfigFlag(flag='seed', path='run.seed')]",
+        "the flag 'seed' with a malformed flag",
     ),
     "flags: --config": (
-        "config_flags", "[ConfigFlag(flag='--config', path='run.seed')]",
+        "config_flags",
+        "[ConfigFlag(flag='--config', path='run.seed')]",
         "the flag '--config' with a flag of the miles command itself (taken: --config, --help, --json,",
     ),
     "flags: --plugin": (
-        "config_flags", "[ConfigFlag(flag='--plugin', path='run.seed')]", "the flag '--plugin' with a flag of the",
+        "config_flags",
+        "[ConfigFlag(flag='--plugin', path='run.seed')]",
+        "the flag '--plugin' with a flag of the",
     ),
     "flags: --json": ("config_flags", "[ConfigFlag(flag='--json', path='run.seed')]", "the flag '--json' with a flag"),
     "flags: --help": ("config_flags", "[ConfigFlag(flag='--help', path='run.seed')]", "the flag '--help' with a flag"),
     "flags: a bad path": (
-        "config_flags", "[ConfigFlag(flag='--my-seed', path='seed')]", "the flag '--my-seed' with path 'seed'",
+        "config_flags",
+        "[ConfigFlag(flag='--my-seed', path='seed')]",
+        "the flag '--my-seed' with path 'seed'",
     ),
     "flags: a non-text path": (
-        "config_flags", "[ConfigFlag(flag='--my-seed', path=None)]", "the flag '--my-seed' with path None",
+        "config_flags",
+        "[ConfigFlag(flag='--my-seed', path=None)]",
+        "the flag '--my-seed' with path None",
     ),
     "flags: mapping not a bool": (
-        "config_flags", "[ConfigFlag(flag='--my-seed', path='run.seed', mapping='yes')]", "mapping = 'yes'",
+        "config_flags",
+        "[ConfigFlag(flag='--my-seed', path='run.seed', mapping='yes')]",
+        "mapping = 'yes'",
     ),
     "flags: mapping and const": (
-        "config_flags", "[ConfigFlag(flag='--my-impl', path='model.implementations', mapping=True, const='x')]",
+        "config_flags",
+        "[ConfigFlag(flag='--my-impl', path='model.implementations', mapping=True, const='x')]",
         "both mapping=True and a const",
     ),
     "validate_config returns False": (
-        "validate_config", "False", "returned False (bool); validate_config returns None (it raises",
+        "validate_config",
+        "False",
+        "returned False (bool); validate_config returns None (it raises",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_RESULTS))
@@ -203,7 +242,10 @@ def test_hook_returning_what_its_spec_does_not_allow(plugin_dir: Path, case: str
 
 
 def test_well_formed_results_pass(plugin_dir: Path) -> None:
-    write_module(plugin_dir, "good_results", hook_module("""\
+    write_module(
+        plugin_dir,
+        "good_results",
+        hook_module("""\
         @hookimpl
         def config_flags():
             return [ConfigFlag(flag="--my-seed", path="run.seed", metavar="N")]
@@ -211,7 +253,8 @@ def test_well_formed_results_pass(plugin_dir: Path) -> None:
         @hookimpl
         def provide_reward_functions():
             return (Implementation("mine.length", "os.path:getsize"),)
-        """))  # fmt: skip
+        """),
+    )
     env = with_pythonpath(plugin_dir)
     assert config_json("--plugin", "good_results", "--my-seed", "7", env=env)["run"]["seed"] == 7
     assert plugins_json("--plugin", "good_results", env=env)["good_results"]["provides"] == {
@@ -220,7 +263,10 @@ def test_well_formed_results_pass(plugin_dir: Path) -> None:
 
 
 def test_run_time_hooks_are_guarded_too(tmp_path: Path) -> None:
-    path = write_module(tmp_path, "runtime_plugin", hook_module("""\
+    path = write_module(
+        tmp_path,
+        "runtime_plugin",
+        hook_module("""\
         @hookimpl
         def on_phase(rollout_id, phase, started, ended):
             raise KeyError(phase)
@@ -228,7 +274,8 @@ def test_run_time_hooks_are_guarded_too(tmp_path: Path) -> None:
         @hookimpl
         def weight_update_wrapper(version, protocol):
             return "not a context manager"
-        """))  # fmt: skip
+        """),
+    )
     manager = MilesPluginManager.load([str(path)], environ=NO_AUTOLOAD)
     label = f"plugin {str(path)!r} (from --plugin)"
     with pytest.raises(PluginHookError) as failure:
@@ -239,21 +286,29 @@ def test_run_time_hooks_are_guarded_too(tmp_path: Path) -> None:
 
 
 def test_hook_with_an_argument_its_spec_lacks(tmp_path: Path) -> None:
-    path = write_module(tmp_path, "bad_signature", hook_module("""\
+    path = write_module(
+        tmp_path,
+        "bad_signature",
+        hook_module("""\
         @hookimpl
         def on_metrics(rollout_id, metrics, extra):
             pass
-        """))  # fmt: skip
+        """),
+    )
     result = run_miles("plugins", "--plugin", str(path))
     assert_clean_error(result, f"plugin {str(path)!r} (from --plugin) is invalid: ", "{'extra'} are declared")
 
 
 def test_a_pluggy_wrapper_is_refused(tmp_path: Path) -> None:
-    path = write_module(tmp_path, "wrapping", hook_module("""\
+    path = write_module(
+        tmp_path,
+        "wrapping",
+        hook_module("""\
         @hookimpl(wrapper=True)
         def on_metrics(rollout_id, metrics):
             return (yield)
-        """))  # fmt: skip
+        """),
+    )
     with pytest.raises(PluginLoadError, match="implements on_metrics as a pluggy wrapper; Miles hooks are plain"):
         MilesPluginManager.load([str(path)], environ=NO_AUTOLOAD)
 
@@ -283,8 +338,11 @@ def test_a_file_given_twice_is_executed_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["example_hooks", "sglan", "no_such_plugin"])
 def test_blocking_a_name_no_plugin_has(name: str) -> None:
     result = run_miles("plugins", "--plugin", f"no:{name}")
-    assert_clean_error(result, f"--plugin no:{name}: no plugin is named {name!r}, so this blocks nothing; "
-                               "plugins that can be blocked: dashboard, example-hooks, megatron")  # fmt: skip
+    assert_clean_error(
+        result,
+        f"--plugin no:{name}: no plugin is named {name!r}, so this blocks nothing; "
+        "plugins that can be blocked: dashboard, example-hooks, megatron",
+    )
     assert "sglang" in result.stderr and "miles-example-transfer" in result.stderr
 
 
@@ -296,8 +354,11 @@ def test_blocking_an_entry_point_plugin_while_autoload_is_off_is_no_typo() -> No
 @pytest.mark.parametrize("command", [("plugins",), ("config", "show"), ("train", "--num-steps", "1")])
 def test_the_core_plugin_cannot_be_blocked(command: tuple[str, ...]) -> None:
     result = run_miles(*command, "--plugin", "no:core", "--plugin", "no:sglang")
-    assert_clean_error(result, "--plugin no:core: the core plugin cannot be blocked: every command needs its config "
-                               "sections (run, model, train, ...) and its registries")  # fmt: skip
+    assert_clean_error(
+        result,
+        "--plugin no:core: the core plugin cannot be blocked: every command needs its config "
+        "sections (run, model, train, ...) and its registries",
+    )
 
 
 def test_blocking_a_file_plugin_by_the_path_it_was_given_with(tmp_path: Path) -> None:
@@ -341,9 +402,13 @@ def entry_point_distributions(tmp_path_factory: pytest.TempPathFactory) -> dict[
     for name, (ep_name, code) in specs.items():
         package = name.replace("-", "_")
         targets[name] = root / "site" / name
-        pip_install_distribution(targets[name], root / "src" / name, name=name,
-                                 entry_points=plugin.format(name=ep_name, package=package),
-                                 files={"__init__.py": "", "plugin.py": code})  # fmt: skip
+        pip_install_distribution(
+            targets[name],
+            root / "src" / name,
+            name=name,
+            entry_points=plugin.format(name=ep_name, package=package),
+            files={"__init__.py": "", "plugin.py": code},
+        )
     return targets
 
 
@@ -355,16 +420,22 @@ def test_entry_point_ending_its_import(entry_point_distributions, distribution: 
     result = run_miles("plugins", env=with_pythonpath(entry_point_distributions[distribution]))
     package = distribution.replace("-", "_")
     name = distribution.removeprefix("miles-")
-    assert_clean_error(result, f"plugin {name!r} (distribution {distribution} 9.9.9, entry point miles.plugins: "
-                               f"{name} = {package}.plugin) failed to load: {cause}")  # fmt: skip
+    assert_clean_error(
+        result,
+        f"plugin {name!r} (distribution {distribution} 9.9.9, entry point miles.plugins: "
+        f"{name} = {package}.plugin) failed to load: {cause}",
+    )
 
 
 @pytest.mark.parametrize("builtin", ["core", "dashboard"])
 def test_entry_point_named_like_a_builtin_plugin(entry_point_distributions, builtin: str) -> None:
     result = run_miles("plugins", env=with_pythonpath(entry_point_distributions[f"miles-named-{builtin}"]))
-    assert_clean_error(result, f"plugin {builtin!r} (distribution miles-named-{builtin} 9.9.9, entry point "
-                               f"miles.plugins: {builtin} = miles_named_{builtin}.plugin) is named like the built-in "
-                               f"plugin {builtin!r}; rename the entry point")  # fmt: skip
+    assert_clean_error(
+        result,
+        f"plugin {builtin!r} (distribution miles-named-{builtin} 9.9.9, entry point "
+        f"miles.plugins: {builtin} = miles_named_{builtin}.plugin) is named like the built-in "
+        f"plugin {builtin!r}; rename the entry point",
+    )
 
 
 def test_two_entry_points_with_one_name(entry_point_distributions) -> None:
@@ -372,12 +443,18 @@ def test_two_entry_points_with_one_name(entry_point_distributions) -> None:
         entry_point_distributions["miles-same-name-a"], entry_point_distributions["miles-same-name-b"]
     )
     result = run_miles("plugins", env=env)
-    assert_clean_error(result, "two plugins are named 'same-name': plugin 'same-name' (distribution miles-same-name-",
-                       "and plugin 'same-name' (distribution miles-same-name-")  # fmt: skip
+    assert_clean_error(
+        result,
+        "two plugins are named 'same-name': plugin 'same-name' (distribution miles-same-name-",
+        "and plugin 'same-name' (distribution miles-same-name-",
+    )
     assert "miles-same-name-a 9.9.9" in result.stderr and "miles-same-name-b 9.9.9" in result.stderr
 
 
 def test_entry_point_whose_hook_fails_names_its_distribution(entry_point_distributions) -> None:
     result = run_miles("config", "show", env=with_pythonpath(entry_point_distributions["miles-bad-validate"]))
-    assert_clean_error(result, "plugin 'bad-validate' (distribution miles-bad-validate 9.9.9, from entry point) "
-                               "failed in hook validate_config: TypeError: oops")  # fmt: skip
+    assert_clean_error(
+        result,
+        "plugin 'bad-validate' (distribution miles-bad-validate 9.9.9, from entry point) "
+        "failed in hook validate_config: TypeError: oops",
+    )

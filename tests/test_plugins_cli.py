@@ -97,8 +97,9 @@ def test_block_a_plugin_with_no_name() -> None:
 def test_block_an_entry_point_only_distribution() -> None:
     plugins = plugins_json("--plugin", "no:miles-example-transfer")
     assert "miles-example-transfer" not in plugins
-    result = run_miles("config", "show", "--plugin", "no:miles-example-transfer", "--update-weight-transfer-mode",
-                       "sharded-disk")  # fmt: skip
+    result = run_miles(
+        "config", "show", "--plugin", "no:miles-example-transfer", "--update-weight-transfer-mode", "sharded-disk"
+    )
     assert result.returncode == 2
     assert "unknown weight transfer protocol 'sharded-disk'" in result.stderr
 
@@ -140,13 +141,17 @@ def test_missing_plugin_module_and_file(tmp_path: Path) -> None:
 
 
 def test_plugin_with_a_hook_the_specs_do_not_know(plugin_dir: Path) -> None:
-    write_module(plugin_dir, "typo_plugin", """\
+    write_module(
+        plugin_dir,
+        "typo_plugin",
+        """\
         from miles_core import hookimpl
 
         @hookimpl
         def provide_rewards_functions():
             return []
-        """)  # fmt: skip
+        """,
+    )
     result = run_miles("plugins", "--plugin", "typo_plugin", env=with_pythonpath(plugin_dir))
     assert result.returncode == 2
     assert (

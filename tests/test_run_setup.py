@@ -121,8 +121,17 @@ def test_every_checkpoint_of_a_run_holds_the_tokenizer_also_from_a_trainer_that_
     """A third-party trainer may write config + weights only: the loop adds the run model's tokenizer files."""
     model = save_tiny_llama(tmp_path / "model")
     save_char_tokenizer(model, "abc:0123456")
-    setup = RunSetup(run_dir=tmp_path / "run", model_path=model, initial_model_path=model, tokenizer=None,
-                     train_prompts=[], eval_prompts=[], reward_fn=None, reward_name="", token="")  # fmt: skip
+    setup = RunSetup(
+        run_dir=tmp_path / "run",
+        model_path=model,
+        initial_model_path=model,
+        tokenizer=None,
+        train_prompts=[],
+        eval_prompts=[],
+        reward_fn=None,
+        reward_name="",
+        token="",
+    )
     bare = TorchTrainer.from_pretrained(save_tiny_llama(tmp_path / "no-tokenizer"), TrainSection())
     checkpoint = save_checkpoint(bare, setup, 7)
     assert checkpoint == tmp_path / "run" / "checkpoints" / "step_000007"
@@ -145,8 +154,15 @@ def test_a_refused_run_moves_no_earlier_run_aside(tmp_path: Path, manager) -> No
     bare = save_tiny_llama(tmp_path / "bare")  # no tokenizer: refused
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a1:", "label": "a"}\n')
-    refused = config(manager, **{"run.output_dir": str(run_dir), "model.path": str(bare),
-                                 "rollout.prompts": str(prompts), "rollout.reward": "echo_last"})  # fmt: skip
+    refused = config(
+        manager,
+        **{
+            "run.output_dir": str(run_dir),
+            "model.path": str(bare),
+            "rollout.prompts": str(prompts),
+            "rollout.reward": "echo_last",
+        },
+    )
     with pytest.raises(MilesError, match="holds no tokenizer files"):
         prepare_run(refused, manager.registries)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "latest", "prompts.jsonl"]  # nothing moved
@@ -161,9 +177,18 @@ def test_a_checkpoint_of_the_earlier_run_in_the_same_directory_is_the_model(tmp_
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "a1:", "label": "a"}\n')
     given = run_dir / "checkpoints" / "step_000002"
-    setup = prepare_run(config(manager, **{"run.output_dir": str(run_dir), "model.path": str(given),
-                                           "rollout.prompts": str(prompts), "rollout.reward": "echo_last"}),
-                        manager.registries)  # fmt: skip
+    setup = prepare_run(
+        config(
+            manager,
+            **{
+                "run.output_dir": str(run_dir),
+                "model.path": str(given),
+                "rollout.prompts": str(prompts),
+                "rollout.reward": "echo_last",
+            },
+        ),
+        manager.registries,
+    )
     (archive,) = [p for p in tmp_path.iterdir() if p.name.startswith("latest-")]
     assert setup.model_path == setup.initial_model_path == archive / "checkpoints" / "step_000002"
     assert (setup.model_path / "model.safetensors").is_file() and not given.exists()
@@ -231,8 +256,15 @@ def test_anything_else_is_an_error_naming_the_sample_and_the_function(value, pro
 
 def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
     """An executor used only for scoring (no engine is needed to score given responses)."""
-    return RolloutExecutor(config=types.SimpleNamespace(), tokenizer=None, train_prompts=[], eval_prompts=[],
-                           reward_fn=reward_fn, reward_name=name, controller=None)  # fmt: skip
+    return RolloutExecutor(
+        config=types.SimpleNamespace(),
+        tokenizer=None,
+        train_prompts=[],
+        eval_prompts=[],
+        reward_fn=reward_fn,
+        reward_name=name,
+        controller=None,
+    )
 
 
 # -- the reward target ---------------------------------------------------------------------------------------
@@ -243,8 +275,9 @@ def work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A working directory holding reward modules, not on ``sys.path``, as a user's project directory is."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd())])
-    (tmp_path / "cwd_rewards.py").write_text("def score(*, prompt, response, label, metadata):\n    return 1.0\n"
-                                             "NOT_A_FUNCTION = 3\n")  # fmt: skip
+    (tmp_path / "cwd_rewards.py").write_text(
+        "def score(*, prompt, response, label, metadata):\n    return 1.0\nNOT_A_FUNCTION = 3\n"
+    )
     (tmp_path / "cwd_broken.py").write_text("import not_installed_dependency_xyz\n")
     (tmp_path / "cwd_raising.py").write_text("raise RuntimeError('reward module is broken')\n")
     (tmp_path / "cwd_shapes.py").write_text(
@@ -266,8 +299,9 @@ def test_a_reward_module_in_the_working_directory_is_found(work_dir: Path, manag
     reward, name = load_reward(config(manager, **{"rollout.reward": "cwd_rewards:score"}), manager.registries)
     assert reward(prompt="", response="", label=None, metadata={}) == 1.0 and name == "cwd_rewards:score"
     assert sys.path == path_before  # the working directory was first on the path for that lookup only
-    nested, name = load_reward(config(manager, **{"rollout.reward": "cwd_package.rewards:Rewards.exact"}),
-                               manager.registries)  # fmt: skip
+    nested, name = load_reward(
+        config(manager, **{"rollout.reward": "cwd_package.rewards:Rewards.exact"}), manager.registries
+    )
     assert nested() == 0.0 and name == "cwd_package.rewards:Rewards.exact"
     flexible, _ = load_reward(config(manager, **{"rollout.reward": "cwd_shapes:flexible"}), manager.registries)
     assert flexible(prompt="", response="", label=None, metadata={}) == 0.0  # keywords by name or **rest: fine
@@ -337,14 +371,17 @@ def test_a_bad_reward_target_is_a_clear_error_naming_it(work_dir: Path, manager,
         ("tensor", {"shared_memory": 1}, "tensor setting shared_memory = 1: expected true, false or null"),
     ],
 )
-def test_settings_a_protocol_refuses_are_a_config_error_naming_it(manager, mode: str, settings: dict,
-                                                                  message: str) -> None:  # fmt: skip
+def test_settings_a_protocol_refuses_are_a_config_error_naming_it(
+    manager, mode: str, settings: dict, message: str
+) -> None:
     run_config = config(manager, **{"weight_transfer.mode": mode, "weight_transfer.settings": settings})
     with pytest.raises(ConfigError) as error:
         make_protocol(run_config, manager.registries)
     text = str(error.value)
-    assert text.startswith(f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings)} do not "
-                           f"fit the protocol {mode!r} (miles_core.weight_transfer.")  # fmt: skip
+    assert text.startswith(
+        f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings)} do not "
+        f"fit the protocol {mode!r} (miles_core.weight_transfer."
+    )
     assert message in text, text
 
 
@@ -353,10 +390,14 @@ def test_a_third_party_protocol_raising_value_error_is_a_config_error(manager) -
     plugins = MilesPluginManager.load()
     if "sharded-disk" not in plugins.registries.weight_transfer_protocols:
         pytest.fail("the example distribution miles-example-transfer is not installed: `make setup` installs it")
-    run_config = build_config(plugins, overrides={"weight_transfer.mode": "sharded-disk",
-                                                  "weight_transfer.settings": {"keep_versions": 0}})  # fmt: skip
-    with pytest.raises(ConfigError, match=r"protocol 'sharded-disk' \(miles_example_transfer.protocol:.*\): "
-                                          "ValueError: keep_versions must be at least 1, got 0"):  # fmt: skip
+    run_config = build_config(
+        plugins, overrides={"weight_transfer.mode": "sharded-disk", "weight_transfer.settings": {"keep_versions": 0}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"protocol 'sharded-disk' \(miles_example_transfer.protocol:.*\): "
+        "ValueError: keep_versions must be at least 1, got 0",
+    ):
         make_protocol(run_config, plugins.registries)
 
 

@@ -29,8 +29,9 @@ def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True, c
 
 def test_default_run_learns(tmp_path: Path) -> None:
     """A shortened embedded default run (the full one is `miles train`): held-out reward rises."""
-    result = train(tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0",
-                   "--run-checkpoint-every", "0")  # fmt: skip
+    result = train(
+        tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0", "--run-checkpoint-every", "0"
+    )
     assert "miles: torch trainer, model llama/transformers" in result.stdout
     rows = metrics(tmp_path)
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
@@ -126,9 +127,20 @@ def on_metrics(rollout_id, metrics):
 def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path: Path) -> None:
     plugin = tmp_path / "faults.py"
     plugin.write_text(FAULTS)
-    result = train(tmp_path / "run", *QUICK, "--num-steps", "6", "--engine-num-engines", "2",
-                   "--run-schedule", "one_step_off", "--weight-transfer-verify-checksum", "true",
-                   "--plugin", str(plugin))  # fmt: skip
+    result = train(
+        tmp_path / "run",
+        *QUICK,
+        "--num-steps",
+        "6",
+        "--engine-num-engines",
+        "2",
+        "--run-schedule",
+        "one_step_off",
+        "--weight-transfer-verify-checksum",
+        "true",
+        "--plugin",
+        str(plugin),
+    )
     samples = [line.split() for line in result.stdout.splitlines() if line.startswith("SAMPLES")]
     assert [(int(step), int(count)) for _, step, count in samples] == [(step, 16) for step in range(6)]
     restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
@@ -165,17 +177,41 @@ def real_model(tmp_path: Path) -> tuple[Path, Path, Path]:
 
 def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
-    train(tmp_path / "run", *QUICK, "--num-steps", "3", "--model", str(model_dir), "--prompts", str(prompts),
-          "--reward", "my_rewards:first_char_reward", "--update-weight-transfer-mode", "broadcast",
-          cwd=module_dir)  # fmt: skip
+    train(
+        tmp_path / "run",
+        *QUICK,
+        "--num-steps",
+        "3",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--reward",
+        "my_rewards:first_char_reward",
+        "--update-weight-transfer-mode",
+        "broadcast",
+        cwd=module_dir,
+    )
     rows = metrics(tmp_path / "run")
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2, 3]
 
 
 def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: Path) -> None:
     model_dir, prompts, module_dir = real_model
-    result = train(tmp_path / "run", *QUICK, "--num-steps", "2", "--model", str(model_dir), "--prompts",
-                   str(prompts), "--reward", "my_rewards:broken_reward", cwd=module_dir, ok=False)  # fmt: skip
+    result = train(
+        tmp_path / "run",
+        *QUICK,
+        "--num-steps",
+        "2",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--reward",
+        "my_rewards:broken_reward",
+        cwd=module_dir,
+        ok=False,
+    )
     assert result.returncode == 2
     # The eval before training scores first: its sample 0 is the file's first prompt.
     assert "reward function my_rewards:broken_reward raised on eval sample 0 at step 0 (prompt 'a0:'" in result.stderr
@@ -207,11 +243,24 @@ def test_a_checkpoint_is_a_model_and_a_reward_from_the_working_directory_sees_pl
     work = tmp_path / "work"
     work.mkdir()
     (work / "cwd_rewards.py").write_text(WORKING_DIRECTORY_REWARDS)
-    (work / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{n}:", "label": str(n)[-1]}) + "\n"
-                                                for n in range(73910, 73918)))  # fmt: skip
-    result = run_miles("train", "--output-dir", str(tmp_path / "second"), *QUICK, "--num-steps", "2", "--model",
-                       str(checkpoint), "--prompts", "prompts.jsonl", "--reward", "cwd_rewards:exact",
-                       cwd=work)  # fmt: skip
+    (work / "prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{n}:", "label": str(n)[-1]}) + "\n" for n in range(73910, 73918))
+    )
+    result = run_miles(
+        "train",
+        "--output-dir",
+        str(tmp_path / "second"),
+        *QUICK,
+        "--num-steps",
+        "2",
+        "--model",
+        str(checkpoint),
+        "--prompts",
+        "prompts.jsonl",
+        "--reward",
+        "cwd_rewards:exact",
+        cwd=work,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["step"] for row in metrics(tmp_path / "second") if "train/loss" in row] == [1, 2]
     responses = [json.loads(line) for line in (work / "responses.jsonl").read_text().splitlines()]
@@ -222,11 +271,22 @@ def test_a_checkpoint_is_a_model_and_a_reward_from_the_working_directory_sees_pl
 
 def test_a_reward_that_is_not_a_finite_number_stops_the_run_naming_sample_and_function(tmp_path: Path) -> None:
     (tmp_path / "cwd_rewards.py").write_text(WORKING_DIRECTORY_REWARDS)
-    result = run_miles("train", "--output-dir", str(tmp_path / "run"), *QUICK, "--num-steps", "2", "--reward",
-                       "cwd_rewards:not_a_number", cwd=tmp_path)  # fmt: skip
+    result = run_miles(
+        "train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *QUICK,
+        "--num-steps",
+        "2",
+        "--reward",
+        "cwd_rewards:not_a_number",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
-    assert ("reward function cwd_rewards:not_a_number returned nan, not a finite number on eval sample 0 at step 0 "
-            "(prompt '") in result.stderr  # fmt: skip
+    assert (
+        "reward function cwd_rewards:not_a_number returned nan, not a finite number on eval sample 0 at step 0 "
+        "(prompt '"
+    ) in result.stderr
     assert "a reward must be a finite int or float" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -293,8 +353,19 @@ def test_an_engine_that_fails_to_start_stops_the_run_and_leaves_no_engine_behind
     plugin = tmp_path / "failing_engine.py"
     plugin.write_text(FAILING_ENGINE)
     run_dir = tmp_path / "run"
-    result = train(run_dir, *QUICK, "--num-steps", "2", "--engine-num-engines", "2", "--engine", "half-failing",
-                   "--plugin", str(plugin), ok=False)  # fmt: skip
+    result = train(
+        run_dir,
+        *QUICK,
+        "--num-steps",
+        "2",
+        "--engine-num-engines",
+        "2",
+        "--engine",
+        "half-failing",
+        "--plugin",
+        str(plugin),
+        ok=False,
+    )
     assert result.returncode == 2
     assert "worker engine-1 exited while starting" in result.stderr and "engine-1: out of memory" in result.stderr
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]

@@ -15,8 +15,20 @@ pytestmark = pytest.mark.slow
 
 def test_default_run_learns_over_rdt(tmp_path: Path) -> None:
     """The same shortened default run and learning threshold as the core's test, weights moved by rdt (NIXL)."""
-    train(tmp_path, "--no-progress", "--num-steps", "110", "--run-eval-every", "0", "--run-checkpoint-every", "0",
-          "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray")  # fmt: skip
+    train(
+        tmp_path,
+        "--no-progress",
+        "--num-steps",
+        "110",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+        "--update-weight-transfer-mode",
+        "rdt",
+        "--run-worker-provider",
+        "ray",
+    )
     rows = metrics(tmp_path)
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     assert evals[-1] >= evals[0] + 0.2, evals

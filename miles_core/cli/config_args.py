@@ -53,8 +53,14 @@ class ConfigArguments:
                 auto = _auto_flag(path)
                 aliases = [named for named in self._named if named.path == path and not named.mapping]
                 shorthands = [named for named in self._named if named not in aliases and _sets(named, path)]
-                self._add_setting(group, path, field, aliases=aliases, auto=None if auto in taken else auto,
-                                  shown=not any(named.mapping for named in shorthands))  # fmt: skip
+                self._add_setting(
+                    group,
+                    path,
+                    field,
+                    aliases=aliases,
+                    auto=None if auto in taken else auto,
+                    shown=not any(named.mapping for named in shorthands),
+                )
                 for named in shorthands:
                     note = f"; {auto} sets the whole mapping as YAML" if named.mapping else ""
                     self._add_named(group, named, note=note)
@@ -73,8 +79,13 @@ class ConfigArguments:
             return
         const = next((named.const for named in aliases if named.const is not None), None)
         origin = typing.get_origin(field.annotation)
-        binding = _Binding(flag=flags[0], path=path, const=const, nullable=_allows_none(field),
-                           structured=origin in _STRUCTURED or field.annotation in _STRUCTURED)  # fmt: skip
+        binding = _Binding(
+            flag=flags[0],
+            path=path,
+            const=const,
+            nullable=_allows_none(field),
+            structured=origin in _STRUCTURED or field.annotation in _STRUCTURED,
+        )
         help_text = field.description or next((named.help for named in aliases if named.help), "")
         metavar = next((named.metavar for named in aliases if named.metavar), None) or path.split(".")[-1].upper()
         self._add(group, binding, flags=flags, help=help_text if shown else argparse.SUPPRESS, metavar=metavar)

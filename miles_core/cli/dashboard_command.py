@@ -22,8 +22,10 @@ def serve_dashboard(run_dir: str, *, host: str, port: int) -> int:
     try:
         server = DashboardServer(run_dir, host=host, port=port)
     except OSError as exc:
-        raise MilesError(f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc} "
-                         "(choose another --port, or --port 0 for a free one)") from None  # fmt: skip
+        raise MilesError(
+            f"cannot serve the dashboard on {host}:{port}: {exc.strerror or exc} "
+            "(choose another --port, or --port 0 for a free one)"
+        ) from None
     _stop_on_signals()
     print(f"miles: dashboard of {run_dir} at {server.url} (Ctrl-C stops it)", flush=True)
     try:

@@ -51,8 +51,13 @@ def load_yaml(text: str, *, source: str) -> Any:
 
 def _read_text(path: Path) -> str:
     """Read a regular file of at most :data:`MAX_FILE_BYTES` as UTF-8, refusing anything else before reading it."""
-    return read_text(path, what=f"config file {str(path)!r}", expected="a YAML file", limit=MAX_FILE_BYTES,
-                     hint="a config is a small YAML file")  # fmt: skip
+    return read_text(
+        path,
+        what=f"config file {str(path)!r}",
+        expected="a YAML file",
+        limit=MAX_FILE_BYTES,
+        hint="a config is a small YAML file",
+    )
 
 
 class _BoundedLoader(yaml.SafeLoader):
@@ -99,8 +104,9 @@ class _BoundedLoader(yaml.SafeLoader):
         return self.construct_scalar(node)  # a date in a config is a name or a label, not a datetime
 
     def construct_refused(self, node: Any) -> Any:
-        raise ConstructorError(None, None, f"the tag {node.tag!r} is not allowed in a config; {_PLAIN_DATA}",
-                               node.start_mark)  # fmt: skip
+        raise ConstructorError(
+            None, None, f"the tag {node.tag!r} is not allowed in a config; {_PLAIN_DATA}", node.start_mark
+        )
 
 
 _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
@@ -116,8 +122,10 @@ def _check_plain_data(value: Any, *, source: str, budget: list[int], path: tuple
     budget[0] -= 1
     where = ".".join(path) or "the top level"
     if budget[0] < 0:
-        raise ConfigError(f"{source} holds more than {MAX_NODES} values once its aliases are expanded; "
-                          "a config is small (an alias bomb?)")  # fmt: skip
+        raise ConfigError(
+            f"{source} holds more than {MAX_NODES} values once its aliases are expanded; "
+            "a config is small (an alias bomb?)"
+        )
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{source}: {where} = {value}: not a finite number; give a finite value")
     if not isinstance(value, dict | list):

@@ -80,15 +80,30 @@ class DashboardApi:
         status = meta.get("status", "empty")
         if status == "running" and not _alive(meta.get("pid")):
             status = "interrupted"
-        return {"status": status, "run_dir": meta.get("run_dir"), "started": meta.get("started"),
-                "ended": meta.get("ended"), "error": meta.get("error"), "num_steps": meta.get("num_steps"),
-                "start_step": meta.get("start_step"), "steps_recorded": len(steps),
-                "last_step": steps[-1] if steps else None, "config": meta.get("config")}  # fmt: skip
+        return {
+            "status": status,
+            "run_dir": meta.get("run_dir"),
+            "started": meta.get("started"),
+            "ended": meta.get("ended"),
+            "error": meta.get("error"),
+            "num_steps": meta.get("num_steps"),
+            "start_step": meta.get("start_step"),
+            "steps_recorded": len(steps),
+            "last_step": steps[-1] if steps else None,
+            "config": meta.get("config"),
+        }
 
     def topology(self, db: sqlite3.Connection, query: Query) -> dict[str, Any]:
-        engines = [{**json.loads(row["info"]), "cell_id": row["cell_id"], "state": row["state"],
-                    "weight_version": row["weight_version"], "updated": row["updated"]}
-                   for row in db.execute("SELECT * FROM engines ORDER BY cell_id")]  # fmt: skip
+        engines = [
+            {
+                **json.loads(row["info"]),
+                "cell_id": row["cell_id"],
+                "state": row["state"],
+                "weight_version": row["weight_version"],
+                "updated": row["updated"],
+            }
+            for row in db.execute("SELECT * FROM engines ORDER BY cell_id")
+        ]
         routers = [json.loads(row["info"]) for row in db.execute("SELECT info FROM routers ORDER BY name")]
         return {"engines": engines, "routers": routers, "trainer": _meta(db).get("trainer")}
 
@@ -107,17 +122,30 @@ class DashboardApi:
         return {"weight_updates": [{**dict(row), "checksum_ok": _bool_or_none(row["checksum_ok"])} for row in rows]}
 
     def steps(self, db: sqlite3.Connection, query: Query) -> dict[str, Any]:
-        counts = {row[0]: (row[1], row[2]) for row in
-                  db.execute("SELECT step, COUNT(*), AVG(reward) FROM samples GROUP BY step")}  # fmt: skip
-        return {"steps": [{"step": step, "num_samples": counts.get(step, (0, None))[0],
-                           "reward_mean": counts.get(step, (0, None))[1]} for step in _known_steps(db)]}  # fmt: skip
+        counts = {
+            row[0]: (row[1], row[2])
+            for row in db.execute("SELECT step, COUNT(*), AVG(reward) FROM samples GROUP BY step")
+        }
+        return {
+            "steps": [
+                {
+                    "step": step,
+                    "num_samples": counts.get(step, (0, None))[0],
+                    "reward_mean": counts.get(step, (0, None))[1],
+                }
+                for step in _known_steps(db)
+            ]
+        }
 
     def step(self, db: sqlite3.Connection, query: Query, *, step: str) -> dict[str, Any]:
         number = _known_step(db, step)
-        metrics = {row["name"]: row["value"]
-                   for row in db.execute("SELECT name, value FROM metrics WHERE step = ?", (number,))}  # fmt: skip
-        phases = [dict(row) for row in db.execute(
-            "SELECT phase, started, ended FROM phases WHERE step = ? ORDER BY started", (number,))]  # fmt: skip
+        metrics = {
+            row["name"]: row["value"] for row in db.execute("SELECT name, value FROM metrics WHERE step = ?", (number,))
+        }
+        phases = [
+            dict(row)
+            for row in db.execute("SELECT phase, started, ended FROM phases WHERE step = ? ORDER BY started", (number,))
+        ]
         (num_samples,) = db.execute("SELECT COUNT(*) FROM samples WHERE step = ?", (number,)).fetchone()
         return {"step": number, "metrics": metrics, "phases": phases, "num_samples": num_samples}
 
@@ -126,30 +154,42 @@ class DashboardApi:
         offset = _int_param(query, "offset", default=0, low=0)
         limit = _int_param(query, "limit", default=100, low=1, high=MAX_PAGE)
         (total,) = db.execute("SELECT COUNT(*) FROM samples WHERE step = ?", (number,)).fetchone()
-        rows = db.execute("SELECT step, sample_index, occurrence, reward, prompt, response FROM samples "
-                          "WHERE step = ? ORDER BY sample_index, occurrence LIMIT ? OFFSET ?",
-                          (number, limit, offset)).fetchall()  # fmt: skip
-        return {"step": number, "total": total, "offset": offset, "limit": limit,
-                "samples": [dict(row) for row in rows]}  # fmt: skip
+        rows = db.execute(
+            "SELECT step, sample_index, occurrence, reward, prompt, response FROM samples "
+            "WHERE step = ? ORDER BY sample_index, occurrence LIMIT ? OFFSET ?",
+            (number, limit, offset),
+        ).fetchall()
+        return {
+            "step": number,
+            "total": total,
+            "offset": offset,
+            "limit": limit,
+            "samples": [dict(row) for row in rows],
+        }
 
     def sample(self, db: sqlite3.Connection, query: Query, *, step: str, index: str, occurrence: str) -> dict:
         number = _known_step(db, step)
         key = (_int_path(index, "sample index"), _int_path(occurrence, "occurrence"))
-        row = db.execute("SELECT * FROM samples WHERE step = ? AND sample_index = ? AND occurrence = ?",
-                         (number, *key)).fetchone()  # fmt: skip
+        row = db.execute(
+            "SELECT * FROM samples WHERE step = ? AND sample_index = ? AND occurrence = ?", (number, *key)
+        ).fetchone()
         if row is None:
             raise ApiError(404, f"step {number} has no sample ({key[0]}, {key[1]}) (sample_index, occurrence)")
         return {**{k: row[k] for k in row.keys() if k != "data"}, "data": json.loads(row["data"])}  # noqa: SIM118
 
 
 def _meta(db: sqlite3.Connection) -> dict[str, Any]:
-    return {row["key"]: json.loads(row["value"]) for row in db.execute("SELECT key, value FROM meta")
-            if row["key"] != "schema_version"}  # fmt: skip
+    return {
+        row["key"]: json.loads(row["value"])
+        for row in db.execute("SELECT key, value FROM meta")
+        if row["key"] != "schema_version"
+    }
 
 
 def _known_steps(db: sqlite3.Connection) -> list[int]:
-    rows = db.execute("SELECT step FROM phases UNION SELECT step FROM metrics UNION SELECT step FROM samples "
-                      "ORDER BY step")  # fmt: skip
+    rows = db.execute(
+        "SELECT step FROM phases UNION SELECT step FROM metrics UNION SELECT step FROM samples ORDER BY step"
+    )
     return [row[0] for row in rows]
 
 

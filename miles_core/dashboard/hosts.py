@@ -25,9 +25,11 @@ class DashboardHostError(ValueError):
 def check_host(host: str, *, what: str = "the dashboard host") -> str:
     """``host`` if it names an address to bind; an empty or blank one is refused with what to give instead."""
     if not isinstance(host, str) or not host.strip() or host != host.strip():
-        raise DashboardHostError(f"{what} must be an address or a name such as 127.0.0.1, got "
-                                 f"{host!r} (an empty host would bind every interface: give 0.0.0.0 for that "
-                                 "on purpose)")  # fmt: skip
+        raise DashboardHostError(
+            f"{what} must be an address or a name such as 127.0.0.1, got "
+            f"{host!r} (an empty host would bind every interface: give 0.0.0.0 for that "
+            "on purpose)"
+        )
     return host
 
 

@@ -72,14 +72,23 @@ class DashboardPlugin:
 
     @hookimpl
     def config_flags(self) -> list[ConfigFlag]:
-        return [ConfigFlag(flag="--dashboard", path="dashboard.serve", const="true", metavar="BOOL",
-                           help="serve the live dashboard during the run and print its URL")]  # fmt: skip
+        return [
+            ConfigFlag(
+                flag="--dashboard",
+                path="dashboard.serve",
+                const="true",
+                metavar="BOOL",
+                help="serve the live dashboard during the run and print its URL",
+            )
+        ]
 
     @hookimpl
     def validate_config(self, config: Any, registries: Any) -> None:
         if config.dashboard.serve and not config.dashboard.record:
-            raise ConfigError("dashboard.serve (--dashboard) = True needs dashboard.record = True: the dashboard "
-                              "shows what the run records (drop --dashboard-record false)")  # fmt: skip
+            raise ConfigError(
+                "dashboard.serve (--dashboard) = True needs dashboard.record = True: the dashboard "
+                "shows what the run records (drop --dashboard-record false)"
+            )
 
     # -- the run ------------------------------------------------------------------------------------------------
 
@@ -90,8 +99,12 @@ class DashboardPlugin:
             return
         with self.warnings.guard("opening the dashboard database"):
             self.store = DashboardStore(run_dir)
-            self.store.run_started(run_dir=str(run_dir), start_step=start_step, num_steps=config.run.num_steps,
-                                   config=config.model_dump(mode="json"))  # fmt: skip
+            self.store.run_started(
+                run_dir=str(run_dir),
+                start_step=start_step,
+                num_steps=config.run.num_steps,
+                config=config.model_dump(mode="json"),
+            )
         if config.dashboard.serve and self.store is not None:
             with self.warnings.guard("starting the dashboard server"):
                 from miles_core.dashboard.server import DashboardServer  # deferred: http.server, for runs only
@@ -109,8 +122,11 @@ class DashboardPlugin:
             self.store = None
         if self.server is not None:
             with self.warnings.guard("stopping the dashboard server"):
-                print(f"miles: the dashboard stops with this run; `miles dashboard {self.server.run_dir}` serves it "
-                      "again", flush=True)  # fmt: skip
+                print(
+                    f"miles: the dashboard stops with this run; `miles dashboard {self.server.run_dir}` serves it "
+                    "again",
+                    flush=True,
+                )
                 self.server.stop()
             self.server = None
 

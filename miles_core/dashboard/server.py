@@ -119,12 +119,22 @@ class DashboardApp:
         try:
             status, body, content_type, headers = await asyncio.to_thread(self.answer, scope)
         except Exception as exc:  # a bug must answer as JSON, and never stop the server (or a training run)
-            logger.warning("dashboard: %s %s failed: %s: %s", scope["method"], scope["path"][:200],
-                           type(exc).__name__, exc)  # fmt: skip
+            logger.warning(
+                "dashboard: %s %s failed: %s: %s", scope["method"], scope["path"][:200], type(exc).__name__, exc
+            )
             status, body, content_type, headers = _json(500, {"error": f"internal error: {type(exc).__name__}: {exc}"})
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
-            (b"x-content-type-options", b"nosniff"), *headers]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                    *headers,
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
 
     def answer(self, scope: Scope) -> tuple[int, bytes, str, list[tuple[bytes, bytes]]]:
@@ -132,11 +142,17 @@ class DashboardApp:
         host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), None)
         if not hosts.host_header_matches(host, names=self.allowed_names, port=self.port):
             served = ", ".join(f"{name}:{self.port}" for name in sorted(self.allowed_names))
-            return _json(421, {"error": f"Host {(host or '')[:100]!r} is not a name this dashboard serves ({served}); "
-                                        f"open http://127.0.0.1:{self.port}/ on this machine"})  # fmt: skip
+            return _json(
+                421,
+                {
+                    "error": f"Host {(host or '')[:100]!r} is not a name this dashboard serves ({served}); "
+                    f"open http://127.0.0.1:{self.port}/ on this machine"
+                },
+            )
         if scope["method"] not in ("GET", "HEAD"):
-            status, body, content_type, headers = _json(405, {"error": f"method {scope['method'][:20]} not allowed: "
-                                                                       "the dashboard is read-only (GET)"})  # fmt: skip
+            status, body, content_type, headers = _json(
+                405, {"error": f"method {scope['method'][:20]} not allowed: the dashboard is read-only (GET)"}
+            )
             return status, body, content_type, [*headers, (b"allow", b"GET, HEAD")]
         path = scope["path"]
         if path.startswith("/api/"):

@@ -78,16 +78,26 @@ class DashboardStore:
     # -- run --------------------------------------------------------------------------------------------------
 
     def run_started(self, *, run_dir: str, start_step: int, num_steps: int, config: Mapping[str, Any]) -> None:
-        self._set_meta(status="running", run_dir=run_dir, started=time.time(), ended=None, error=None,
-                       pid=os.getpid(), start_step=start_step, num_steps=num_steps, config=config)  # fmt: skip
+        self._set_meta(
+            status="running",
+            run_dir=run_dir,
+            started=time.time(),
+            ended=None,
+            error=None,
+            pid=os.getpid(),
+            start_step=start_step,
+            num_steps=num_steps,
+            config=config,
+        )
 
     def run_ended(self, *, status: str, error: str | None) -> None:
         self._set_meta(status=status, ended=time.time(), error=error)
 
     def _set_meta(self, **values: Any) -> None:
         with self._transaction() as db:
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                           [(key, json.dumps(value)) for key, value in values.items()])  # fmt: skip
+            db.executemany(
+                "INSERT OR REPLACE INTO meta VALUES (?, ?)", [(key, json.dumps(value)) for key, value in values.items()]
+            )
 
     # -- topology ---------------------------------------------------------------------------------------------
 
@@ -105,21 +115,30 @@ class DashboardStore:
             for engine in engines:
                 db.execute(
                     "INSERT OR REPLACE INTO engines VALUES (?, ?, ?, ?, ?)",
-                    (str(engine.get("cell_id", "?")), str(engine.get("state", "unknown")),
-                     _int_or_none(engine.get("weight_version")), _to_json(engine), now),
-                )  # fmt: skip
+                    (
+                        str(engine.get("cell_id", "?")),
+                        str(engine.get("state", "unknown")),
+                        _int_or_none(engine.get("weight_version")),
+                        _to_json(engine),
+                        now,
+                    ),
+                )
 
     def set_router(self, router: Mapping[str, Any]) -> None:
         with self._transaction() as db:
-            db.execute("INSERT OR REPLACE INTO routers VALUES (?, ?, ?)",
-                       (str(router.get("name", "router")), _to_json(router), time.time()))  # fmt: skip
+            db.execute(
+                "INSERT OR REPLACE INTO routers VALUES (?, ?, ?)",
+                (str(router.get("name", "router")), _to_json(router), time.time()),
+            )
 
     # -- events -----------------------------------------------------------------------------------------------
 
     def add_phase(self, *, step: int, phase: str, started: float, ended: float) -> None:
         with self._transaction() as db:
-            db.execute("INSERT INTO phases (step, phase, started, ended) VALUES (?, ?, ?, ?)",
-                       (int(step), str(phase), float(started), float(ended)))  # fmt: skip
+            db.execute(
+                "INSERT INTO phases (step, phase, started, ended) VALUES (?, ?, ?, ?)",
+                (int(step), str(phase), float(started), float(ended)),
+            )
 
     def add_metrics(self, *, step: int, metrics: Mapping[str, Any]) -> None:
         rows = [(int(step), str(name), finite(value)) for name, value in metrics.items()]
@@ -131,14 +150,27 @@ class DashboardStore:
         samples that share an index (a group, a resent request, a second call) never overwrite each other."""
         records = [sample_record(sample) for sample in samples]
         with self._transaction() as db:
-            taken = dict(db.execute("SELECT sample_index, MAX(occurrence) + 1 FROM samples WHERE step = ? "
-                                    "GROUP BY sample_index", (int(step),)).fetchall())  # fmt: skip
+            taken = dict(
+                db.execute(
+                    "SELECT sample_index, MAX(occurrence) + 1 FROM samples WHERE step = ? GROUP BY sample_index",
+                    (int(step),),
+                ).fetchall()
+            )
             for record in records:
                 occurrence = taken.get(record["sample_index"], 0)
                 taken[record["sample_index"]] = occurrence + 1
-                db.execute("INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           (int(step), record["sample_index"], occurrence, record["reward"], record["prompt"],
-                            record["response"], _to_json(record["data"])))  # fmt: skip
+                db.execute(
+                    "INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        int(step),
+                        record["sample_index"],
+                        occurrence,
+                        record["reward"],
+                        record["prompt"],
+                        record["response"],
+                        _to_json(record["data"]),
+                    ),
+                )
         return len(records)
 
     def add_weight_update(self, *, report: Any, started: float | None) -> None:
@@ -146,11 +178,22 @@ class DashboardStore:
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO weight_updates VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (int(report.version), str(report.protocol), int(report.num_bytes), float(report.seconds),
-                 finite(report.gb_per_s), int(report.num_engines), report.checksum_ok, started, ended),
-            )  # fmt: skip
-            db.execute("UPDATE engines SET weight_version = ?, updated = ? WHERE state = 'running'",
-                       (int(report.version), ended))  # fmt: skip
+                (
+                    int(report.version),
+                    str(report.protocol),
+                    int(report.num_bytes),
+                    float(report.seconds),
+                    finite(report.gb_per_s),
+                    int(report.num_engines),
+                    report.checksum_ok,
+                    started,
+                    ended,
+                ),
+            )
+            db.execute(
+                "UPDATE engines SET weight_version = ?, updated = ? WHERE state = 'running'",
+                (int(report.version), ended),
+            )
 
     # -- helpers ----------------------------------------------------------------------------------------------
 
@@ -194,8 +237,13 @@ def sample_record(sample: Any) -> dict[str, Any]:
     if isinstance(prompt, Mapping):  # the executor's Prompt, after asdict: text, label, metadata
         data["label"], data["prompt_metadata"] = prompt.get("label"), prompt.get("metadata")
         prompt = prompt.get("text", "")
-    return {"sample_index": _int_or_none(index) or 0, "reward": finite(data.pop("reward", None)),
-            "prompt": str(prompt), "response": str(data.pop("response", "")), "data": data}  # fmt: skip
+    return {
+        "sample_index": _int_or_none(index) or 0,
+        "reward": finite(data.pop("reward", None)),
+        "prompt": str(prompt),
+        "response": str(data.pop("response", "")),
+        "data": data,
+    }
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -230,14 +278,17 @@ def check_run_dir(run_dir: Path | str) -> Path:
     """The database of ``run_dir``, checked: the directory exists and holds a readable dashboard database."""
     run_dir = Path(run_dir)
     if not run_dir.exists():
-        raise DashboardDatabaseError(f"run directory {str(run_dir)!r} does not exist (give the --output-dir of a run, "
-                                     "e.g. runs/latest)")  # fmt: skip
+        raise DashboardDatabaseError(
+            f"run directory {str(run_dir)!r} does not exist (give the --output-dir of a run, e.g. runs/latest)"
+        )
     if not run_dir.is_dir():
         raise DashboardDatabaseError(f"{str(run_dir)!r} is not a directory (give a run directory, e.g. runs/latest)")
     path = db_path(run_dir)
     if path.exists() and not path.is_file():
-        raise DashboardDatabaseError(f"{str(path)!r} is not a regular file (a directory, FIFO or device): it is not a "
-                                     "dashboard database; move it aside or open another run directory")  # fmt: skip
+        raise DashboardDatabaseError(
+            f"{str(path)!r} is not a regular file (a directory, FIFO or device): it is not a "
+            "dashboard database; move it aside or open another run directory"
+        )
     if not path.is_file():
         raise DashboardDatabaseError(
             f"{str(run_dir)!r} holds no dashboard database ({DB_NAME}): is it a run directory of `miles train`? "
@@ -252,8 +303,11 @@ def _schema_problem(path: Path, version: Any) -> str:
     """What to do about a database of another schema version: a newer miles wrote it, or an older one."""
     shown = str(version)[:20] if version is not None else "none"
     newer = isinstance(version, str) and version.isascii() and version.isdigit() and int(version) > SCHEMA_VERSION
-    what = ("a newer miles recorded it: upgrade miles-core to read it" if newer else
-            "it is not a dashboard database of this miles: open another run directory, or move it aside")  # fmt: skip
+    what = (
+        "a newer miles recorded it: upgrade miles-core to read it"
+        if newer
+        else "it is not a dashboard database of this miles: open another run directory, or move it aside"
+    )
     return f"{str(path)!r} has dashboard schema version {shown}; this miles reads version {SCHEMA_VERSION}: {what}"
 
 

@@ -50,7 +50,8 @@ class DigitTokenizer:
         core.post_processor = tokenizers.processors.TemplateProcessing(
             single="<bos> $A", special_tokens=[("<bos>", self.bos_token_id)]
         )
-        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
-                                                  bos_token="<bos>")  # fmt: skip
+        hf = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>"
+        )
         hf.save_pretrained(directory)
         return Path(directory)

@@ -40,6 +40,8 @@ def load_engine_backend(registries: Any, name: str) -> EngineBackend:
     target = entry.load()
     backend = target() if isinstance(target, type) else None
     if not isinstance(backend, EngineBackend):
-        raise RegistryError(f"engine backend {name!r} ({entry.target}) is {target!r:.80}, not a class with "
-                            "engine_specs and router_spec (miles_core.EngineBackend)")  # fmt: skip
+        raise RegistryError(
+            f"engine backend {name!r} ({entry.target}) is {target!r:.80}, not a class with "
+            "engine_specs and router_spec (miles_core.EngineBackend)"
+        )
     return backend

@@ -21,8 +21,15 @@ class EngineClient:
     """Talks to one engine at ``url`` (or a router in front of engines: ``is_router``); control routes carry
     ``admin_key``."""
 
-    def __init__(self, url: str, *, admin_key: str | None = None, name: str = "engine", timeout_s: float = 600,
-                 is_router: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        *,
+        admin_key: str | None = None,
+        name: str = "engine",
+        timeout_s: float = 600,
+        is_router: bool = False,
+    ) -> None:
         self.url = url.rstrip("/")
         self.name = name
         self.is_router = is_router
@@ -41,12 +48,19 @@ class EngineClient:
     # -- data plane -----------------------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int] | list[list[int]], sampling_params: Mapping[str, Any] | list | None = None,
-        *, return_logprob: bool = True, rid: str | list[str] | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: Mapping[str, Any] | list | None = None,
+        *,
+        return_logprob: bool = True,
+        rid: str | list[str] | None = None,
+    ) -> Any:
         """``/generate`` with token ids: one response dict, or a list for a batch of prompts."""
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params or {},
-                                "return_logprob": return_logprob}  # fmt: skip
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+        }
         if rid is not None:
             body["rid"] = rid
         return await self._request("POST", "/generate", body)
@@ -87,23 +101,50 @@ class EngineClient:
     ) -> dict:
         """Send named tensors as safetensors bytes (never pickle)."""
         payload = base64.b64encode(encode_tensors(tensors)).decode()
-        return await self._control("/update_weights_from_tensor", serialized_named_tensors=[payload],
-                                   load_format="safetensors", weight_version=weight_version)  # fmt: skip
+        return await self._control(
+            "/update_weights_from_tensor",
+            serialized_named_tensors=[payload],
+            load_format="safetensors",
+            weight_version=weight_version,
+        )
 
     async def init_weights_update_group(
-        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "gloo",
-    ) -> dict:  # fmt: skip
-        return await self._control("/init_weights_update_group", master_address=master_address,
-                                   master_port=master_port, rank_offset=rank_offset, world_size=world_size,
-                                   group_name=group_name, backend=backend)  # fmt: skip
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> dict:
+        return await self._control(
+            "/init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
 
     async def update_weights_from_distributed(
-        self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = "weight_update_group", weight_version: str | None = None,
-    ) -> dict:  # fmt: skip
-        return await self._control("/update_weights_from_distributed", names=names, dtypes=dtypes, shapes=shapes,
-                                   group_name=group_name, weight_version=weight_version)  # fmt: skip
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+    ) -> dict:
+        return await self._control(
+            "/update_weights_from_distributed",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=weight_version,
+        )
 
     async def begin_weight_update(self) -> dict:
         """Open the engine's weight-update session (SGLang >= 0.5.2x refuses distributed updates outside one)."""
@@ -123,8 +164,9 @@ class EngineClient:
         return await self._request("POST", "/continue_generation", {})
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> dict:
-        return await self._control("/update_weight_version", new_version=new_version,
-                                   abort_all_requests=abort_all_requests)  # fmt: skip
+        return await self._control(
+            "/update_weight_version", new_version=new_version, abort_all_requests=abort_all_requests
+        )
 
     async def weights_checksum(self) -> str:
         """The served weights' checksum (local engine only)."""

@@ -20,8 +20,26 @@ class LocalEngineBackend:
 
 def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """The command worker that serves ``model_path`` with SGLang's HTTP API on a free port."""
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", model_path, "--host", "{host}",
-            "--port", "{port}", "--max-batch-size", str(config.engine.max_batch_size),
-            "--random-seed", str(config.run.seed)]  # fmt: skip
-    return CommandWorkerSpec(name=cell_id, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate",
-                             startup_timeout_s=config.engine.startup_timeout_s, num_cpus=0)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        model_path,
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--max-batch-size",
+        str(config.engine.max_batch_size),
+        "--random-seed",
+        str(config.run.seed),
+    ]
+    return CommandWorkerSpec(
+        name=cell_id,
+        argv=argv,
+        ports=["port"],
+        health_url="http://{host}:{port}/health_generate",
+        startup_timeout_s=config.engine.startup_timeout_s,
+        num_cpus=0,
+    )

@@ -64,8 +64,10 @@ def check_weight_version(value: object, *, field: str = "weight_version") -> str
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or len(value) > MAX_WEIGHT_VERSION_CHARS or not _WEIGHT_VERSION.fullmatch(value):
-        raise RequestError(f"{field} must be 1 to {MAX_WEIGHT_VERSION_CHARS} printable ASCII characters (it is "
-                           f"sent as an HTTP header), got {value!r:.100}")  # fmt: skip
+        raise RequestError(
+            f"{field} must be 1 to {MAX_WEIGHT_VERSION_CHARS} printable ASCII characters (it is "
+            f"sent as an HTTP header), got {value!r:.100}"
+        )
     return value
 
 
@@ -87,8 +89,15 @@ class TokenUpdate:
 class LocalEngine:
     """Loads an HF checkpoint directory and generates from token ids."""
 
-    def __init__(self, model_path: str | Path, *, max_batch_size: int = 64, seed: int = 0,
-                 context_length: int | None = None, staging_dir: str | Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        max_batch_size: int = 64,
+        seed: int = 0,
+        context_length: int | None = None,
+        staging_dir: str | Path | None = None,
+    ) -> None:
         """``context_length`` (prompt plus new tokens) defaults to the model's; ``staging_dir`` is the only
         directory whose files weight updates may read, map or remove (default: the user's, see
         :func:`miles_core.engines.staging.weight_staging_dir`)."""
@@ -143,13 +152,16 @@ class LocalEngine:
                 raise RequestError(f"{where} holds {bad!r}: token ids are integers from 0 to {self.vocab_size - 1}")
         room = self.context_length - len(ids)
         if room < 0:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the context length "
-                               f"({self.context_length})")  # fmt: skip
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens, more than the context length ({self.context_length})"
+            )
         if "max_new_tokens" not in params.model_fields_set:
             params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
         elif params.max_new_tokens > room:
-            raise RequestError(f"max_new_tokens {params.max_new_tokens} with a prompt of {len(ids)} tokens exceeds "
-                               f"the context length ({self.context_length}): ask for at most {room}")  # fmt: skip
+            raise RequestError(
+                f"max_new_tokens {params.max_new_tokens} with a prompt of {len(ids)} tokens exceeds "
+                f"the context length ({self.context_length}): ask for at most {room}"
+            )
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 "stop strings need the model's tokenizer, and this model directory has none: use stop_token_ids"
@@ -247,10 +259,14 @@ class LocalEngine:
         with self.lock:
             self._batches += 1
             results = generate_batch(
-                self.model, requests, eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                default_seed=self.seed * 1_000_003 + self._batches * 4099, should_abort=lambda: self._abort_message,
+                self.model,
+                requests,
+                eos_token_ids=self.eos_token_ids,
+                pad_token_id=self.pad_token_id,
+                default_seed=self.seed * 1_000_003 + self._batches * 4099,
+                should_abort=lambda: self._abort_message,
                 decode=self.decode if self.tokenizer is not None else None,
-            )  # fmt: skip
+            )
         self.generated_tokens += sum(len(r.output_ids) for r in results)
         return results
 
@@ -355,31 +371,46 @@ class LocalEngine:
                 self.weight_version = version
         return loaded
 
-    def init_group(self, *, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str, backend: str) -> None:  # fmt: skip
+    def init_group(
+        self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
         if backend not in GROUP_BACKENDS:
             raise MilesError(f"backend must be one of {', '.join(GROUP_BACKENDS)}, got {backend!r}")
         if group_name in self.groups:
             raise MilesError(f"weight update group {group_name!r} already exists; destroy it first")
         group = new_weight_update_group(
-            master_address=master_address, master_port=master_port, rank=rank_offset, world_size=world_size,
-            group_name=group_name, backend=backend,
-        )  # fmt: skip
+            master_address=master_address,
+            master_port=master_port,
+            rank=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
         self.groups[group_name] = (group, group_device(backend))
 
-    def update_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                group_name: str, weight_version: str | None) -> int:  # fmt: skip
+    def update_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None,
+    ) -> int:
         if not self.weight_update_open:  # as SGLang: a receive outside a session would never join the broadcast
-            raise MilesError("update_weights_from_distributed must run between begin_weight_update() and "
-                             "end_weight_update()")  # fmt: skip
+            raise MilesError(
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+            )
         if group_name not in self.groups:
             raise MilesError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
         if not len(names) == len(dtypes) == len(shapes):
             raise MilesError("names, dtypes and shapes must have the same length")
         group, device = self.groups[group_name]
         # Checked against the model before anything is allocated or received: a wrong name or shape is refused.
-        announced = {name: torch.empty(shape, dtype=dtype_from_name(dtype), device="meta")
-                     for name, dtype, shape in zip(names, dtypes, shapes, strict=True)}  # fmt: skip
+        announced = {
+            name: torch.empty(shape, dtype=dtype_from_name(dtype), device="meta")
+            for name, dtype, shape in zip(names, dtypes, shapes, strict=True)
+        }
         check_named_tensors(self.model, announced)
         received = {}
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
@@ -427,8 +458,9 @@ def _is_token_id(token: object, vocab_size: int) -> bool:
 
 def _context_length(config: Any, requested: int | None) -> int:
     """The longest prompt plus completion: the model's (its position limit), or ``requested`` if not longer."""
-    native = next((getattr(config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(config, key, None),
-                                                                                    int)), None)  # fmt: skip
+    native = next(
+        (getattr(config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(config, key, None), int)), None
+    )
     if requested is not None and requested < 1:
         raise MilesError(f"context length must be at least 1, got {requested}")
     if native is None:

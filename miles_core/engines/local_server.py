@@ -142,8 +142,9 @@ def health_check_timeout_s() -> float:
 class LocalEngineServer:
     """Routes of the SGLang API over a :class:`LocalEngine`; control routes need ``admin_key`` (never open)."""
 
-    def __init__(self, engine: LocalEngine, *, admin_key: str, host: str, port: int,
-                 key_file: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, engine: LocalEngine, *, admin_key: str, host: str, port: int, key_file: Path | None = None
+    ) -> None:
         """``key_file``: a generated key's file, removed when the server stops."""
         if not isinstance(admin_key, str) or not admin_key.strip():
             raise MilesError("the local engine's control routes need an admin key: pass a non-empty admin_key")
@@ -156,21 +157,35 @@ class LocalEngineServer:
         self.generate_requests = 0  # /generate calls served (a batch counts once)
 
     def app(self) -> Starlette:
-        public = {"/generate": self.generate, "/health": self.health, "/health_generate": self.health_generate,
-                  "/model_info": self.model_info, "/get_model_info": self.model_info,
-                  "/server_info": self.server_info, "/get_server_info": self.server_info}  # fmt: skip
-        control = {"/flush_cache": self.flush_cache, "/update_weights_from_disk": self.update_from_disk,
-                   "/update_weights_from_tensor": self.update_from_tensor,
-                   "/init_weights_update_group": self.init_group,
-                   "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
-                   "/update_weights_from_distributed": self.update_from_distributed,
-                   "/destroy_weights_update_group": self.destroy_group, "/pause_generation": self.pause,
-                   "/continue_generation": self.resume, "/update_weight_version": self.update_version,
-                   "/weights_checksum": self.weights_checksum}  # fmt: skip
-        routes = [Route(path, self._wrap(path, fn, control=False), methods=["GET", "POST"])
-                  for path, fn in public.items()]  # fmt: skip
-        routes += [Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"])
-                   for path, fn in control.items()]  # fmt: skip
+        public = {
+            "/generate": self.generate,
+            "/health": self.health,
+            "/health_generate": self.health_generate,
+            "/model_info": self.model_info,
+            "/get_model_info": self.model_info,
+            "/server_info": self.server_info,
+            "/get_server_info": self.server_info,
+        }
+        control = {
+            "/flush_cache": self.flush_cache,
+            "/update_weights_from_disk": self.update_from_disk,
+            "/update_weights_from_tensor": self.update_from_tensor,
+            "/init_weights_update_group": self.init_group,
+            "/begin_weight_update": self.begin_update,
+            "/end_weight_update": self.end_update,
+            "/update_weights_from_distributed": self.update_from_distributed,
+            "/destroy_weights_update_group": self.destroy_group,
+            "/pause_generation": self.pause,
+            "/continue_generation": self.resume,
+            "/update_weight_version": self.update_version,
+            "/weights_checksum": self.weights_checksum,
+        }
+        routes = [
+            Route(path, self._wrap(path, fn, control=False), methods=["GET", "POST"]) for path, fn in public.items()
+        ]
+        routes += [
+            Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"]) for path, fn in control.items()
+        ]
         from miles_core.engines.openai_routes import OpenAIRoutes  # deferred: that module builds on this one
 
         routes += OpenAIRoutes(self).routes()
@@ -346,18 +361,33 @@ class LocalEngineServer:
         return Response(status_code=200)
 
     async def model_info(self, body: dict) -> dict:
-        return {"model_path": self.engine.model_path, "tokenizer_path": self.engine.model_path,
-                "is_generation": True, "weight_version": self.engine.weight_version,
-                "model_type": self.engine.model.config.model_type}  # fmt: skip
+        return {
+            "model_path": self.engine.model_path,
+            "tokenizer_path": self.engine.model_path,
+            "is_generation": True,
+            "weight_version": self.engine.weight_version,
+            "model_type": self.engine.model.config.model_type,
+        }
 
     async def server_info(self, body: dict) -> dict:
-        return {"model_path": self.engine.model_path, "host": self.host, "port": self.port,
-                "max_batch_size": self.engine.max_batch_size, "random_seed": self.engine.seed,
-                "version": f"miles-local-engine {__version__}", "weight_version": self.engine.weight_version,
-                "internal_states": [{"queued": self.engine.queued, "in_flight": self.in_flight,
-                                     "paused": self.engine.paused,
-                                     "generated_tokens": self.engine.generated_tokens,
-                                     "generate_requests": self.generate_requests}]}  # fmt: skip
+        return {
+            "model_path": self.engine.model_path,
+            "host": self.host,
+            "port": self.port,
+            "max_batch_size": self.engine.max_batch_size,
+            "random_seed": self.engine.seed,
+            "version": f"miles-local-engine {__version__}",
+            "weight_version": self.engine.weight_version,
+            "internal_states": [
+                {
+                    "queued": self.engine.queued,
+                    "in_flight": self.in_flight,
+                    "paused": self.engine.paused,
+                    "generated_tokens": self.engine.generated_tokens,
+                    "generate_requests": self.generate_requests,
+                }
+            ],
+        }
 
     # -- control plane --------------------------------------------------------------------------------------
 
@@ -387,19 +417,26 @@ class LocalEngineServer:
     async def init_group(self, body: dict) -> dict:
         world_size = _require(body, "world_size", int, low=2, high=1 << 16)
         await asyncio.to_thread(
-            self.engine.init_group, master_address=_require(body, "master_address", str, high=255),
+            self.engine.init_group,
+            master_address=_require(body, "master_address", str, high=255),
             master_port=_require(body, "master_port", int, low=1, high=65535),
-            rank_offset=_require(body, "rank_offset", int, low=1, high=world_size - 1), world_size=world_size,
-            group_name=_group_name(body), backend=_optional(body, "backend", str, "gloo"),
-        )  # fmt: skip
+            rank_offset=_require(body, "rank_offset", int, low=1, high=world_size - 1),
+            world_size=world_size,
+            group_name=_group_name(body),
+            backend=_optional(body, "backend", str, "gloo"),
+        )
         return self._success("weight update group ready")
 
     async def update_from_distributed(self, body: dict) -> dict:
         names, dtypes, shapes = _tensor_specs(body)
         loaded = await asyncio.to_thread(
-            self.engine.update_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
-            group_name=_group_name(body), weight_version=_version(body),
-        )  # fmt: skip
+            self.engine.update_from_distributed,
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=_group_name(body),
+            weight_version=_version(body),
+        )
         return self._success(f"received {loaded} bytes")
 
     async def begin_update(self, body: dict) -> dict:
@@ -579,8 +616,10 @@ def _tensor_specs(body: dict) -> tuple[list[str], list[str], list[list[int]]]:
     non-negative integers."""
     names, dtypes, shapes = (_require(body, key, list) for key in ("names", "dtypes", "shapes"))
     if not len(names) == len(dtypes) == len(shapes):
-        raise HttpError(400, f"names, dtypes and shapes must have the same length, got {len(names)}, "
-                             f"{len(dtypes)} and {len(shapes)}")  # fmt: skip
+        raise HttpError(
+            400,
+            f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)} and {len(shapes)}",
+        )
     for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes, strict=True)):
         if not isinstance(name, str) or not isinstance(dtype, str):
             raise HttpError(400, f"names[{i}] and dtypes[{i}] must be strings, got {name!r:.80} and {dtype!r:.80}")
@@ -620,8 +659,10 @@ def _input_batch(body: dict, tokenizer: Any) -> tuple[list[list[int]], bool]:
 def _check_batch_size(batch: Any, field: str) -> None:
     """A batch of at most :data:`MAX_PROMPTS_PER_REQUEST` prompts, checked before any is looked at."""
     if isinstance(batch, list) and len(batch) > MAX_PROMPTS_PER_REQUEST:
-        raise HttpError(400, f"{field} holds {len(batch)} prompts; one request takes at most "
-                             f"{MAX_PROMPTS_PER_REQUEST}: split the batch")  # fmt: skip
+        raise HttpError(
+            400,
+            f"{field} holds {len(batch)} prompts; one request takes at most {MAX_PROMPTS_PER_REQUEST}: split the batch",
+        )
 
 
 def _is_int(value: Any) -> bool:
@@ -651,8 +692,9 @@ def _sampling_params(raw: Any, count: int) -> list[SamplingParams]:
     try:
         return [SamplingParams.model_validate(item) for item in raws]
     except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'sampling_params'}: {e['msg']}"
-                             for e in exc.errors()[:5])  # fmt: skip
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'sampling_params'}: {e['msg']}" for e in exc.errors()[:5]
+        )
         raise HttpError(400, f"bad sampling_params: {problems}") from None
 
 
@@ -666,23 +708,33 @@ def main(argv: list[str] | None = None) -> None:
         default=os.environ.get(TOKEN_ENV),
         help=f"the control routes' bearer key (default: ${TOKEN_ENV}, else a generated one)",
     )
-    parser.add_argument("--admin-key-file", type=Path,
-                        help="where a generated admin key is written (mode 0600; default: a new file in the "
-                             "temporary directory, removed at exit)")  # fmt: skip
+    parser.add_argument(
+        "--admin-key-file",
+        type=Path,
+        help="where a generated admin key is written (mode 0600; default: a new file in the "
+        "temporary directory, removed at exit)",
+    )
     parser.add_argument("--max-batch-size", "--max-running-requests", dest="max_batch_size", type=int, default=64)
     parser.add_argument("--context-length", type=int, help="prompt plus new tokens at most (default: the model's)")
-    parser.add_argument("--weight-staging-dir", type=Path,
-                        help=f"the only directory whose files weight updates may name (default: ${STAGING_DIR_ENV}, "
-                             "else /dev/shm/miles-staging-<uid>)")  # fmt: skip
+    parser.add_argument(
+        "--weight-staging-dir",
+        type=Path,
+        help=f"the only directory whose files weight updates may name (default: ${STAGING_DIR_ENV}, "
+        "else /dev/shm/miles-staging-<uid>)",
+    )
     for flag in ("--tp-size", "--dp-size", "--ep-size"):  # SGLang's parallel flags: the local engine is one process
         parser.add_argument(flag, type=int, default=1, choices=[1], help="SGLang's flag; only 1 (one process)")
     parser.add_argument("--random-seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         health_check_timeout_s()  # a bad value stops the start, not a health check later
-        engine = LocalEngine(args.model_path, max_batch_size=args.max_batch_size, seed=args.random_seed,
-                             context_length=args.context_length,
-                             staging_dir=args.weight_staging_dir or weight_staging_dir())  # fmt: skip
+        engine = LocalEngine(
+            args.model_path,
+            max_batch_size=args.max_batch_size,
+            seed=args.random_seed,
+            context_length=args.context_length,
+            staging_dir=args.weight_staging_dir or weight_staging_dir(),
+        )
     except MilesError as exc:
         print(f"local engine: error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
@@ -690,10 +742,18 @@ def main(argv: list[str] | None = None) -> None:
     if not admin_key:  # never serve the control routes open
         admin_key = secrets.token_urlsafe(32)
         key_file = _write_key_file(admin_key, args.admin_key_file, port=args.port)
-        print(f"local engine: no --admin-api-key given: control routes need the key in {key_file} (mode 0600)",
-              file=sys.stderr, flush=True)  # fmt: skip
-    server = LocalEngineServer(engine, admin_key=admin_key, host=args.host, port=args.port,
-                               key_file=key_file if args.admin_key_file is None else None)  # fmt: skip
+        print(
+            f"local engine: no --admin-api-key given: control routes need the key in {key_file} (mode 0600)",
+            file=sys.stderr,
+            flush=True,
+        )
+    server = LocalEngineServer(
+        engine,
+        admin_key=admin_key,
+        host=args.host,
+        port=args.port,
+        key_file=key_file if args.admin_key_file is None else None,
+    )
     try:
         sock = listening_socket(args.host, args.port)
     except OSError as exc:

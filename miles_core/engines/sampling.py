@@ -217,8 +217,14 @@ def generate_batch(
                 sampler.finish_reason = {"type": "abort", "message": "cancelled: the client went away"}
         if all(s.finish_reason is not None for s in samplers):
             break
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)  # fmt: skip
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = out.cache
         rows = [row for row, s in enumerate(samplers) if s.finish_reason is None]
         chosen, logprobs = _choose(samplers, rows, out.logits[:, -1].cpu())

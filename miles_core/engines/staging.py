@@ -47,8 +47,10 @@ def ensure_private_dir(directory: Path) -> Path:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = os.lstat(directory)
     except OSError as exc:
-        raise MilesError(f"weight-staging directory {str(directory)!r}: {exc.strerror}; set {STAGING_DIR_ENV} to a "
-                         "directory of yours") from None  # fmt: skip
+        raise MilesError(
+            f"weight-staging directory {str(directory)!r}: {exc.strerror}; set {STAGING_DIR_ENV} to a "
+            "directory of yours"
+        ) from None
     problem = None
     if not stat.S_ISDIR(info.st_mode):
         problem = "is not a directory (a symlink?)"
@@ -57,8 +59,10 @@ def ensure_private_dir(directory: Path) -> Path:
     elif info.st_mode & 0o077:
         problem = f"has mode {stat.S_IMODE(info.st_mode):o}: others may use it (it must be 700)"
     if problem is not None:
-        raise MilesError(f"weight-staging directory {str(directory)!r} {problem}; remove it, or set "
-                         f"{STAGING_DIR_ENV} to a private directory of yours")  # fmt: skip
+        raise MilesError(
+            f"weight-staging directory {str(directory)!r} {problem}; remove it, or set "
+            f"{STAGING_DIR_ENV} to a private directory of yours"
+        )
     return directory
 
 
@@ -69,8 +73,10 @@ def confined_staging_file(path: object, directory: Path, *, field: str) -> Path:
         raise StagingPathError(f"{field} must be the path of a staging file, got {path!r}")
     resolved = Path(os.path.realpath(path))
     if resolved.parent != Path(os.path.realpath(directory)):
-        raise StagingPathError(f"{field} {path!r} is not in this engine's weight-staging directory "
-                               f"{str(directory)!r}: senders create staging files there")  # fmt: skip
+        raise StagingPathError(
+            f"{field} {path!r} is not in this engine's weight-staging directory "
+            f"{str(directory)!r}: senders create staging files there"
+        )
     try:
         info = os.lstat(resolved)
     except OSError as exc:
@@ -109,5 +115,6 @@ def parse_staging_description(raw: object) -> StagingDescription:
         raise MilesError(f"staging payload: {exc}") from None
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors()[:5])
-        raise MilesError(f"bad staging payload (want {{path, size, tensors: [[name, dtype, shape, offset], ...]}}): "
-                         f"{problems}") from None  # fmt: skip
+        raise MilesError(
+            f"bad staging payload (want {{path, size, tensors: [[name, dtype, shape, offset], ...]}}): {problems}"
+        ) from None

@@ -141,8 +141,10 @@ def resolve_group_backend(backend: str) -> str:
     if backend not in GROUP_BACKENDS:
         raise MilesError(f"weight-update group backend {backend!r}: use auto, gloo or nccl")
     if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise MilesError("weight-update group backend 'nccl' needs a CUDA device and a torch built with NCCL, and "
-                         "this process has none: use 'gloo' (CPU tensors) or run it on a GPU machine")  # fmt: skip
+        raise MilesError(
+            "weight-update group backend 'nccl' needs a CUDA device and a torch built with NCCL, and "
+            "this process has none: use 'gloo' (CPU tensors) or run it on a GPU machine"
+        )
     return backend
 
 
@@ -152,9 +154,15 @@ def group_device(backend: str) -> torch.device:
 
 
 def new_weight_update_group(
-    *, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, timeout_s: float = 120.0,
+    *,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 120.0,
     backend: str = "gloo",
-) -> dist.ProcessGroup:  # fmt: skip
+) -> dist.ProcessGroup:
     """A process group of its own (rank 0 hosts the store) for broadcasting weights to engines: gloo over CPU
     tensors, or NCCL over CUDA tensors (every rank on a GPU of its own). It meets SGLang's side of the group (see
     :func:`group_store`), so engines may be Miles' local engine or stock SGLang servers."""

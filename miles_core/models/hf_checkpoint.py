@@ -30,16 +30,20 @@ def require_checkpoint_dir(path: str | Path) -> Path:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise MilesError(f"model directory {str(path)!r}: {reason} (expected an HF checkpoint directory)") from None
     if not stat.S_ISDIR(info.st_mode):
-        raise MilesError(f"model directory {str(path)!r} is not a directory (expected an HF checkpoint directory: "
-                         "config.json, weights and tokenizer files)")  # fmt: skip
+        raise MilesError(
+            f"model directory {str(path)!r} is not a directory (expected an HF checkpoint directory: "
+            "config.json, weights and tokenizer files)"
+        )
     for entry in os.scandir(path):
         try:
             mode = entry.stat().st_mode  # follows symlinks: what transformers would open
         except OSError:
             continue  # a dangling link: transformers reports it if it needs the file
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise MilesError(f"model directory {str(path)!r} holds {entry.name!r}, which is not a regular file (a "
-                             "FIFO, device or socket); remove it or point --model at a copy without it")  # fmt: skip
+            raise MilesError(
+                f"model directory {str(path)!r} holds {entry.name!r}, which is not a regular file (a "
+                "FIFO, device or socket); remove it or point --model at a copy without it"
+            )
     if not (path / "config.json").is_file():
         raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
     return path
@@ -49,14 +53,19 @@ def read_model_config(path: str | Path) -> dict[str, Any]:
     """The ``config.json`` of the checkpoint directory ``path`` as a mapping, read within bounds as strict JSON."""
     what = f"config.json of model directory {str(path)!r}"
     try:
-        text = read_text(Path(require_checkpoint_dir(path)) / "config.json", what=what,
-                         expected="an HF config.json (a JSON object)", limit=MAX_CONFIG_BYTES)  # fmt: skip
+        text = read_text(
+            Path(require_checkpoint_dir(path)) / "config.json",
+            what=what,
+            expected="an HF config.json (a JSON object)",
+            limit=MAX_CONFIG_BYTES,
+        )
         data = parse_json_text(text, what=what)
     except ConfigError as exc:
         raise MilesError(f"cannot load model from {str(path)!r}: {exc}") from None
     if not isinstance(data, dict):
-        raise MilesError(f"cannot load model from {str(path)!r}: {what} holds a {type(data).__name__}, not a JSON "
-                         "object")  # fmt: skip
+        raise MilesError(
+            f"cannot load model from {str(path)!r}: {what} holds a {type(data).__name__}, not a JSON object"
+        )
     return data
 
 
@@ -80,9 +89,18 @@ def load_causal_lm(
 
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 """The files an HF tokenizer may be saved as (every format transformers writes or reads)."""
 
 
@@ -91,8 +109,9 @@ def tokenizer_files(path: str | Path) -> list[Path]:
     return [Path(path) / name for name in TOKENIZER_FILES if (Path(path) / name).is_file()]
 
 
-def save_hf_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor], hf_config: Any, *,
-                       tokenizer_from: str | Path | None) -> None:  # fmt: skip
+def save_hf_checkpoint(
+    directory: str | Path, tensors: Mapping[str, torch.Tensor], hf_config: Any, *, tokenizer_from: str | Path | None
+) -> None:
     """Write ``config.json``, ``model.safetensors`` (HF names; a tied head left out, as transformers does) and a
     copy of the tokenizer files of the checkpoint directory ``tokenizer_from`` (the run's model), so that the
     checkpoint is a model directory of its own (``--model CHECKPOINT``). ``None`` writes no tokenizer."""
@@ -101,8 +120,11 @@ def save_hf_checkpoint(directory: str | Path, tensors: Mapping[str, torch.Tensor
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(directory)
-    save_file({name: tensor.detach().contiguous() for name, tensor in tensors.items()},
-              str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {name: tensor.detach().contiguous() for name, tensor in tensors.items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     if tokenizer_from is not None:
         copy_tokenizer_files(tokenizer_from, directory)
 
@@ -112,6 +134,8 @@ def copy_tokenizer_files(source: str | Path, directory: str | Path) -> list[Path
     holds none (a checkpoint without its tokenizer cannot be used as a model)."""
     files = tokenizer_files(source)
     if not files:
-        raise MilesError(f"model directory {str(source)!r} holds no tokenizer files (one of "
-                         f"{', '.join(TOKENIZER_FILES[:4])}, ...): a checkpoint needs its tokenizer")  # fmt: skip
+        raise MilesError(
+            f"model directory {str(source)!r} holds no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES[:4])}, ...): a checkpoint needs its tokenizer"
+        )
     return [Path(shutil.copy2(file, Path(directory) / file.name)) for file in files]

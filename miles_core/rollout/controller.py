@@ -55,8 +55,16 @@ class RecordedWeights:
 
 
 class InferenceController:
-    def __init__(self, *, config: Any, hooks: Any, provider: BaseWorkerProvider, protocol: WeightTransferProtocol,
-                 backend: EngineBackend, model_path: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        config: Any,
+        hooks: Any,
+        provider: BaseWorkerProvider,
+        protocol: WeightTransferProtocol,
+        backend: EngineBackend,
+        model_path: str,
+    ) -> None:
         self.config = config
         self.backend = backend
         self.hooks = hooks
@@ -64,10 +72,13 @@ class InferenceController:
         self.protocol = protocol
         self.model_path = model_path
         self.cells = CellManager(provider)
-        self.monitor = HealthMonitor(self.cells, interval_s=config.engine.health_check_interval_s,
-                                     timeout_s=config.engine.health_check_timeout_s,
-                                     failures_to_restart=config.engine.health_check_failures,
-                                     on_recovered=[self._bring_back])  # fmt: skip
+        self.monitor = HealthMonitor(
+            self.cells,
+            interval_s=config.engine.health_check_interval_s,
+            timeout_s=config.engine.health_check_timeout_s,
+            failures_to_restart=config.engine.health_check_failures,
+            on_recovered=[self._bring_back],
+        )
         self.version = 0
         self.published: NamedTensors = []  # a CPU copy of the last published weights, for restarted engines
         self._updating = False
@@ -115,25 +126,32 @@ class InferenceController:
         if spec is None:
             return
         if not isinstance(spec, WORKER_SPECS):
-            raise MilesError(f"engine backend {self.config.engine.backend!r} returned {spec!r:.80} as its router; "
-                             "expected a CommandWorkerSpec or PythonWorkerSpec, or None")  # fmt: skip
+            raise MilesError(
+                f"engine backend {self.config.engine.backend!r} returned {spec!r:.80} as its router; "
+                "expected a CommandWorkerSpec or PythonWorkerSpec, or None"
+            )
         self.router = await self.provider.start(spec)
-        self.router_client = EngineClient(self.router.url, name=self.router.name, admin_key=self.provider.token,
-                                          is_router=True)  # fmt: skip
+        self.router_client = EngineClient(
+            self.router.url, name=self.router.name, admin_key=self.provider.token, is_router=True
+        )
         self.hooks.register_router(router={"name": self.router.name, "url": self.router.url, "pid": self.router.pid})
 
     def _specs(self, cell_id: str) -> list[WorkerSpec]:
         specs = self.backend.engine_specs(self.config, cell_id=cell_id, model_path=self.model_path)
         if not (isinstance(specs, list) and specs and all(isinstance(spec, WORKER_SPECS) for spec in specs)):
-            raise MilesError(f"engine backend {self.config.engine.backend!r} returned {specs!r:.80} for {cell_id}; "
-                             "expected a non-empty list of CommandWorkerSpec or PythonWorkerSpec")  # fmt: skip
+            raise MilesError(
+                f"engine backend {self.config.engine.backend!r} returned {specs!r:.80} for {cell_id}; "
+                "expected a non-empty list of CommandWorkerSpec or PythonWorkerSpec"
+            )
         return specs
 
     # -- engines ----------------------------------------------------------------------------------------------
 
     def endpoints(self) -> list[EngineEndpoint]:
-        return [EngineEndpoint(name=cell.cell_id, url=cell.workers[0].url, admin_key=self.provider.token)
-                for cell in self.cells.running()]  # fmt: skip
+        return [
+            EngineEndpoint(name=cell.cell_id, url=cell.workers[0].url, admin_key=self.provider.token)
+            for cell in self.cells.running()
+        ]
 
     def engine_clients(self) -> list[EngineClient]:
         """Clients of the engines that are running now."""
@@ -168,8 +186,9 @@ class InferenceController:
         if self.published and not self._updating:
             published = self.published
             await self._connect(force=True)
-            await self.protocol.transfer(bucketize(published, self.config.weight_transfer.bucket_size_mb << 20),
-                                         version=self.version)  # fmt: skip
+            await self.protocol.transfer(
+                bucketize(published, self.config.weight_transfer.bucket_size_mb << 20), version=self.version
+            )
         self.hooks.register_engines(engines=self.describe_engines())
 
     # -- weights ----------------------------------------------------------------------------------------------
@@ -196,8 +215,9 @@ class InferenceController:
                         wrappers.enter_context(wrapper)
                 return await self._transfer_all(weights, version)
 
-    async def _transfer_all(self, weights: WeightSource, version: int, *,
-                            attempts: int = 2) -> tuple[TransferReport, NamedTensors]:  # fmt: skip
+    async def _transfer_all(
+        self, weights: WeightSource, version: int, *, attempts: int = 2
+    ) -> tuple[TransferReport, NamedTensors]:
         for attempt in range(1, attempts + 1):
             try:
                 await self._connect(force=attempt > 1)
@@ -210,8 +230,10 @@ class InferenceController:
                 logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
                 await self.wait_for_engines(self.config.engine.startup_timeout_s)
         if not recorded.complete:
-            raise MilesError(f"the {type(self.protocol).__name__} protocol reported v{version} sent before taking "
-                             f"every weight bucket ({len(recorded.copy)} tensors taken)")  # fmt: skip
+            raise MilesError(
+                f"the {type(self.protocol).__name__} protocol reported v{version} sent before taking "
+                f"every weight bucket ({len(recorded.copy)} tensors taken)"
+            )
         self.version = version
         if self.config.weight_transfer.verify_checksum:
             report = await self._verify(report, recorded.copy)

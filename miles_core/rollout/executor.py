@@ -57,8 +57,17 @@ class Rollout:
 
 
 class RolloutExecutor:
-    def __init__(self, *, config: Any, tokenizer: Any, train_prompts: list[Prompt], eval_prompts: list[Prompt],
-                 reward_fn: Callable[..., float], reward_name: str, controller: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        config: Any,
+        tokenizer: Any,
+        train_prompts: list[Prompt],
+        eval_prompts: list[Prompt],
+        reward_fn: Callable[..., float],
+        reward_name: str,
+        controller: Any,
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
@@ -86,15 +95,22 @@ class RolloutExecutor:
 
     async def get(self, rollout_id: int) -> Rollout:
         group = self.config.rollout.group_size
-        samples = [Sample(index=i * group + k, prompt=p, prompt_ids=self.encode(p.text))
-                   for i, p in enumerate(self.prompts_for(rollout_id)) for k in range(group)]  # fmt: skip
+        samples = [
+            Sample(index=i * group + k, prompt=p, prompt_ids=self.encode(p.text))
+            for i, p in enumerate(self.prompts_for(rollout_id))
+            for k in range(group)
+        ]
         params = self._sampling(temperature=self.config.rollout.temperature)
         await self._generate(samples, params, seed_base=(self.config.run.seed * 1_000_003 + rollout_id) * 4096)
         self._score(samples, f"sample {{index}} of rollout {rollout_id} (step {rollout_id + 1})")
         rewards = torch.tensor([s.reward for s in samples])
         advantages = grpo_advantages(rewards, group, normalize_std=self.config.train.normalize_advantages)
-        batch = TrainBatch([TrainSample(s.prompt_ids, s.response_ids, s.logprobs, float(a), s.reward)
-                            for s, a in zip(samples, advantages.tolist(), strict=True)])  # fmt: skip
+        batch = TrainBatch(
+            [
+                TrainSample(s.prompt_ids, s.response_ids, s.logprobs, float(a), s.reward)
+                for s, a in zip(samples, advantages.tolist(), strict=True)
+            ]
+        )
         return Rollout(rollout_id, samples, batch, self._stats(samples, "rollout"))
 
     async def evaluate(self, rollout_id: int) -> Rollout:
@@ -109,8 +125,12 @@ class RolloutExecutor:
 
     def _sampling(self, *, temperature: float) -> dict[str, Any]:
         rollout = self.config.rollout
-        return {"max_new_tokens": rollout.max_new_tokens, "temperature": temperature, "top_p": rollout.top_p,
-                "top_k": rollout.top_k}  # fmt: skip
+        return {
+            "max_new_tokens": rollout.max_new_tokens,
+            "temperature": temperature,
+            "top_p": rollout.top_p,
+            "top_k": rollout.top_k,
+        }
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -120,9 +140,14 @@ class RolloutExecutor:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             clients = self._clients()
             shares = [pending[i :: len(clients)] for i in range(len(clients))]
-            results = await asyncio.gather(*(self._generate_on(client, share, params, seed_base)
-                                             for client, share in zip(clients, shares, strict=True) if share),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *(
+                    self._generate_on(client, share, params, seed_base)
+                    for client, share in zip(clients, shares, strict=True)
+                    if share
+                ),
+                return_exceptions=True,
+            )
             failed = [exc for exc in results if isinstance(exc, BaseException)]
             pending = [s for s in pending if not s.finish_reason]
             if not pending:
@@ -143,9 +168,13 @@ class RolloutExecutor:
     async def _generate_on(self, client: EngineClient, share: list[Sample], params: dict, seed_base: int) -> None:
         per_sample = [{**params, "sampling_seed": seed_base + s.index} for s in share]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
-            outputs = await asyncio.gather(*(client.generate(s.prompt_ids, p, return_logprob=True)
-                                             for s, p in zip(share, per_sample, strict=True)),
-                                           return_exceptions=True)  # fmt: skip
+            outputs = await asyncio.gather(
+                *(
+                    client.generate(s.prompt_ids, p, return_logprob=True)
+                    for s, p in zip(share, per_sample, strict=True)
+                ),
+                return_exceptions=True,
+            )
         else:
             outputs = await client.generate([s.prompt_ids for s in share], per_sample, return_logprob=True)
         for sample, output in zip(share, outputs, strict=True):
@@ -173,26 +202,35 @@ class RolloutExecutor:
             try:
                 # Copies: the prompt's label and metadata are shared by its group and by every later step, so a
                 # reward that changes them in place would silently change what the next sample is scored against.
-                reward = self.reward_fn(prompt=sample.prompt.text, response=sample.response,
-                                        label=copy.deepcopy(sample.prompt.label),
-                                        metadata=copy.deepcopy(sample.prompt.metadata))  # fmt: skip
+                reward = self.reward_fn(
+                    prompt=sample.prompt.text,
+                    response=sample.response,
+                    label=copy.deepcopy(sample.prompt.label),
+                    metadata=copy.deepcopy(sample.prompt.metadata),
+                )
             except Exception as exc:
-                raise MilesError(f"reward function {self.reward_name} raised on {_describe(sample, where)}: "
-                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+                raise MilesError(
+                    f"reward function {self.reward_name} raised on {_describe(sample, where)}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
             try:
                 sample.reward = checked_reward(reward)
             except ValueError as exc:
-                raise MilesError(f"reward function {self.reward_name} {exc} on {_describe(sample, where)}: a reward "
-                                 "must be a finite int or float (or a bool, counted as 1.0/0.0)") from None  # fmt: skip
+                raise MilesError(
+                    f"reward function {self.reward_name} {exc} on {_describe(sample, where)}: a reward "
+                    "must be a finite int or float (or a bool, counted as 1.0/0.0)"
+                ) from None
 
     @staticmethod
     def _stats(samples: list[Sample], prefix: str) -> dict[str, float]:
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
-        return {f"{prefix}/reward_mean": statistics.fmean(rewards),
-                f"{prefix}/reward_std": statistics.pstdev(rewards),
-                f"{prefix}/response_length": statistics.fmean(lengths),
-                f"{prefix}/samples": float(len(samples))}  # fmt: skip
+        return {
+            f"{prefix}/reward_mean": statistics.fmean(rewards),
+            f"{prefix}/reward_std": statistics.pstdev(rewards),
+            f"{prefix}/response_length": statistics.fmean(lengths),
+            f"{prefix}/samples": float(len(samples)),
+        }
 
 
 def decode_response(tokenizer: Any, ids: list[int]) -> str:

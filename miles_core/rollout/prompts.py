@@ -32,10 +32,16 @@ class Prompt:
 def read_prompts_jsonl(path: str | Path) -> list[Prompt]:
     """Read a JSONL prompt file; a bad file or line is a :class:`ConfigError` naming the file (and line)."""
     what = f"prompt file {str(path)!r}"
-    text = read_text(path, what=what, expected='a JSONL file (one {"prompt": ...} object per line)',
-                     limit=MAX_FILE_BYTES, hint="split the prompts into several runs")  # fmt: skip
-    prompts = [_prompt(line, where=f"{path}:{number}") for number, line in enumerate(text.split("\n"), start=1)
-               if line.strip()]  # fmt: skip
+    text = read_text(
+        path,
+        what=what,
+        expected='a JSONL file (one {"prompt": ...} object per line)',
+        limit=MAX_FILE_BYTES,
+        hint="split the prompts into several runs",
+    )
+    prompts = [
+        _prompt(line, where=f"{path}:{number}") for number, line in enumerate(text.split("\n"), start=1) if line.strip()
+    ]
     if not prompts:
         raise ConfigError(f'{what} holds no prompts; write one {{"prompt": ...}} object per line')
     return prompts

@@ -53,14 +53,25 @@ class ContractEngines:
         self.infos: list[Any] = []
 
     def spec(self, name: str) -> CommandWorkerSpec:
-        argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(self.model_dir),
-                "--host", "{host}", "--port", "{port}"]  # fmt: skip
-        return CommandWorkerSpec(name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health",
-                                 num_cpus=0)  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "miles_core.engines.local_server",
+            "--model-path",
+            str(self.model_dir),
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+        ]
+        return CommandWorkerSpec(
+            name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health", num_cpus=0
+        )
 
     async def start(self) -> None:
-        self.infos = list(await asyncio.gather(*(self.provider.start(self.spec(f"contract-{i}"))
-                                                 for i in range(self.count))))  # fmt: skip
+        self.infos = list(
+            await asyncio.gather(*(self.provider.start(self.spec(f"contract-{i}")) for i in range(self.count)))
+        )
 
     async def restart_dead(self) -> None:
         for index, info in enumerate(self.infos):
@@ -115,8 +126,9 @@ class ProtocolContract:
         return results
 
     async def _transfer(self, protocol: WeightTransferProtocol, model: torch.nn.Module, version: int) -> Any:
-        return await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=SMALL_BUCKET_BYTES)),
-                                       version=version)  # fmt: skip
+        return await protocol.transfer(
+            iter(ModuleHfWeightIterator(model, bucket_bytes=SMALL_BUCKET_BYTES)), version=version
+        )
 
     def test_round_trip_versions_and_report(self, contract_engines: ContractEngines) -> None:
         async def scenario() -> None:
@@ -167,8 +179,9 @@ class ProtocolContract:
                 await contract_engines.provider.kill(victim)
                 await asyncio.sleep(0.2)
                 with pytest.raises(Exception) as caught:
-                    await asyncio.wait_for(self._transfer(protocol, self.trainer_model(contract_engines, 4), 301),
-                                           timeout=150)  # fmt: skip
+                    await asyncio.wait_for(
+                        self._transfer(protocol, self.trainer_model(contract_engines, 4), 301), timeout=150
+                    )
                 assert not isinstance(caught.value, TimeoutError)
             finally:
                 await protocol.close()

@@ -11,9 +11,17 @@ import transformers
 def tiny_llama_config(**overrides: object) -> transformers.LlamaConfig:
     """A two-layer Llama config with a 64-token vocabulary (pad 0, eos 1, bos 2)."""
     values = dict(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     values.update(overrides)
     return transformers.LlamaConfig(**values)
 
@@ -29,5 +37,7 @@ def save_tiny_llama(path: str | Path, *, seed: int = 0, **overrides: object) -> 
 def perturbed_state(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """Every weight of ``model`` plus seeded noise (HF names)."""
     generator = torch.Generator().manual_seed(seed)
-    return {name: tensor + scale * torch.randn(tensor.shape, generator=generator)
-            for name, tensor in model.state_dict().items()}  # fmt: skip
+    return {
+        name: tensor + scale * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in model.state_dict().items()
+    }

@@ -25,8 +25,9 @@ def save_char_tokenizer(
     core = tokenizers.Tokenizer(model)
     core.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")
     core.decoder = tokenizers.decoders.Fuse()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="</s>",
-                                                     bos_token="<s>")  # fmt: skip
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)

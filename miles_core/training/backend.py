@@ -14,8 +14,16 @@ if TYPE_CHECKING:
     from miles_core.training.batch import TrainBatch
     from miles_core.training.weight_iterator import HfWeightIterator
 
-MEMBERS = ("for_run", "train_step", "weight_iterator", "save_checkpoint", "load_checkpoint", "close",
-           "implementation", "rank_names")  # fmt: skip
+MEMBERS = (
+    "for_run",
+    "train_step",
+    "weight_iterator",
+    "save_checkpoint",
+    "load_checkpoint",
+    "close",
+    "implementation",
+    "rank_names",
+)
 """Every member the loop uses, for the error that names the missing ones."""
 
 
@@ -28,8 +36,9 @@ class TrainingBackend(Protocol):
     dashboard."""
 
     @classmethod
-    def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
-                registries: Any) -> TrainingBackend:  # fmt: skip
+    def for_run(
+        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+    ) -> TrainingBackend:
         """The trainer of a ``miles train`` run from ``model_path`` (a resumed run's checkpoint); ``initial_model_path``
         is the KL reference; ``token`` authenticates workers it starts in ``run_dir``."""
         ...

@@ -43,9 +43,16 @@ class TorchTrainer:
     own. Checkpoints get a copy of the tokenizer files of the model directory ``tokenizer_from`` (none when
     ``None``)."""
 
-    def __init__(self, model: CausalLM | transformers.PreTrainedModel, settings: Any, *, seed: int = 0,
-                 reference: CausalLM | None = None, hf_config: Any = None,
-                 tokenizer_from: str | Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: CausalLM | transformers.PreTrainedModel,
+        settings: Any,
+        *,
+        seed: int = 0,
+        reference: CausalLM | None = None,
+        hf_config: Any = None,
+        tokenizer_from: str | Path | None = None,
+    ) -> None:
         torch.manual_seed(seed)
         if isinstance(model, transformers.PreTrainedModel):
             hf_config = hf_config or model.config
@@ -67,18 +74,30 @@ class TorchTrainer:
         return cls(load_causal_lm(path), settings, seed=seed, tokenizer_from=path if tokenizer_files(path) else None)
 
     @classmethod
-    def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
-                registries: Any) -> TorchTrainer:  # fmt: skip
+    def for_run(
+        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+    ) -> TorchTrainer:
         """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
         ``model_path`` is a checkpoint to resume from."""
         hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)
-        name, entry = model_implementation_for(config.model.implementations, registries, family=hf_config.model_type,
-                                               checkpoint=model_path, default=DEFAULT_IMPLEMENTATION)  # fmt: skip
+        name, entry = model_implementation_for(
+            config.model.implementations,
+            registries,
+            family=hf_config.model_type,
+            checkpoint=model_path,
+            default=DEFAULT_IMPLEMENTATION,
+        )
         load = _loader(entry)
         reference = load(initial_model_path) if config.train.kl_coef > 0 else None
-        trainer = cls(load(model_path), config.train, seed=config.run.seed, reference=reference, hf_config=hf_config,
-                      tokenizer_from=initial_model_path)  # fmt: skip
+        trainer = cls(
+            load(model_path),
+            config.train,
+            seed=config.run.seed,
+            reference=reference,
+            hf_config=hf_config,
+            tokenizer_from=initial_model_path,
+        )
         trainer.implementation = f"{hf_config.model_type}/{name}"
         return trainer
 
@@ -114,9 +133,13 @@ class TorchTrainer:
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets)
         loss, stats = ppo_clip_loss(
-            logprobs, tensors["rollout_logprobs"], tensors["advantages"], mask,
-            clip_eps=self.settings.clip_eps, clip_eps_high=self.settings.clip_eps_high,
-        )  # fmt: skip
+            logprobs,
+            tensors["rollout_logprobs"],
+            tensors["advantages"],
+            mask,
+            clip_eps=self.settings.clip_eps,
+            clip_eps_high=self.settings.clip_eps_high,
+        )
         token_entropy = masked_mean(entropy(logits), mask)
         kl = torch.zeros(())
         if self.reference is not None:
@@ -125,8 +148,13 @@ class TorchTrainer:
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy
         (total * weight).backward()
-        return {"loss": total.item(), "pg_loss": loss.item(), "kl": kl.item(), "entropy": token_entropy.item(),
-                **{key: float(value) for key, value in stats.items()}}  # fmt: skip
+        return {
+            "loss": total.item(),
+            "pg_loss": loss.item(),
+            "kl": kl.item(),
+            "entropy": token_entropy.item(),
+            **{key: float(value) for key, value in stats.items()},
+        }
 
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
         """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them)."""
@@ -137,8 +165,12 @@ class TorchTrainer:
         written atomically."""
         directory = Path(directory)
         partial = directory.with_name(directory.name + ".partial")
-        save_hf_checkpoint(partial, dict(self.weight_iterator(1 << 62).named_tensors()), self.hf_config,
-                           tokenizer_from=self.tokenizer_from)  # fmt: skip
+        save_hf_checkpoint(
+            partial,
+            dict(self.weight_iterator(1 << 62).named_tensors()),
+            self.hf_config,
+            tokenizer_from=self.tokenizer_from,
+        )
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
         (partial / STATE_FILE).write_text(json.dumps({"step": self.step, **(extra or {})}))
         if directory.exists():
@@ -161,8 +193,10 @@ class TorchTrainer:
             if not isinstance(step, int) or isinstance(step, bool) or step < 0:
                 raise ValueError(f"{STATE_FILE} holds no step number: {str(state)[:80]}")
         except Exception as exc:  # torch, safetensors and transformers raise many types for a corrupt checkpoint
-            raise MilesError(f"cannot resume from the checkpoint {str(directory)!r}: {type(exc).__name__}: {exc}; "
-                             "move it aside to resume from the one before it") from None  # fmt: skip
+            raise MilesError(
+                f"cannot resume from the checkpoint {str(directory)!r}: {type(exc).__name__}: {exc}; "
+                "move it aside to resume from the one before it"
+            ) from None
         self.step = step
         return state
 

@@ -37,11 +37,20 @@ class BroadcastProtocol(HttpEngineProtocol):
     name = "broadcast"
 
     def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0, backend: str = "auto") -> None:
-        check_setting("broadcast", "master_address", master_address,
-                      valid=isinstance(master_address, str) and bool(master_address),
-                      allowed="this machine's address that the engines can reach (a non-empty string)")  # fmt: skip
-        check_setting("broadcast", "timeout_s", timeout_s, valid=is_positive_number(timeout_s),
-                      allowed="a number of seconds above 0")  # fmt: skip
+        check_setting(
+            "broadcast",
+            "master_address",
+            master_address,
+            valid=isinstance(master_address, str) and bool(master_address),
+            allowed="this machine's address that the engines can reach (a non-empty string)",
+        )
+        check_setting(
+            "broadcast",
+            "timeout_s",
+            timeout_s,
+            valid=is_positive_number(timeout_s),
+            allowed="a number of seconds above 0",
+        )
         super().__init__(master_address=master_address, timeout_s=timeout_s, backend=backend)
         self.master_address = master_address
         self.timeout_s = timeout_s
@@ -54,14 +63,30 @@ class BroadcastProtocol(HttpEngineProtocol):
         await super().connect(engines)
         (port,) = free_ports(1, self.master_address)
         world_size = len(engines) + 1
-        joins = [client.init_weights_update_group(master_address=self.master_address, master_port=port,
-                                                  rank_offset=rank + 1, world_size=world_size, group_name=GROUP_NAME,
-                                                  backend=self.backend)
-                 for rank, client in enumerate(self.clients)]  # fmt: skip
-        self.group, *_ = await asyncio.gather(asyncio.to_thread(
-            new_weight_update_group, master_address=self.master_address, master_port=port, rank=0,
-            world_size=world_size, group_name=GROUP_NAME, timeout_s=self.timeout_s, backend=self.backend),
-            *joins)  # fmt: skip
+        joins = [
+            client.init_weights_update_group(
+                master_address=self.master_address,
+                master_port=port,
+                rank_offset=rank + 1,
+                world_size=world_size,
+                group_name=GROUP_NAME,
+                backend=self.backend,
+            )
+            for rank, client in enumerate(self.clients)
+        ]
+        self.group, *_ = await asyncio.gather(
+            asyncio.to_thread(
+                new_weight_update_group,
+                master_address=self.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world_size,
+                group_name=GROUP_NAME,
+                timeout_s=self.timeout_s,
+                backend=self.backend,
+            ),
+            *joins,
+        )
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()
@@ -115,13 +140,17 @@ class BroadcastProtocol(HttpEngineProtocol):
             if not done:
                 silent = sorted(receives[task] for task in pending)
                 self._abandon(pending, send)
-                raise EngineError(f"broadcast: engine(s) {', '.join(silent)} did not receive the weights within "
-                                  f"{self.timeout_s:.0f} s (timeout_s)")  # fmt: skip
+                raise EngineError(
+                    f"broadcast: engine(s) {', '.join(silent)} did not receive the weights within "
+                    f"{self.timeout_s:.0f} s (timeout_s)"
+                )
             for task in done:
                 if task.exception() is not None:
                     self._abandon(pending, send)
-                    raise EngineError(f"broadcast: engine {receives[task]} did not join the broadcast, so the "
-                                      f"update stops: {task.exception()}") from task.exception()  # fmt: skip
+                    raise EngineError(
+                        f"broadcast: engine {receives[task]} did not join the broadcast, so the "
+                        f"update stops: {task.exception()}"
+                    ) from task.exception()
         await send
 
     @staticmethod
@@ -142,6 +171,7 @@ class BroadcastProtocol(HttpEngineProtocol):
 
     async def _destroy_group(self) -> None:
         if self.group is not None and self.clients:
-            await asyncio.gather(*(c.destroy_weights_update_group(GROUP_NAME) for c in self.clients),
-                                 return_exceptions=True)  # fmt: skip
+            await asyncio.gather(
+                *(c.destroy_weights_update_group(GROUP_NAME) for c in self.clients), return_exceptions=True
+            )
         self.group = None

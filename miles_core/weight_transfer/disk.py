@@ -19,11 +19,20 @@ class DiskProtocol(HttpEngineProtocol):
     name = "disk"
 
     def __init__(self, *, work_dir: str | None = None, keep_versions: int = 2) -> None:
-        check_setting("disk", "work_dir", work_dir, valid=work_dir is None or isinstance(work_dir, str),
-                      allowed="a directory path (a string) or null")  # fmt: skip
-        check_setting("disk", "keep_versions", keep_versions,
-                      valid=is_whole_number(keep_versions) and keep_versions >= 1,
-                      allowed="a whole number of at least 1 (the versions kept on disk)")  # fmt: skip
+        check_setting(
+            "disk",
+            "work_dir",
+            work_dir,
+            valid=work_dir is None or isinstance(work_dir, str),
+            allowed="a directory path (a string) or null",
+        )
+        check_setting(
+            "disk",
+            "keep_versions",
+            keep_versions,
+            valid=is_whole_number(keep_versions) and keep_versions >= 1,
+            allowed="a whole number of at least 1 (the versions kept on disk)",
+        )
         super().__init__(work_dir=work_dir, keep_versions=keep_versions)
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
         self.keep_versions = keep_versions
@@ -41,5 +50,6 @@ class DiskProtocol(HttpEngineProtocol):
         await self.on_each_engine(lambda c: c.update_weights_from_disk(str(directory), weight_version=str(version)))
         for old in sorted(self.work_dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)
-        return self.report(version=version, num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                           started=started)  # fmt: skip
+        return self.report(
+            version=version, num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), started=started
+        )

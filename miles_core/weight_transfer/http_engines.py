@@ -31,8 +31,13 @@ class HttpEngineProtocol(WeightTransferProtocol):
         await self.on_each_engine(lambda client: client.update_weight_version(str(version)))
 
     def report(self, *, version: int, num_bytes: int, started: float) -> TransferReport:
-        return TransferReport(protocol=self.name, version=version, num_bytes=num_bytes,
-                              seconds=time.perf_counter() - started, num_engines=len(self.engines))  # fmt: skip
+        return TransferReport(
+            protocol=self.name,
+            version=version,
+            num_bytes=num_bytes,
+            seconds=time.perf_counter() - started,
+            num_engines=len(self.engines),
+        )
 
     async def close(self) -> None:
         await self._close_clients()

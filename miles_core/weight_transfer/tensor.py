@@ -41,12 +41,21 @@ class TensorProtocol(HttpEngineProtocol):
     def __init__(
         self, *, shared_memory: bool | None = None, zero_copy: bool = True, shm_dir: str | None = None
     ) -> None:
-        check_setting("tensor", "shared_memory", shared_memory,
-                      valid=shared_memory is None or isinstance(shared_memory, bool),
-                      allowed="true, false or null (null: shared memory for engines on this machine)")  # fmt: skip
+        check_setting(
+            "tensor",
+            "shared_memory",
+            shared_memory,
+            valid=shared_memory is None or isinstance(shared_memory, bool),
+            allowed="true, false or null (null: shared memory for engines on this machine)",
+        )
         check_setting("tensor", "zero_copy", zero_copy, valid=isinstance(zero_copy, bool), allowed="true or false")
-        check_setting("tensor", "shm_dir", shm_dir, valid=shm_dir is None or isinstance(shm_dir, str),
-                      allowed="a directory path (a string) or null")  # fmt: skip
+        check_setting(
+            "tensor",
+            "shm_dir",
+            shm_dir,
+            valid=shm_dir is None or isinstance(shm_dir, str),
+            allowed="a directory path (a string) or null",
+        )
         super().__init__(shared_memory=shared_memory, zero_copy=zero_copy, shm_dir=shm_dir)
         self.shared_memory = shared_memory
         self.zero_copy = zero_copy
@@ -85,16 +94,20 @@ class TensorProtocol(HttpEngineProtocol):
         slot = self._next_slot
         try:
             staged = await asyncio.to_thread(self._stage, tensors, slot)
-            await self.on_each_engine(lambda client: client._control(
-                "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_swap"))  # fmt: skip
+            await self.on_each_engine(
+                lambda client: client._control(
+                    "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_swap"
+                )
+            )
         except BaseException:
             for index in range(len(self._staging)):  # engines may serve from either file: use new files
                 self._drop_staging(index)  # unlinking keeps the pages valid for whoever maps them
             raise
         self._next_slot = 1 - slot
         await self.publish_version(version)
-        return self.report(version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
-                           started=started)  # fmt: skip
+        return self.report(
+            version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors), started=started
+        )
 
     def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> str:
         """Copy the bucket into staging file ``slot`` (grown when too small); returns the request's description."""

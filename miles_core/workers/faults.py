@@ -39,8 +39,9 @@ class FaultInjector:
         due = [fault for fault in self.pending if fault.at == event]
         for fault in due:
             if fault.worker not in self.provider.workers:
-                raise WorkerError(f"fault {fault}: no running worker {fault.worker!r}; workers: "
-                                  f"{sorted(self.provider.workers)}")  # fmt: skip
+                raise WorkerError(
+                    f"fault {fault}: no running worker {fault.worker!r}; workers: {sorted(self.provider.workers)}"
+                )
             await self.provider.kill(fault.worker, fault.sig)
             self.pending.remove(fault)
             self.fired.append(fault)

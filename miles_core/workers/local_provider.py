@@ -41,10 +41,16 @@ class LocalWorkerProvider(BaseWorkerProvider):
         ready_file = self.run_dir / "workers" / f"{spec.name}.ready.json"
         ready_file.parent.mkdir(parents=True, exist_ok=True)
         ready_file.unlink(missing_ok=True)
-        env = {**os.environ, **spec.env, TOKEN_ENV: self.token, SPEC_ENV: spec.model_dump_json(),
-               READY_FILE_ENV: str(ready_file)}  # fmt: skip
-        process = SupervisedProcess([sys.executable, "-m", "miles_core.workers.python_worker"], env=env,
-                                    log_file=log_file)  # fmt: skip
+        env = {
+            **os.environ,
+            **spec.env,
+            TOKEN_ENV: self.token,
+            SPEC_ENV: spec.model_dump_json(),
+            READY_FILE_ENV: str(ready_file),
+        }
+        process = SupervisedProcess(
+            [sys.executable, "-m", "miles_core.workers.python_worker"], env=env, log_file=log_file
+        )
         self.processes[spec.name] = process
         deadline = time.monotonic() + spec.startup_timeout_s
         try:
@@ -55,14 +61,26 @@ class LocalWorkerProvider(BaseWorkerProvider):
                 await asyncio.sleep(0.05)
             url = _read_url(ready_file)
             await wait_healthy(
-                name=spec.name, url=f"{url}{HEALTH_PATH}", deadline=deadline, alive=self._alive_fn(spec.name),
-                describe=self._describe_fn(spec.name), headers={"Authorization": f"Bearer {self.token}"},
-            )  # fmt: skip
+                name=spec.name,
+                url=f"{url}{HEALTH_PATH}",
+                deadline=deadline,
+                alive=self._alive_fn(spec.name),
+                describe=self._describe_fn(spec.name),
+                headers={"Authorization": f"Bearer {self.token}"},
+            )
         except BaseException:
             await self._discard(spec.name)
             raise
-        return WorkerInfo(name=spec.name, kind="python", url=url, ports={}, pid=process.pid, node="127.0.0.1",
-                          log_file=str(log_file), health_url=f"{url}{HEALTH_PATH}")  # fmt: skip
+        return WorkerInfo(
+            name=spec.name,
+            kind="python",
+            url=url,
+            ports={},
+            pid=process.pid,
+            node="127.0.0.1",
+            log_file=str(log_file),
+            health_url=f"{url}{HEALTH_PATH}",
+        )
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
@@ -73,14 +91,25 @@ class LocalWorkerProvider(BaseWorkerProvider):
         if command.health_url is not None:
             try:
                 await wait_healthy(
-                    name=spec.name, url=command.health_url, deadline=time.monotonic() + spec.startup_timeout_s,
-                    alive=self._alive_fn(spec.name), describe=self._describe_fn(spec.name),
-                )  # fmt: skip
+                    name=spec.name,
+                    url=command.health_url,
+                    deadline=time.monotonic() + spec.startup_timeout_s,
+                    alive=self._alive_fn(spec.name),
+                    describe=self._describe_fn(spec.name),
+                )
             except BaseException:
                 await self._discard(spec.name)
                 raise
-        return WorkerInfo(name=spec.name, kind="command", url=command.url, ports=ports, pid=process.pid,
-                          node=spec.host, log_file=str(log_file), health_url=command.health_url)  # fmt: skip
+        return WorkerInfo(
+            name=spec.name,
+            kind="command",
+            url=command.url,
+            ports=ports,
+            pid=process.pid,
+            node=spec.host,
+            log_file=str(log_file),
+            health_url=command.health_url,
+        )
 
     async def stop(self, name: str) -> None:
         await self._discard(name)
@@ -115,8 +144,9 @@ class LocalWorkerProvider(BaseWorkerProvider):
 
     def _describe(self, name: str) -> str:
         process = self.processes[name]
-        return (f"  {process.describe()}, exit code {process.exit_code}\n  --- log tail ---\n"
-                f"{log_tail(process.log_file)}")  # fmt: skip
+        return (
+            f"  {process.describe()}, exit code {process.exit_code}\n  --- log tail ---\n{log_tail(process.log_file)}"
+        )
 
 
 def _read_url(ready_file: Path) -> str:

@@ -81,9 +81,14 @@ class SupervisedProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open_private_log(self.log_file) as log:
             self.popen = subprocess.Popen(
-                self.argv, env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.argv,
+                env=dict(env),
+                cwd=cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     @property
     def pid(self) -> int:
@@ -122,9 +127,12 @@ class SupervisedProcess:
 def redacted(argv: list[str]) -> list[str]:
     """``argv`` with the value after a flag naming a key, token or password replaced by ``***`` (for messages)."""
     secret_flag = ("key", "token", "password", "secret")
-    return ["***" if index and argv[index - 1].startswith("--") and any(word in argv[index - 1].lower()
-                                                                          for word in secret_flag) else arg
-            for index, arg in enumerate(argv)]  # fmt: skip
+    return [
+        "***"
+        if index and argv[index - 1].startswith("--") and any(word in argv[index - 1].lower() for word in secret_flag)
+        else arg
+        for index, arg in enumerate(argv)
+    ]
 
 
 def kill_tree(pids: Iterable[int], *, grace_s: float = 5.0) -> None:

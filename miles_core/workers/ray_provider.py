@@ -166,8 +166,10 @@ class RayWorkerProvider(BaseWorkerProvider):
         self.groups.append(group)
         actors = [self._new_actor(group, index, num_cpus, num_gpus) for index in range(len(specs))]
         locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))
-        slots = [_Slot(group, index, location, actor) for index, (actor, location) in
-                 enumerate(zip(actors, locations, strict=True))]  # fmt: skip
+        slots = [
+            _Slot(group, index, location, actor)
+            for index, (actor, location) in enumerate(zip(actors, locations, strict=True))
+        ]
         slots.sort(key=placement_order)
         for spec, slot in zip(specs, slots, strict=True):
             slot.location = {**slot.location, "bundle_index": slot.bundle_index, "placement_group": group.id.hex()}
@@ -188,14 +190,23 @@ class RayWorkerProvider(BaseWorkerProvider):
         log_file = str(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
         host = "127.0.0.1" if slot.location["node_ip"] == self.driver_ip else slot.location["node_ip"]
         try:
-            started = await slot.actor.start.remote(spec.model_dump_json(), spec.kind, token=self.token,
-                                                    log_file=log_file, host=host)  # fmt: skip
+            started = await slot.actor.start.remote(
+                spec.model_dump_json(), spec.kind, token=self.token, log_file=log_file, host=host
+            )
         except ray.exceptions.RayTaskError as exc:
             await self._kill_actor(slot)
             raise WorkerStartError(f"worker {spec.name} failed to start on {slot.location}: {exc.cause}") from None
-        info = WorkerInfo(name=spec.name, kind=spec.kind, url=started["url"], ports=started["ports"],
-                          pid=started["pid"], node=slot.location["node_ip"], log_file=log_file,
-                          health_url=started["health_url"], placement=dict(slot.location))  # fmt: skip
+        info = WorkerInfo(
+            name=spec.name,
+            kind=spec.kind,
+            url=started["url"],
+            ports=started["ports"],
+            pid=started["pid"],
+            node=slot.location["node_ip"],
+            log_file=log_file,
+            health_url=started["health_url"],
+            placement=dict(slot.location),
+        )
         self.workers[spec.name] = info
         self.specs[spec.name] = spec
         return info
@@ -257,13 +268,16 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
         return
     with _loopback_node_address():
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
-                 **ray_init)  # fmt: skip
+        ray.init(
+            address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
+        )
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
         ray.shutdown()
-        raise WorkerError(f"the local Ray took the node address {node_ip} instead of 127.0.0.1, so its ports would "
-                          "be reachable from other machines; set RAY_ADDRESS to use a cluster on purpose")  # fmt: skip
+        raise WorkerError(
+            f"the local Ray took the node address {node_ip} instead of 127.0.0.1, so its ports would "
+            "be reachable from other machines; set RAY_ADDRESS to use a cluster on purpose"
+        )
 
 
 @contextlib.contextmanager

@@ -96,9 +96,12 @@ class RpcClient:
             return record.get("result")
         error = record["error"]
         raise RemoteError(
-            worker=self.worker, method=method, error_type=error["type"], message=error["message"],
+            worker=self.worker,
+            method=method,
+            error_type=error["type"],
+            message=error["message"],
             traceback=error["traceback"],
-        )  # fmt: skip
+        )
 
     async def health(self, *, timeout_s: float = 5.0) -> dict[str, Any]:
         """The worker's health record (one request, no retries)."""

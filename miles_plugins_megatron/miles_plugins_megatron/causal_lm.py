@@ -50,8 +50,9 @@ class MegatronCausalLM(CausalLM):
         device = self.device or input_ids.device
         length = input_ids.shape[1]
         positions = torch.arange(length, device=device).expand(input_ids.shape[0], -1)
-        logits = self.model(input_ids=input_ids.to(device), position_ids=positions,
-                            attention_mask=causal_mask(length).to(device))  # fmt: skip
+        logits = self.model(
+            input_ids=input_ids.to(device), position_ids=positions, attention_mask=causal_mask(length).to(device)
+        )
         return logits.to(input_ids.device)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

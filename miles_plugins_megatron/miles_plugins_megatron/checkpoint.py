@@ -55,8 +55,11 @@ def check_checkpoint(path: str | Path, hf_config: Any) -> None:
         found.pop("lm_head.weight", None)  # some writers store the tied head anyway
     problems = [f"{name}: missing" for name in expected if name not in found]
     problems += [f"{name}: not a weight of a {hf_config.model_type} model" for name in found if name not in expected]
-    problems += [f"{name}: shape {found[name]}, the config needs {shape}"
-                 for name, shape in expected.items() if name in found and found[name] != shape]  # fmt: skip
+    problems += [
+        f"{name}: shape {found[name]}, the config needs {shape}"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
     if problems:
         shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
         raise MilesError(f"checkpoint {str(path)!r} does not match its config.json ({len(problems)} problems): {shown}")

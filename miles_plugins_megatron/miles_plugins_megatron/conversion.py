@@ -52,8 +52,10 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
 def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
     """Megatron ``GPTModel`` parameters from an HF state dict."""
     heads, groups, head_dim, _ = attention_geometry(hf_config)
-    out = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": state["model.norm.weight"]}  # fmt: skip
+    out = {
+        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": state["model.norm.weight"],
+    }
     if not hf_config.tie_word_embeddings:
         out["output_layer.weight"] = state["lm_head.weight"]
     for layer in range(hf_config.num_hidden_layers):
@@ -66,8 +68,9 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
             q = parts[0].reshape(groups, heads // groups * head_dim, *trailing)
             k, v = (t.reshape(groups, head_dim, *trailing) for t in parts[1:])
             out[f"{mg}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], dim=1).reshape(-1, *trailing)
-        out[f"{mg}mlp.linear_fc1.weight"] = torch.cat([state[f"{hf}mlp.gate_proj.weight"],
-                                                       state[f"{hf}mlp.up_proj.weight"]])  # fmt: skip
+        out[f"{mg}mlp.linear_fc1.weight"] = torch.cat(
+            [state[f"{hf}mlp.gate_proj.weight"], state[f"{hf}mlp.up_proj.weight"]]
+        )
         for hf_name, mg_name in _RENAMES.items():
             if f"{hf}{hf_name}" in state:
                 out[f"{mg}{mg_name}"] = state[f"{hf}{hf_name}"]

@@ -37,11 +37,23 @@ def validate_config(config: Any) -> None:
 
 @hookimpl
 def provide_training_backends() -> list[Implementation]:
-    return [Implementation("megatron", "miles_plugins_megatron.trainer:MegatronTrainer",
-                           "megatron-core GPTModel, tensor and data parallel ranks as workers")]  # fmt: skip
+    return [
+        Implementation(
+            "megatron",
+            "miles_plugins_megatron.trainer:MegatronTrainer",
+            "megatron-core GPTModel, tensor and data parallel ranks as workers",
+        )
+    ]
 
 
 @hookimpl
 def provide_model_implementations() -> list[Implementation]:
-    return [model_implementation(family, "megatron", "miles_plugins_megatron.causal_lm:MegatronCausalLM",
-                                 f"megatron-core GPTModel ({family} layout)") for family in FAMILIES]  # fmt: skip
+    return [
+        model_implementation(
+            family,
+            "megatron",
+            "miles_plugins_megatron.causal_lm:MegatronCausalLM",
+            f"megatron-core GPTModel ({family} layout)",
+        )
+        for family in FAMILIES
+    ]

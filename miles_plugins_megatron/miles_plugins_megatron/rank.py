@@ -30,9 +30,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class MegatronRank:
     """Holds one rank's model shard, its optimizer and (with a KL term) a frozen reference shard."""
 
-    def __init__(self, *, rank: int, world_size: int, init_method: str, tensor_parallel: int, model_path: str,
-                 train: dict[str, Any], seed: int, export_dir: str, backend: str, dtype: str = "float32",
-                 threads: int | None = None, reference_path: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        tensor_parallel: int,
+        model_path: str,
+        train: dict[str, Any],
+        seed: int,
+        export_dir: str,
+        backend: str,
+        dtype: str = "float32",
+        threads: int | None = None,
+        reference_path: str | None = None,
+    ) -> None:
         self.rank, self.world_size, self.init_method = rank, world_size, init_method
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
@@ -62,8 +75,7 @@ class MegatronRank:
         timeout = datetime.timedelta(minutes=10)
         host, port = tcp_init_method_address(self.init_method)
         store = tcp_store(host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout)
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timeout)  # fmt: skip
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tensor_parallel)
         seed_model_parallel_rng(self.seed)
         self.hf_config = load_hf_config(self.model_path)
@@ -73,9 +85,14 @@ class MegatronRank:
         self.optimizer = build_optimizer(self.model.parameters(), self.train)
         self.reference = self._frozen_reference() if self.train.kl_coef > 0 else None
         self.step = 0
-        return {"rank": self.rank, "tensor_parallel_rank": parallel_state.get_tensor_model_parallel_rank(),
-                "data_parallel_rank": parallel_state.get_data_parallel_rank(), "pid": os.getpid(),
-                "parameters": sum(p.numel() for p in self.model.parameters()), "device": str(self.device)}  # fmt: skip
+        return {
+            "rank": self.rank,
+            "tensor_parallel_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "data_parallel_rank": parallel_state.get_data_parallel_rank(),
+            "pid": os.getpid(),
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "device": str(self.device),
+        }
 
     def _frozen_reference(self) -> torch.nn.Module:
         """A second shard with the reference weights (the run's initial model, else the current weights) and no
@@ -107,8 +124,10 @@ class MegatronRank:
         missing = sorted(set(local) - set(full))
         if missing:
             raise MilesError(f"checkpoint {path!r} lacks Megatron weights {missing[:5]}")
-        tp_rank, tp_size = (parallel_state.get_tensor_model_parallel_rank(),
-                            parallel_state.get_tensor_model_parallel_world_size())  # fmt: skip
+        tp_rank, tp_size = (
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
         with torch.no_grad():
             for name, tensor in local.items():
                 tensor.copy_(shard_for_rank(name, full[name], tensor.shape, tp_rank, tp_size))
@@ -126,8 +145,9 @@ class MegatronRank:
         total_tokens = sum(len(s.response_ids) for s in batch.samples)
         if total_tokens == 0:
             raise MilesError("the batch has no response tokens to train on")
-        share = _data_parallel_share(batch, parallel_state.get_data_parallel_rank(),
-                                     parallel_state.get_data_parallel_world_size())  # fmt: skip
+        share = _data_parallel_share(
+            batch, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -157,21 +177,34 @@ class MegatronRank:
         }
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         targets = input_ids[:, 1:]
-        logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(self._forward(self.model, input_ids)[:, :-1],
-                                                                      targets)  # fmt: skip
-        loss, stats = ppo_clip_loss(logprobs, tensors["rollout_logprobs"], tensors["advantages"], mask,
-                                    clip_eps=self.train.clip_eps, clip_eps_high=self.train.clip_eps_high)  # fmt: skip
+        logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
+            self._forward(self.model, input_ids)[:, :-1], targets
+        )
+        loss, stats = ppo_clip_loss(
+            logprobs,
+            tensors["rollout_logprobs"],
+            tensors["advantages"],
+            mask,
+            clip_eps=self.train.clip_eps,
+            clip_eps_high=self.train.clip_eps_high,
+        )
         mean_entropy = masked_mean(token_entropy, mask)
         kl = torch.zeros((), device=self.device)
         if self.reference is not None:
             with torch.no_grad():
-                ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(self._forward(self.reference, input_ids)[:, :-1],
-                                                                      targets)  # fmt: skip
+                ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
+                    self._forward(self.reference, input_ids)[:, :-1], targets
+                )
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.train.kl_coef * kl - self.train.entropy_coef * mean_entropy
         (total * weight).backward()
-        return {"loss": total.item(), "pg_loss": loss.item(), "kl": kl.item(), "entropy": mean_entropy.item(),
-                **{key: float(value) for key, value in stats.items()}}  # fmt: skip
+        return {
+            "loss": total.item(),
+            "pg_loss": loss.item(),
+            "kl": kl.item(),
+            "entropy": mean_entropy.item(),
+            **{key: float(value) for key, value in stats.items()},
+        }
 
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Token-weighted metric sums added over data-parallel ranks (a rank with no samples adds zeros)."""
@@ -227,8 +260,11 @@ class MegatronRank:
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
             return
         names = {id(param): name for name, param in self.model.named_parameters()}
-        partial = [grad for param, grad in zip(params, grads, strict=True)
-                   if "q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]]  # fmt: skip
+        partial = [
+            grad
+            for param, grad in zip(params, grads, strict=True)
+            if "q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]
+        ]
         if partial:
             _all_reduce_in_place(partial, parallel_state.get_tensor_model_parallel_group())
 
@@ -248,18 +284,33 @@ class MegatronRank:
             return {}
         path = self.export_dir / EXPORT_FILE
         partial = path.with_suffix(".partial")
-        save_file({name: tensor.contiguous().cpu() for name, tensor in tensors.items()}, str(partial),
-                  metadata={"format": "pt", "step": str(self.step)})  # fmt: skip
+        save_file(
+            {name: tensor.contiguous().cpu() for name, tensor in tensors.items()},
+            str(partial),
+            metadata={"format": "pt", "step": str(self.step)},
+        )
         partial.rename(path)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return {"path": str(path), "bytes": nbytes, "gather_s": gathered - started,
-                "write_s": time.perf_counter() - gathered, "step": self.step}  # fmt: skip
+        return {
+            "path": str(path),
+            "bytes": nbytes,
+            "gather_s": gathered - started,
+            "write_s": time.perf_counter() - gathered,
+            "step": self.step,
+        }
 
     @rpc_method(group="train")
     def save_optimizer(self, directory: str) -> str:
         path = Path(directory) / f"optimizer_rank{self.rank:03d}.pt"
-        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step, "world_size": self.world_size,
-                    "tensor_parallel": self.tensor_parallel}, path)  # fmt: skip
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "world_size": self.world_size,
+                "tensor_parallel": self.tensor_parallel,
+            },
+            path,
+        )
         return str(path)
 
     @rpc_method(group="train")
@@ -270,9 +321,11 @@ class MegatronRank:
             raise MilesError(f"{path} is missing: was the checkpoint written by {self.world_size} Megatron ranks?")
         state = torch.load(path, weights_only=True, map_location=self.device)
         if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tensor_parallel):
-            raise MilesError(f"checkpoint {directory} was written with world size {state['world_size']} and tensor "
-                             f"parallel {state['tensor_parallel']}; this run has {self.world_size} and "
-                             f"{self.tensor_parallel}")  # fmt: skip
+            raise MilesError(
+                f"checkpoint {directory} was written with world size {state['world_size']} and tensor "
+                f"parallel {state['tensor_parallel']}; this run has {self.world_size} and "
+                f"{self.tensor_parallel}"
+            )
         self.load_weights(directory)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]

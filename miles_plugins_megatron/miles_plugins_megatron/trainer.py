@@ -43,8 +43,16 @@ RANK_TARGET = "miles_plugins_megatron.rank:MegatronRank"
 class MegatronTrainer:
     """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor and data parallel)."""
 
-    def __init__(self, *, model_path: Path, hf_config: Any, layout: MegatronSection, ranks: _Ranks,
-                 export_dir: Path, tokenizer_from: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model_path: Path,
+        hf_config: Any,
+        layout: MegatronSection,
+        ranks: _Ranks,
+        export_dir: Path,
+        tokenizer_from: Path | None = None,
+    ) -> None:
         self.model_path, self.hf_config, self.layout = model_path, hf_config, layout
         self.tokenizer_from = tokenizer_from  # checkpoints copy this model directory's tokenizer files
         self.ranks, self.export_dir = ranks, export_dir
@@ -54,22 +62,39 @@ class MegatronTrainer:
         self._weights: list[tuple[str, torch.Tensor]] | None = None
 
     @classmethod
-    def for_run(cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str,
-                registries: Any) -> MegatronTrainer:  # fmt: skip
+    def for_run(
+        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+    ) -> MegatronTrainer:
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
         provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
-        trainer = cls.launch(model_path, train=config.train, layout=config.megatron, seed=config.run.seed,
-                          provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
-                          reference_path=initial_model_path, tokenizer_from=initial_model_path)  # fmt: skip
-        print(f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
-              f"{trainer.ranks.describe()}", flush=True)  # fmt: skip
+        trainer = cls.launch(
+            model_path,
+            train=config.train,
+            layout=config.megatron,
+            seed=config.run.seed,
+            provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
+            reference_path=initial_model_path,
+            tokenizer_from=initial_model_path,
+        )
+        print(
+            f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
+            f"{trainer.ranks.describe()}",
+            flush=True,
+        )
         return trainer
 
     @classmethod
-    def launch(cls, model_path: str | Path, *, train: Any, layout: MegatronSection, seed: int,
-               provider_factory: Callable[[], Any],
-               reference_path: str | Path | None = None,
-               tokenizer_from: str | Path | None = None) -> MegatronTrainer:  # fmt: skip
+    def launch(
+        cls,
+        model_path: str | Path,
+        *,
+        train: Any,
+        layout: MegatronSection,
+        seed: int,
+        provider_factory: Callable[[], Any],
+        reference_path: str | Path | None = None,
+        tokenizer_from: str | Path | None = None,
+    ) -> MegatronTrainer:
         """Check the checkpoint and layout, start every rank and load the checkpoint into it. The KL reference
         is ``reference_path`` (default: the checkpoint itself); checkpoints copy the tokenizer files of the model
         directory ``tokenizer_from`` (none when ``None``)."""
@@ -80,15 +105,27 @@ class MegatronTrainer:
         export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=_shared_memory_dir()))
         ranks = _Ranks(provider_factory)
         try:
-            specs = _rank_specs(model_path, train=train, layout=layout, seed=seed, export_dir=export_dir,
-                                reference_path=Path(reference_path or model_path))  # fmt: skip
+            specs = _rank_specs(
+                model_path,
+                train=train,
+                layout=layout,
+                seed=seed,
+                export_dir=export_dir,
+                reference_path=Path(reference_path or model_path),
+            )
             ranks.start(specs, timeout_s=layout.startup_timeout_s)
         except BaseException:
             ranks.close()
             shutil.rmtree(export_dir, ignore_errors=True)
             raise
-        return cls(model_path=model_path, hf_config=hf_config, layout=layout, ranks=ranks, export_dir=export_dir,
-                   tokenizer_from=Path(tokenizer_from) if tokenizer_from is not None else None)  # fmt: skip
+        return cls(
+            model_path=model_path,
+            hf_config=hf_config,
+            layout=layout,
+            ranks=ranks,
+            export_dir=export_dir,
+            tokenizer_from=Path(tokenizer_from) if tokenizer_from is not None else None,
+        )
 
     # -- the training-backend interface ------------------------------------------------------------------------
 
@@ -100,8 +137,11 @@ class MegatronTrainer:
         metrics = self.ranks.call("train_step", samples)[0]
         self.step += 1
         self._export()
-        return {**metrics, "export_seconds": self.export_report["seconds"],
-                "export_gb_per_s": self.export_report["gb_per_s"]}  # fmt: skip
+        return {
+            **metrics,
+            "export_seconds": self.export_report["seconds"],
+            "export_gb_per_s": self.export_report["gb_per_s"],
+        }
 
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
         """The weights of the last step under HF names, in buckets (read from rank 0's export)."""
@@ -121,8 +161,12 @@ class MegatronTrainer:
             self._export()
         save_hf_checkpoint(partial, dict(self._weights), self.hf_config, tokenizer_from=self.tokenizer_from)
         self.ranks.call("save_optimizer", str(partial))
-        state = {"step": self.step, "tensor_parallel": self.layout.tensor_parallel,
-                 "data_parallel": self.layout.data_parallel, **(extra or {})}  # fmt: skip
+        state = {
+            "step": self.step,
+            "tensor_parallel": self.layout.tensor_parallel,
+            "data_parallel": self.layout.data_parallel,
+            **(extra or {}),
+        }
         (partial / STATE_FILE).write_text(json.dumps(state))
         partial.rename(directory)
         return directory
@@ -176,15 +220,25 @@ class _ExportedWeights(HfWeightIterator):
         return iter(self.weights)
 
 
-def _rank_specs(model_path: Path, *, train: Any, layout: MegatronSection, seed: int, export_dir: Path,
-                reference_path: Path) -> list[PythonWorkerSpec]:  # fmt: skip
+def _rank_specs(
+    model_path: Path, *, train: Any, layout: MegatronSection, seed: int, export_dir: Path, reference_path: Path
+) -> list[PythonWorkerSpec]:
     (port,) = free_ports(1)
     backend = layout.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     threads = layout.threads_per_rank or max(1, (torch.get_num_threads() or 1) // layout.world_size)
-    common = dict(world_size=layout.world_size, init_method=f"tcp://127.0.0.1:{port}",
-                  tensor_parallel=layout.tensor_parallel, model_path=str(model_path), train=train.model_dump(),
-                  seed=seed, export_dir=str(export_dir), backend=backend, dtype=layout.dtype,
-                  threads=threads, reference_path=str(reference_path))  # fmt: skip
+    common = dict(
+        world_size=layout.world_size,
+        init_method=f"tcp://127.0.0.1:{port}",
+        tensor_parallel=layout.tensor_parallel,
+        model_path=str(model_path),
+        train=train.model_dump(),
+        seed=seed,
+        export_dir=str(export_dir),
+        backend=backend,
+        dtype=layout.dtype,
+        threads=threads,
+        reference_path=str(reference_path),
+    )
     return [
         PythonWorkerSpec(
             name=f"megatron-rank{rank}",
@@ -230,8 +284,9 @@ class _Ranks:
         if hasattr(self.provider, "place"):  # Ray: one placement group, ranks in placement order
             await self.provider.place(specs)  # bounded by the specs' start-up timeout
         await asyncio.gather(*(self.provider.start(spec) for spec in specs))
-        self.handles = [WorkerHandle(self.provider.client(name, timeout_s=timeout_s), MegatronRank)
-                        for name in self.names]  # fmt: skip
+        self.handles = [
+            WorkerHandle(self.provider.client(name, timeout_s=timeout_s), MegatronRank) for name in self.names
+        ]
         return await self._on_every_rank("setup")
 
     def describe(self) -> str:
@@ -258,8 +313,10 @@ class _Ranks:
         rank, error = await self._root_cause(failed)
         tail = self.provider.logs(self.names[rank], tail_bytes=2000).strip()
         await self._stop_all()
-        raise MilesError(f"Megatron rank {rank} failed in {method}: {error}; every rank was stopped"
-                         + (f"\n--- {self.names[rank]} log tail ---\n{tail}" if tail else ""))  # fmt: skip
+        raise MilesError(
+            f"Megatron rank {rank} failed in {method}: {error}; every rank was stopped"
+            + (f"\n--- {self.names[rank]} log tail ---\n{tail}" if tail else "")
+        )
 
     async def _root_cause(self, failed: list[tuple[int, BaseException]]) -> tuple[int, BaseException | str]:
         """The rank to blame: one whose process died (its peers' collective errors are the consequence, and may

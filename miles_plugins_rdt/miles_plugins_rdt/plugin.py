@@ -18,8 +18,13 @@ TRANSPORTS = ("nixl", "gloo")
 
 @hookimpl
 def provide_weight_transfer_protocols() -> list[Implementation]:
-    return [Implementation("rdt", "miles_plugins_rdt.protocol:RdtProtocol",
-                           "Ray Direct Transport P2P into engine staging buckets (nixl, gloo)")]  # fmt: skip
+    return [
+        Implementation(
+            "rdt",
+            "miles_plugins_rdt.protocol:RdtProtocol",
+            "Ray Direct Transport P2P into engine staging buckets (nixl, gloo)",
+        )
+    ]
 
 
 @hookimpl

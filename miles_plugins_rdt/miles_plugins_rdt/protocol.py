@@ -59,8 +59,9 @@ MIN_LANE_SHARE = 16 << 20
 # version that came as two buckets moved in 49-51 ms as one wave against 62-74 ms as two.
 WAVE_BYTES = 256 << 20
 RELEASE_TIMEOUT_S = 10.0  # how long to wait for Ray to free dropped RDT objects before their memory is deregistered
-NOT_IN_RAY = ("the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with "
-              "--run-worker-provider ray)")  # fmt: skip
+NOT_IN_RAY = (
+    "the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with --run-worker-provider ray)"
+)
 
 
 class RdtTransferError(MilesError):
@@ -70,16 +71,23 @@ class RdtTransferError(MilesError):
 class RdtProtocol(HttpEngineProtocol):
     name = "rdt"
 
-    def __init__(self, *, transport: str = "nixl", staging_bucket_mb: float = 256, receive_lanes: int = 2,
-                 timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        transport: str = "nixl",
+        staging_bucket_mb: float = 256,
+        receive_lanes: int = 2,
+        timeout_s: float = 300.0,
+    ) -> None:
         if transport not in TRANSPORTS:
             raise MilesError(f"rdt setting transport = {transport!r}: use one of {', '.join(TRANSPORTS)}")
         if not staging_bucket_mb > 0:
             raise MilesError(f"rdt setting staging_bucket_mb must be positive, got {staging_bucket_mb!r}")
         if not (isinstance(receive_lanes, int) and receive_lanes >= 1):
             raise MilesError(f"rdt setting receive_lanes must be a whole number of at least 1, got {receive_lanes!r}")
-        super().__init__(transport=transport, staging_bucket_mb=staging_bucket_mb, receive_lanes=receive_lanes,
-                         timeout_s=timeout_s)  # fmt: skip
+        super().__init__(
+            transport=transport, staging_bucket_mb=staging_bucket_mb, receive_lanes=receive_lanes, timeout_s=timeout_s
+        )
         self.transport, self.timeout_s = transport, timeout_s
         self.lanes = receive_lanes if transport == "nixl" else 1  # gloo: the one send actor sends each chunk whole
         self.capacity = int(staging_bucket_mb * (1 << 20))
@@ -122,10 +130,15 @@ class RdtProtocol(HttpEngineProtocol):
             await self._form_gloo_group()
 
     def _start_receiver(self, endpoint: EngineEndpoint, paths: list[str] | None = None) -> Any:
-        return StagingReceiver.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node_id=_node_of(endpoint.url), soft=False)).remote(
-            engine_name=endpoint.name, engine_url=endpoint.url,
-            capacity=self.capacity, transport=self.transport, paths=paths)  # fmt: skip
+        return StagingReceiver.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=_node_of(endpoint.url), soft=False)
+        ).remote(
+            engine_name=endpoint.name,
+            engine_url=endpoint.url,
+            capacity=self.capacity,
+            transport=self.transport,
+            paths=paths,
+        )
 
     async def _start_lanes(self, endpoint: EngineEndpoint) -> None:
         """The engine's other receive lanes: processes that map its first receiver's staging files and each read
@@ -136,8 +149,9 @@ class RdtProtocol(HttpEngineProtocol):
         self.staging_paths[endpoint.name] = paths
         lanes.extend(self._start_receiver(endpoint, paths) for _ in range(self.lanes - 1))
         try:
-            await asyncio.wait_for(asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])),
-                                   timeout=self.timeout_s)  # fmt: skip
+            await asyncio.wait_for(
+                asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])), timeout=self.timeout_s
+            )
         except (ray.exceptions.RayActorError, TimeoutError) as exc:
             raise MilesError(f"rdt: a receive lane of engine {endpoint.name} did not start: {exc}") from None
 
@@ -168,8 +182,10 @@ class RdtProtocol(HttpEngineProtocol):
             raise MilesError("rdt: call connect() before transfer()")
         lost = [engine.name for engine in self.engines if engine.name not in self.receivers]
         if lost:
-            raise MilesError(f"rdt: engines {', '.join(lost)} lost their receivers in a failed transfer; call "
-                             f"connect() again before transfer()")  # fmt: skip
+            raise MilesError(
+                f"rdt: engines {', '.join(lost)} lost their receivers in a failed transfer; call "
+                f"connect() again before transfer()"
+            )
         started = time.perf_counter()
         if self.transport == "nixl":
             pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
@@ -178,8 +194,10 @@ class RdtProtocol(HttpEngineProtocol):
         objects: dict[tuple, StandingObject] = {}  # this transfer's NIXL objects, new or standing
         for wave in in_waves(buckets, WAVE_BYTES if self.transport == "nixl" else 0):  # received in this order
             start = rows[-1][3] + rows[-1][4] if rows else 0
-            wave_rows = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
-                         for s in lay_out(wave, capacity=self.capacity, start=start)]  # fmt: skip
+            wave_rows = [
+                [s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
+                for s in lay_out(wave, capacity=self.capacity, start=start)
+            ]
             pending.extend(self._start_wave(wave, wave_rows, slot, objects, held))
             rows.extend(wave_rows)
             sent.extend(tensor for _, tensor in wave)
@@ -210,8 +228,12 @@ class RdtProtocol(HttpEngineProtocol):
 
         async def switch(name: str) -> None:
             staged = json.dumps({"path": self.staging_paths[name][slot], "size": self.capacity, "tensors": layout})
-            await clients[name]._control("/update_weights_from_tensor", serialized_named_tensors=[staged],
-                                         load_format="shm_swap", weight_version=str(version))  # fmt: skip
+            await clients[name]._control(
+                "/update_weights_from_tensor",
+                serialized_named_tensors=[staged],
+                load_format="shm_swap",
+                weight_version=str(version),
+            )
 
         try:
             failures = await self._failures_of([(name, switch(name)) for name in self.receivers])
@@ -222,8 +244,14 @@ class RdtProtocol(HttpEngineProtocol):
             await self._drop_all_receivers()
             raise self._transfer_error(failures)
 
-    def _start_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int,
-                    objects: dict[tuple, StandingObject], held: list) -> list[tuple[str, Any]]:  # fmt: skip
+    def _start_wave(
+        self,
+        wave: list[tuple[str, torch.Tensor]],
+        rows: list[list],
+        slot: int,
+        objects: dict[tuple, StandingObject],
+        held: list,
+    ) -> list[tuple[str, Any]]:
         """Start moving a wave of buckets into every receiver's bucket ``slot``: ``(engine name, call)`` pairs. The
         wave's objects go into ``objects`` (NIXL) or ``held`` (gloo). Nothing waits: the next wave starts while this
         one moves."""
@@ -237,8 +265,9 @@ class RdtProtocol(HttpEngineProtocol):
             (name, lanes[0].receive_gloo.remote(held[-1], rows, slot)) for name, (_, lanes) in self.receivers.items()
         ]
 
-    def _start_nixl_wave(self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int,
-                         objects: dict[tuple, StandingObject]) -> list[tuple[str, Any]]:  # fmt: skip
+    def _start_nixl_wave(
+        self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int, objects: dict[tuple, StandingObject]
+    ) -> list[tuple[str, Any]]:
         """One RDT object per receive lane, holding that lane's byte ranges of the wave's tensors (the last
         transfer's, where it sent the same bytes); the lanes' reads are asked for once every object exists, so that
         they start together."""
@@ -246,11 +275,15 @@ class RdtProtocol(HttpEngineProtocol):
         slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
         lane_count = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
         shares = [pieces for pieces in split_into_lanes(slots, lane_count) if pieces]
-        refs = [self._lane_object([byte_range(wave[p.tensor][1], p.start, p.nbytes) for p in pieces], objects)
-                for pieces in shares]  # fmt: skip
-        return [(name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
-                for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
-                for name, (_, lanes) in self.receivers.items()]  # fmt: skip
+        refs = [
+            self._lane_object([byte_range(wave[p.tensor][1], p.start, p.nbytes) for p in pieces], objects)
+            for pieces in shares
+        ]
+        return [
+            (name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
+            for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
+            for name, (_, lanes) in self.receivers.items()
+        ]
 
     def _lane_object(self, ranges: list[torch.Tensor], objects: dict[tuple, StandingObject]) -> Any:
         """The RDT object of one lane's byte ranges: the last transfer's object for the same bytes of the same memory
@@ -330,8 +363,9 @@ class RdtProtocol(HttpEngineProtocol):
 
     async def _failures_of(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
         """Wait for every ``(engine name, Ray call or coroutine)``; the first failure of each engine that had one."""
-        results = await asyncio.gather(*(asyncio.wait_for(_awaitable(call), self.timeout_s) for _, call in calls),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_awaitable(call), self.timeout_s) for _, call in calls), return_exceptions=True
+        )
         failures: dict[str, BaseException] = {}
         for (name, _), result in zip(calls, results, strict=True):
             if isinstance(result, BaseException):

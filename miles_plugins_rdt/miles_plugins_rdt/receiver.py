@@ -35,8 +35,9 @@ from miles_plugins_rdt.staging import Slot, views
 class StagingReceiver:
     """Owns one engine rank's staging buckets and receives its share of every wave into them."""
 
-    def __init__(self, *, engine_name: str, engine_url: str, capacity: int, transport: str,
-                 paths: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, *, engine_name: str, engine_url: str, capacity: int, transport: str, paths: list[str] | None = None
+    ) -> None:
         """``paths``: the staging files of the engine's first receiver, for another receive lane of the same
         engine (it reads its share of every chunk into the same buckets); without them, new staging files."""
         self.engine_name, self.engine_url, self.capacity, self.transport = engine_name, engine_url, capacity, transport
@@ -77,11 +78,16 @@ class StagingReceiver:
     def check_engine(self) -> dict[str, Any]:
         """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""
         port = urlparse(self.engine_url).port
-        listening = [c.pid for c in psutil.net_connections(kind="tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid]  # fmt: skip
+        listening = [
+            c.pid
+            for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
+        ]
         if not listening:
-            raise RuntimeError(f"no process on this Ray node ({ray.util.get_node_ip_address()}) listens on port "
-                               f"{port} of engine {self.engine_name} ({self.engine_url})")  # fmt: skip
+            raise RuntimeError(
+                f"no process on this Ray node ({ray.util.get_node_ip_address()}) listens on port "
+                f"{port} of engine {self.engine_name} ({self.engine_url})"
+            )
         process = psutil.Process(listening[0])
         for ancestor in [process, *process.parents()]:
             title = " ".join(ancestor.cmdline()[:1])

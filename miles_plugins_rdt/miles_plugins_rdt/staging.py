@@ -57,8 +57,9 @@ def lay_out(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start
     return slots
 
 
-def in_waves(buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], min_bytes: int
-             ) -> Iterator[list[tuple[str, torch.Tensor]]]:  # fmt: skip
+def in_waves(
+    buckets: Iterable[Iterable[tuple[str, torch.Tensor]]], min_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The buckets' named tensors, contiguous and on the CPU, regrouped into waves of whole buckets that hold at least
     ``min_bytes`` each (the last one may hold less; ``0``: each bucket is a wave). Each wave comes as soon as the
     buckets it needs have been yielded."""

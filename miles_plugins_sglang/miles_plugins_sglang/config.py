@@ -26,10 +26,15 @@ from miles_core.config.section import Section
 
 FIELDS_FILE = Path(__file__).with_name("server_args_fields.txt")
 SET_BY_MILES = {
-    "model_path": "the run's checkpoint (--model)", "host": "the worker provider", "port": "the worker provider",
-    "admin_api_key": "the run's token", "tp_size": "sglang.tp_size", "dp_size": "sglang.dp_size",
-    "ep_size": "sglang.ep_size", "random_seed": "run.seed (--seed)",
-}  # fmt: skip
+    "model_path": "the run's checkpoint (--model)",
+    "host": "the worker provider",
+    "port": "the worker provider",
+    "admin_api_key": "the run's token",
+    "tp_size": "sglang.tp_size",
+    "dp_size": "sglang.dp_size",
+    "ep_size": "sglang.ep_size",
+    "random_seed": "run.seed (--seed)",
+}
 """Server settings Miles sets itself, and where they come from."""
 PYTHON = "{python}"
 """Stands for the Python interpreter running Miles in a launch command."""
@@ -78,8 +83,13 @@ def server_arg_fields(python: str | None = None) -> tuple[frozenset[str], str]:
 def _environment_fields(python: str) -> frozenset[str] | None:
     """``ServerArgs`` fields of the sglang installed for ``python`` (None when it cannot be asked)."""
     try:
-        done = subprocess.run([python, "-c", _FIELDS_SCRIPT], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"})  # fmt: skip
+        done = subprocess.run(
+            [python, "-c", _FIELDS_SCRIPT],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "SGLANG_USE_CPU_ENGINE": "1"},
+        )
         names = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
@@ -105,22 +115,25 @@ class SglangSection(Section):
     """SGLang engines: the launch command, server settings, parallel sizes, and the router in front of them."""
 
     python: str = pydantic.Field(
-        default="auto", min_length=1,
+        default="auto",
+        min_length=1,
         description="Interpreter of the engine environment ({sglang_python} in launch_command): a path, or auto = "
         f"${SGLANG_PYTHON_ENV}, else {DEFAULT_ENVIRONMENT}/bin/python here (make sglang), else this interpreter.",
-    )  # fmt: skip
+    )
     launch_command: list[str] = pydantic.Field(
-        default=[SGLANG_PYTHON, "-m", "sglang.launch_server"], min_length=1,
+        default=[SGLANG_PYTHON, "-m", "sglang.launch_server"],
+        min_length=1,
         description="Command that starts one server speaking SGLang's HTTP API; {sglang_python} is sglang.python, "
         "{python} the interpreter running Miles.",
-    )  # fmt: skip
+    )
     env: dict[str, str] = pydantic.Field(
         default_factory=dict, description="Extra environment variables of every engine process."
     )
     cpu_launch: Literal["auto", "on", "off"] = pydantic.Field(
-        default="auto", description="CPU launch settings (device cpu, torch_native attention, ...) under server_args: "
+        default="auto",
+        description="CPU launch settings (device cpu, torch_native attention, ...) under server_args: "
         "auto = when a stock sglang.launch_server gets no GPU.",
-    )  # fmt: skip
+    )
     server_args: dict[str, Any] = pydantic.Field(
         default_factory=dict, description="SGLang ServerArgs fields and values (checked against the field names)."
     )

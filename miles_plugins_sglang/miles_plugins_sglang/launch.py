@@ -133,8 +133,11 @@ def _has_sglang(python: str) -> bool:
         import importlib.util
 
         return importlib.util.find_spec("sglang") is not None
-    done = subprocess.run([python, "-c", "import importlib.util as u; exit(u.find_spec('sglang') is None)"],
-                          capture_output=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [python, "-c", "import importlib.util as u; exit(u.find_spec('sglang') is None)"],
+        capture_output=True,
+        timeout=60,
+    )
     return done.returncode == 0
 
 

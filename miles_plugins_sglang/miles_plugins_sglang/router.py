@@ -46,8 +46,9 @@ class RouterRegistrar:
         deadline = time.monotonic() + self.timeout_s
         while (listed := self.registered_urls()) != wanted:
             if time.monotonic() > deadline:
-                raise MilesError(f"router {self.url} lists {sorted(listed)} after {self.timeout_s:.0f} s, "
-                                 f"expected {sorted(wanted)}")  # fmt: skip
+                raise MilesError(
+                    f"router {self.url} lists {sorted(listed)} after {self.timeout_s:.0f} s, expected {sorted(wanted)}"
+                )
             time.sleep(0.1)
 
     def close(self) -> None:

@@ -12,8 +12,16 @@ from pathlib import Path
 from typing import Any
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 INSTALL_HINT = "install it with `make browser` (runs `apt-get install -y chromium`; `make test` does it)"
 
 
@@ -30,8 +38,9 @@ def browser_page(width: int = 1400, height: int = 1000) -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright  # deferred: only the browser tests need it
     except ImportError as exc:
-        raise AssertionError("playwright is not installed: `make setup` installs the test extra "
-                             "(pip install -e '.[test]')") from exc  # fmt: skip
+        raise AssertionError(
+            "playwright is not installed: `make setup` installs the test extra (pip install -e '.[test]')"
+        ) from exc
     executable = chromium_path()
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(executable), args=ARGS, headless=True)

@@ -22,8 +22,17 @@ from miles_core.plugin_manager import MilesPluginManager
 from tests.conftest import MILES
 
 RUN_STEPS = 3
-QUICK = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0",
-         "--run-checkpoint-every", "0"]  # fmt: skip
+QUICK = [
+    "--no-progress",
+    "--rollout-batch-size",
+    "4",
+    "--rollout-group-size",
+    "4",
+    "--run-eval-every",
+    "0",
+    "--run-checkpoint-every",
+    "0",
+]
 
 
 def get_json(url: str) -> tuple[int, dict[str, Any]]:
@@ -44,9 +53,13 @@ class FinishedRun:
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> FinishedRun:
     """A short real `miles train --dashboard` run; its live dashboard is read while it runs."""
     run_dir = tmp_path_factory.mktemp("dashboard") / "run"
-    process = subprocess.Popen([str(MILES), "train", "--output-dir", str(run_dir), "--num-steps", str(RUN_STEPS),
-                                *QUICK, "--dashboard"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})  # fmt: skip
+    process = subprocess.Popen(
+        [str(MILES), "train", "--output-dir", str(run_dir), "--num-steps", str(RUN_STEPS), *QUICK, "--dashboard"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True)
     reader.start()

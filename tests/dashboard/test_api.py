@@ -19,21 +19,42 @@ from miles_core.dashboard.store import DashboardStore
 from miles_core.weight_transfer.protocol import TransferReport
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun, get_json
 
-ENGINE = {"cell_id": "engine-0", "server_id": "engine", "index": 0, "state": "running", "restarts": 0,
-          "workers": [{"name": "engine-0", "url": "http://127.0.0.1:1", "pid": 1}], "weight_version": 0}  # fmt: skip
+ENGINE = {
+    "cell_id": "engine-0",
+    "server_id": "engine",
+    "index": 0,
+    "state": "running",
+    "restarts": 0,
+    "workers": [{"name": "engine-0", "url": "http://127.0.0.1:1", "pid": 1}],
+    "weight_version": 0,
+}
 
 
 def sample(index: int, response: str, reward: float = 0.5) -> dict:
-    return {"index": index, "prompt": {"text": f"prompt {index}", "label": "7", "metadata": {}}, "response": response,
-            "reward": reward, "response_ids": [1, 2]}  # fmt: skip
+    return {
+        "index": index,
+        "prompt": {"text": f"prompt {index}", "label": "7", "metadata": {}},
+        "response": response,
+        "reward": reward,
+        "response_ids": [1, 2],
+    }
 
 
 def test_empty_run(tmp_path: Path, serve) -> None:
     DashboardStore(tmp_path).close()  # the database exists; nothing recorded yet
     url = serve(tmp_path)
     assert get_json(url + "api/run")[1] | {"config": None} == {
-        "status": "empty", "run_dir": None, "started": None, "ended": None, "error": None, "num_steps": None,
-        "start_step": None, "steps_recorded": 0, "last_step": None, "config": None}  # fmt: skip
+        "status": "empty",
+        "run_dir": None,
+        "started": None,
+        "ended": None,
+        "error": None,
+        "num_steps": None,
+        "start_step": None,
+        "steps_recorded": 0,
+        "last_step": None,
+        "config": None,
+    }
     assert get_json(url + "api/topology") == (200, {"engines": [], "routers": [], "trainer": None})
     assert get_json(url + "api/metrics") == (200, {"series": {}})
     assert get_json(url + "api/phases") == (200, {"phases": []})
@@ -57,14 +78,22 @@ def test_running_run(recording_run, serve) -> None:
     hooks.after_weight_update(version=1, protocol=None, report=TransferReport("tensor", 1, 2_000_000, 0.001, 1))
     hooks.on_phase(rollout_id=0, step=1, phase="eval", started=102.0, ended=102.25)
     hooks.on_eval(step=1, metrics={"eval/reward_mean": 0.5}, started=102.0, ended=102.25)
-    hooks.on_metrics(rollout_id=0, step=1, metrics={"rollout/reward_mean": 0.25, "train/loss": float("nan"),
-                                                    "bad": "x", "eval/reward_mean": 0.5})  # fmt: skip
+    hooks.on_metrics(
+        rollout_id=0,
+        step=1,
+        metrics={"rollout/reward_mean": 0.25, "train/loss": float("nan"), "bad": "x", "eval/reward_mean": 0.5},
+    )
     hooks.on_phase(rollout_id=1, step=2, phase="rollout", started=103.0, ended=104.0)  # step 2: no samples yet
     url = serve(run_dir)
 
     status, run = get_json(url + "api/run")
-    assert (status, run["status"], run["steps_recorded"], run["last_step"], run["num_steps"]) == (200, "running", 3,
-                                                                                                    2, 4)  # fmt: skip
+    assert (status, run["status"], run["steps_recorded"], run["last_step"], run["num_steps"]) == (
+        200,
+        "running",
+        3,
+        2,
+        4,
+    )
     assert run["config"]["run"]["output_dir"] == str(run_dir)
     topology = get_json(url + "api/topology")[1]
     assert [(e["cell_id"], e["state"], e["weight_version"]) for e in topology["engines"]] == [
@@ -114,12 +143,23 @@ def test_finished_run(finished_run: FinishedRun, serve) -> None:
     assert "serves it again" in finished_run.stdout  # the live server stopped with the run, saying how to reopen
     url = serve(finished_run.run_dir)
     run = get_json(url + "api/run")[1]
-    assert (run["status"], run["steps_recorded"], run["last_step"], run["error"]) == ("finished", RUN_STEPS + 1,
-                                                                                      RUN_STEPS, None)  # fmt: skip
+    assert (run["status"], run["steps_recorded"], run["last_step"], run["error"]) == (
+        "finished",
+        RUN_STEPS + 1,
+        RUN_STEPS,
+        None,
+    )
     assert run["ended"] > run["started"]
     series = get_json(url + "api/metrics")[1]["series"]
-    for name in ("rollout/reward_mean", "train/loss", "train/kl", "train/entropy", "time/step", "time/rollout",
-                 "weight_transfer/gb_per_s"):  # fmt: skip
+    for name in (
+        "rollout/reward_mean",
+        "train/loss",
+        "train/kl",
+        "train/entropy",
+        "time/step",
+        "time/rollout",
+        "weight_transfer/gb_per_s",
+    ):
         assert [step for step, _ in series[name]] == list(range(1, RUN_STEPS + 1)), name
     assert [step for step, _ in series["eval/reward_mean"]] == [0, RUN_STEPS]  # before training, and at the end
     assert all(value > 0 for _, value in series["weight_transfer/gb_per_s"])
@@ -142,8 +182,9 @@ def test_finished_run(finished_run: FinishedRun, serve) -> None:
 
 
 @pytest.mark.slow
-def test_one_step_numbering_in_the_terminal_metrics_jsonl_checkpoints_and_dashboard(finished_run: FinishedRun,
-                                                                                    serve) -> None:  # fmt: skip
+def test_one_step_numbering_in_the_terminal_metrics_jsonl_checkpoints_and_dashboard(
+    finished_run: FinishedRun, serve
+) -> None:
     """The terminal's step N is metrics.jsonl's step N, the checkpoint step_N and the dashboard's /api/steps/N."""
     url = serve(finished_run.run_dir)
     terminal = dict(re.findall(r"^step +(\d+) +reward (\d\.\d{3})", finished_run.stdout, flags=re.MULTILINE))
@@ -172,8 +213,10 @@ def test_unknown_steps_and_samples_are_404(finished_run: FinishedRun, serve) -> 
     url = serve(finished_run.run_dir)
     unknown = RUN_STEPS + 1
     for path in (f"api/steps/{unknown}", f"api/steps/{unknown}/samples", "api/steps/999999/samples/0/0"):
-        assert get_json(url + path) == (404, {"error": f"step {path.split('/')[2]} is not recorded (steps "
-                                                       f"recorded: 0..{RUN_STEPS})"})  # fmt: skip
+        assert get_json(url + path) == (
+            404,
+            {"error": f"step {path.split('/')[2]} is not recorded (steps recorded: 0..{RUN_STEPS})"},
+        )
     assert get_json(url + "api/steps/1/samples/16/0") == (
         404,
         {"error": "step 1 has no sample (16, 0) (sample_index, occurrence)"},
@@ -213,8 +256,9 @@ def test_bad_requests_answer_json_errors(tmp_path: Path, serve, path: str, statu
 
 def test_repeated_sample_indices_stay_apart(recording_run, serve) -> None:
     run_dir, hooks = recording_run
-    hooks.on_samples(rollout_id=2, step=3, samples=[sample(0, "first"), sample(0, "second"), sample(1, "other"),
-                                                    sample(0, "third")])  # fmt: skip
+    hooks.on_samples(
+        rollout_id=2, step=3, samples=[sample(0, "first"), sample(0, "second"), sample(1, "other"), sample(0, "third")]
+    )
     hooks.on_samples(rollout_id=2, step=3, samples=[sample(0, "resent")])  # a second call for the same step
     hooks.on_samples(rollout_id=3, step=4, samples=[sample(0, "next step")])  # occurrences count per step
     url = serve(run_dir)
@@ -250,10 +294,12 @@ def test_a_failing_dashboard_never_stops_training(tmp_path: Path, caplog: pytest
 
 
 def test_a_killed_run_keeps_what_it_recorded(tmp_path: Path, serve) -> None:
-    script = ("import os, signal; from miles_core.dashboard.store import DashboardStore; "
-              f"s = DashboardStore({str(tmp_path)!r}); "
-              f"s.run_started(run_dir={str(tmp_path)!r}, start_step=0, num_steps=9, config={{}}); "
-              "s.add_metrics(step=0, metrics={'train/loss': 1.5}); os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    script = (
+        "import os, signal; from miles_core.dashboard.store import DashboardStore; "
+        f"s = DashboardStore({str(tmp_path)!r}); "
+        f"s.run_started(run_dir={str(tmp_path)!r}, start_step=0, num_steps=9, config={{}}); "
+        "s.add_metrics(step=0, metrics={'train/loss': 1.5}); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     assert subprocess.run([sys.executable, "-c", script], check=False).returncode == -9
     url = serve(tmp_path)
     assert get_json(url + "api/run")[1]["status"] == "interrupted"  # recorded as running; its process is gone

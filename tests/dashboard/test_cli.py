@@ -23,13 +23,19 @@ def ignore_sigint() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("stop", "start"), [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGINT, ignore_sigint)],
+    ("stop", "start"),
+    [(signal.SIGINT, None), (signal.SIGTERM, None), (signal.SIGINT, ignore_sigint)],
     ids=["sigint", "sigterm", "sigint-inherited-ignored"],  # the last: a background job of a script, as in CI
-)  # fmt: skip
+)
 def test_serves_a_finished_run(finished_run: FinishedRun, stop: signal.Signals, start) -> None:
-    process = subprocess.Popen([str(MILES), "dashboard", str(finished_run.run_dir), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=start,
-                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # fmt: skip
+    process = subprocess.Popen(
+        [str(MILES), "dashboard", str(finished_run.run_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=start,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
+    )
     try:
         line = process.stdout.readline()
         assert line.startswith(f"miles: dashboard of {finished_run.run_dir} at http://127.0.0.1:"), line
@@ -50,8 +56,10 @@ def stopped_within_timeout(process: subprocess.Popen, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         os.kill(process.pid, signal.SIGABRT)
         process.wait(timeout=30)
-        pytest.fail(f"miles dashboard did not stop within {timeout_s} s of the stop signal; its stacks:\n"
-                    f"{process.stderr.read()[-6000:]}")  # fmt: skip
+        pytest.fail(
+            f"miles dashboard did not stop within {timeout_s} s of the stop signal; its stacks:\n"
+            f"{process.stderr.read()[-6000:]}"
+        )
 
 
 def error_of(*args: str) -> str:
@@ -63,8 +71,10 @@ def error_of(*args: str) -> str:
 
 def test_missing_run_directory(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
-    assert error_of(str(missing)) == (f"miles: error: run directory {str(missing)!r} does not exist (give the "
-                                      "--output-dir of a run, e.g. runs/latest)\n")  # fmt: skip
+    assert error_of(str(missing)) == (
+        f"miles: error: run directory {str(missing)!r} does not exist (give the "
+        "--output-dir of a run, e.g. runs/latest)\n"
+    )
 
 
 def test_a_file_instead_of_a_directory(tmp_path: Path) -> None:
@@ -80,8 +90,9 @@ def test_directory_without_a_database(tmp_path: Path) -> None:
 def test_corrupt_database(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "dashboard.sqlite").write_bytes(content)
     message = error_of(str(tmp_path))
-    assert message.startswith(f"miles: error: {str(tmp_path / 'dashboard.sqlite')!r} is not a readable dashboard "
-                              "database ("), message  # fmt: skip
+    assert message.startswith(
+        f"miles: error: {str(tmp_path / 'dashboard.sqlite')!r} is not a readable dashboard database ("
+    ), message
     assert message.endswith("move it aside or open another run directory\n")
 
 
@@ -105,8 +116,13 @@ def test_bad_port_flag(tmp_path: Path) -> None:
 
 
 def test_the_dashboard_flag() -> None:
-    assert config_json("--dashboard")["dashboard"] == {"record": True, "serve": True, "host": "127.0.0.1",
-                                                       "port": 0, "warn_interval_s": 60.0}  # fmt: skip
+    assert config_json("--dashboard")["dashboard"] == {
+        "record": True,
+        "serve": True,
+        "host": "127.0.0.1",
+        "port": 0,
+        "warn_interval_s": 60.0,
+    }
     assert config_json("--dashboard", "false", "--dashboard-port", "8123")["dashboard"]["serve"] is False
     result = run_miles("config", "show", "--dashboard", "--dashboard-record", "false")
     assert result.returncode == 2 and "Traceback" not in result.stderr

@@ -60,10 +60,23 @@ def raw_get(port: int, head: bytes) -> tuple[int, bytes]:
 
 @pytest.mark.parametrize(
     "host",
-    ["evil.example", "evil.example:{port}", "127.0.0.1.evil.example:{port}", "localhost.evil.example:{port}",
-     "localhost:{other}", "127.0.0.1:{other}", "[::1]:{other}", "127.0.0.1", "localhost", "127.0.0.1:{port}:{port}",
-     "127.0.0.1:{port}@evil.example", "127.0.0.1 :{port}", "127.0.0.1:+{port}", "127.0.0.1:\u0661\u0662"],
-)  # fmt: skip
+    [
+        "evil.example",
+        "evil.example:{port}",
+        "127.0.0.1.evil.example:{port}",
+        "localhost.evil.example:{port}",
+        "localhost:{other}",
+        "127.0.0.1:{other}",
+        "[::1]:{other}",
+        "127.0.0.1",
+        "localhost",
+        "127.0.0.1:{port}:{port}",
+        "127.0.0.1:{port}@evil.example",
+        "127.0.0.1 :{port}",
+        "127.0.0.1:+{port}",
+        "127.0.0.1:\u0661\u0662",
+    ],
+)
 @pytest.mark.parametrize("path", ["/api/run", "/api/steps/0/samples/0/0", "/", "/samples/0", "/static/app.js"])
 def test_a_foreign_host_header_is_refused(served, host: str, path: str) -> None:
     url, port = served
@@ -166,8 +179,10 @@ def test_a_client_that_trickles_its_request_head_is_disconnected(served) -> None
 def test_miles_dashboard_refuses_a_blank_host(tmp_path: Path, host: str) -> None:
     DashboardStore(tmp_path).close()
     message = error_of(str(tmp_path), "--host", host)
-    assert message.startswith(f"miles: error: --host: the dashboard host must be an address or a name such as "
-                              f"127.0.0.1, got {host!r} (an empty host would bind every interface")  # fmt: skip
+    assert message.startswith(
+        f"miles: error: --host: the dashboard host must be an address or a name such as "
+        f"127.0.0.1, got {host!r} (an empty host would bind every interface"
+    )
 
 
 @pytest.mark.parametrize("host", ["", " "])
@@ -199,13 +214,22 @@ ARABIC_12, ARABIC_0, FULLWIDTH_12, NKO_12, SUPERSCRIPT_2 = (
 
 @pytest.mark.parametrize(
     ("path", "status"),
-    [(f"api/steps/{ARABIC_12}", 400), (f"api/steps/{FULLWIDTH_12}", 400), (f"api/steps/{NKO_12}", 400),
-     (f"api/steps/{SUPERSCRIPT_2}", 400), (f"api/steps/{ARABIC_12}/samples", 400),
-     (f"api/steps/12/samples/{ARABIC_0}/{ARABIC_0}", 400), (f"api/steps/12/samples/0/{ARABIC_0}", 400),
-     (f"api/steps/12/samples?offset={ARABIC_0}", 400), (f"api/steps/12/samples?limit={ARABIC_12}", 400),
-     (f"api/steps/12/samples?limit={SUPERSCRIPT_2}", 400), (f"samples/{ARABIC_12}", 404),
-     (f"samples/12/{ARABIC_0}/{ARABIC_0}", 404), (f"samples/{FULLWIDTH_12}", 404)],
-)  # fmt: skip
+    [
+        (f"api/steps/{ARABIC_12}", 400),
+        (f"api/steps/{FULLWIDTH_12}", 400),
+        (f"api/steps/{NKO_12}", 400),
+        (f"api/steps/{SUPERSCRIPT_2}", 400),
+        (f"api/steps/{ARABIC_12}/samples", 400),
+        (f"api/steps/12/samples/{ARABIC_0}/{ARABIC_0}", 400),
+        (f"api/steps/12/samples/0/{ARABIC_0}", 400),
+        (f"api/steps/12/samples?offset={ARABIC_0}", 400),
+        (f"api/steps/12/samples?limit={ARABIC_12}", 400),
+        (f"api/steps/12/samples?limit={SUPERSCRIPT_2}", 400),
+        (f"samples/{ARABIC_12}", 404),
+        (f"samples/12/{ARABIC_0}/{ARABIC_0}", 404),
+        (f"samples/{FULLWIDTH_12}", 404),
+    ],
+)
 def test_non_ascii_digits_are_not_numbers(served, path: str, status: int) -> None:
     url, _ = served
     response = httpx.get(url + path, timeout=30)

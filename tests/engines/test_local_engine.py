@@ -24,10 +24,22 @@ pytestmark = pytest.mark.slow
 
 
 def engine_spec(name: str, model_path: Path) -> CommandWorkerSpec:
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model_path),
-            "--host", "{host}", "--port", "{port}", "--random-seed", "3"]  # fmt: skip
-    return CommandWorkerSpec(name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate",
-                             startup_timeout_s=120)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--random-seed",
+        "3",
+    ]
+    return CommandWorkerSpec(
+        name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate", startup_timeout_s=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +92,9 @@ def test_per_request_seed_is_reproducible(engine) -> None:
         async with EngineClient(engine.url) as client:
             params = {"max_new_tokens": 12, "sampling_seed": 42, "ignore_eos": True}
             first = await client.generate([3, 4], params)
-            crowded = await asyncio.gather(*(client.generate([3, 4], {**params, "sampling_seed": s})
-                                             for s in (42, 7, 8)))  # fmt: skip
+            crowded = await asyncio.gather(
+                *(client.generate([3, 4], {**params, "sampling_seed": s}) for s in (42, 7, 8))
+            )
         assert crowded[0]["output_ids"] == first["output_ids"]  # batched with others, same seed, same tokens
         assert crowded[1]["output_ids"] != first["output_ids"]
 
@@ -93,8 +106,9 @@ def test_stop_token_and_greedy(engine) -> None:
         async with EngineClient(engine.url) as client:
             greedy = await client.generate([8, 9], {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
             stop_at = greedy["output_ids"][2]
-            stopped = await client.generate([8, 9], {"max_new_tokens": 8, "temperature": 0,
-                                                     "stop_token_ids": [stop_at], "ignore_eos": True})  # fmt: skip
+            stopped = await client.generate(
+                [8, 9], {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [stop_at], "ignore_eos": True}
+            )
         first_stop = greedy["output_ids"].index(stop_at)
         assert stopped["output_ids"] == greedy["output_ids"][: first_stop + 1]
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
@@ -178,18 +192,30 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
 
     async def scenario() -> None:
         async with EngineClient(engine.url, admin_key=ADMIN) as client:
-            engine_joins = client.init_weights_update_group(master_address="127.0.0.1", master_port=port,
-                                                            rank_offset=1, world_size=2)  # fmt: skip
-            group, _ = await asyncio.gather(asyncio.to_thread(
-                new_weight_update_group, master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                group_name="weight_update_group"), engine_joins)  # fmt: skip
+            engine_joins = client.init_weights_update_group(
+                master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2
+            )
+            group, _ = await asyncio.gather(
+                asyncio.to_thread(
+                    new_weight_update_group,
+                    master_address="127.0.0.1",
+                    master_port=port,
+                    rank=0,
+                    world_size=2,
+                    group_name="weight_update_group",
+                ),
+                engine_joins,
+            )
             names = list(state)
             await client.begin_weight_update()  # as SGLang, a session around distributed updates (one at a time)
             with pytest.raises(EngineError, match="a weight-update session is already open"):
                 await client.begin_weight_update()
             receive = client.update_weights_from_distributed(
-                names=names, dtypes=[str(state[n].dtype).removeprefix("torch.") for n in names],
-                shapes=[list(state[n].shape) for n in names], weight_version="9")  # fmt: skip
+                names=names,
+                dtypes=[str(state[n].dtype).removeprefix("torch.") for n in names],
+                shapes=[list(state[n].shape) for n in names],
+                weight_version="9",
+            )
 
             def send() -> None:
                 for name in names:
@@ -199,8 +225,9 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
             await client.end_weight_update()
             await check_serves(client, model, "9")
             with pytest.raises(EngineError, match="between begin_weight_update"):
-                await client.update_weights_from_distributed(names=names[:1], dtypes=["float32"],
-                                                             shapes=[list(state[names[0]].shape)])  # fmt: skip
+                await client.update_weights_from_distributed(
+                    names=names[:1], dtypes=["float32"], shapes=[list(state[names[0]].shape)]
+                )
             await client.destroy_weights_update_group()
             with pytest.raises(EngineError, match="no weight update group"):
                 await client.destroy_weights_update_group()
@@ -212,16 +239,26 @@ def test_weight_update_over_a_gloo_group(engine, model_dir: Path) -> None:
     ("backend", "message"),
     [
         ("mpi", "backend must be one of gloo, nccl"),
-        pytest.param("nccl", "needs a CUDA device", marks=pytest.mark.skipif(
-            torch.cuda.is_available(), reason="this machine has CUDA, so the engine can join an NCCL group")),
+        pytest.param(
+            "nccl",
+            "needs a CUDA device",
+            marks=pytest.mark.skipif(
+                torch.cuda.is_available(), reason="this machine has CUDA, so the engine can join an NCCL group"
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_group_backend_the_engine_cannot_use_is_refused_and_leaves_no_group(engine, backend, message) -> None:
     async def scenario() -> None:
         async with EngineClient(engine.url, admin_key=ADMIN) as client:
             with pytest.raises(EngineError, match=message):
-                await client.init_weights_update_group(master_address="127.0.0.1", master_port=free_ports(1)[0],
-                                                       rank_offset=1, world_size=2, backend=backend)  # fmt: skip
+                await client.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=free_ports(1)[0],
+                    rank_offset=1,
+                    world_size=2,
+                    backend=backend,
+                )
             with pytest.raises(EngineError, match="no weight update group"):
                 await client.destroy_weights_update_group()
 

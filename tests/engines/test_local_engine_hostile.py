@@ -49,8 +49,18 @@ class EngineProcess:
         self.staging_dir.mkdir(mode=0o700, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         env[STAGING_DIR_ENV] = str(self.staging_dir)
-        argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model_dir),
-                "--host", "127.0.0.1", "--port", str(self.port), *extra]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "miles_core.engines.local_server",
+            "--model-path",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
         if admin_key is not None:
             argv += ["--admin-api-key", admin_key]
         with open(self.log_path, "wb") as log:
@@ -99,8 +109,15 @@ def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 
 
-def post(engine: EngineProcess, path: str, body: object = None, *, content: bytes | None = None,
-         auth: bool = True, timeout: float = 60) -> httpx.Response:  # fmt: skip
+def post(
+    engine: EngineProcess,
+    path: str,
+    body: object = None,
+    *,
+    content: bytes | None = None,
+    auth: bool = True,
+    timeout: float = 60,
+) -> httpx.Response:
     headers = AUTH if auth else {}
     if content is None:
         content = json.dumps(body).encode()
@@ -205,10 +222,15 @@ def test_safetensors_path_outside_the_staging_dir_is_refused_and_not_deleted(eng
     link = engine.staging_dir / "link-out.safetensors"
     link.symlink_to(outside)
     escape = f"{engine.staging_dir}/../{tmp_path.name}/precious.safetensors"
-    for path, match in [(str(outside), "not in this engine's weight-staging directory"),
-                        (str(link), "not in this engine's weight-staging directory"), (escape, "not in"),
-                        (str(engine.staging_dir), "not in"), (str(engine.staging_dir / "missing"), "No such file"),
-                        ("", "must be the path"), ("/dev/null", "not in")]:  # fmt: skip
+    for path, match in [
+        (str(outside), "not in this engine's weight-staging directory"),
+        (str(link), "not in this engine's weight-staging directory"),
+        (escape, "not in"),
+        (str(engine.staging_dir), "not in"),
+        (str(engine.staging_dir / "missing"), "No such file"),
+        ("", "must be the path"),
+        ("/dev/null", "not in"),
+    ]:
         body = {"serialized_named_tensors": [path], "load_format": "safetensors_path", "weight_version": "evil"}
         refused(post(engine, "/update_weights_from_tensor", body), 400, match)
     assert outside.is_file() and link.is_symlink(), "a refused request deleted nothing"
@@ -269,8 +291,9 @@ def test_staging_inside_the_staging_dir_still_works(engine, model_dir) -> None:
     path, payload = staging_file(engine.staging_dir, tensors, "miles-staging-ok")
     before = checksum(engine)
     for load_format in ("shm_staging", "shm_swap"):
-        response = post(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload],
-                                                                 "load_format": load_format})  # fmt: skip
+        response = post(
+            engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": load_format}
+        )
         assert response.status_code == 200, response.text
     assert checksum(engine) != before
     path.unlink()
@@ -344,9 +367,18 @@ def test_a_bad_token_id_gets_its_own_400_and_the_batch_is_served(engine, bad_ids
             assert (await client.post("/pause_generation", json={"mode": "in_place"}, headers=AUTH)).status_code == 200
             bad = None
             try:
-                good = [asyncio.create_task(client.post("/generate", json={
-                    "input_ids": [3 + i, 4], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}))
-                    for i in range(4)]  # fmt: skip
+                good = [
+                    asyncio.create_task(
+                        client.post(
+                            "/generate",
+                            json={
+                                "input_ids": [3 + i, 4],
+                                "sampling_params": {"max_new_tokens": 3, "ignore_eos": True},
+                            },
+                        )
+                    )
+                    for i in range(4)
+                ]
                 await wait_until(client, lambda state: state["in_flight"] == 4, "the good requests to be queued")
                 bad = asyncio.create_task(client.post("/generate", json={"input_ids": bad_ids}))
                 await asyncio.wait({bad}, timeout=60)
@@ -365,14 +397,16 @@ def test_a_bad_token_id_gets_its_own_400_and_the_batch_is_served(engine, bad_ids
 @pytest.mark.parametrize(
     ("body", "match"),
     [
-        ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 10**9, "ignore_eos": True}},
-         r"exceeds the context length \(4096\): ask for at most 4094"),
+        (
+            {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 10**9, "ignore_eos": True}},
+            r"exceeds the context length \(4096\): ask for at most 4094",
+        ),
         ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 1e9, "ignore_eos": True}}, "valid integer"),
         ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 4095}}, "at most 4094"),
         ({"input_ids": [4] * (CONTEXT + 1)}, "more than the context length"),
         ({"input_ids": [[4], [4] * (CONTEXT + 1)]}, "more than the context length"),
     ],
-)  # fmt: skip
+)
 def test_generation_is_bounded_by_the_context_length(engine, body, match) -> None:
     refused(post(engine, "/generate", body), 400, match)
 
@@ -387,8 +421,10 @@ def test_a_client_that_goes_away_cancels_its_generation(engine) -> None:
     before = engine_state(engine)["generated_tokens"]
     body = json.dumps({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": CONTEXT - 2, "ignore_eos": True}})
     with socket.create_connection(("127.0.0.1", engine.port), timeout=30) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())  # fmt: skip
+        sock.sendall(
+            f"POST /generate HTTP/1.1\r\nHost: 127.0.0.1:{engine.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
         wait_for(lambda: engine_state(engine)["in_flight"] == 1, "the request to run")
     assert_still_serving(engine)  # 2 tokens, batched after the abandoned request's batch ended
     assert engine_state(engine)["generated_tokens"] - before - 2 < CONTEXT - 2, "it ran to the end"
@@ -470,8 +506,10 @@ def test_a_bad_weight_version_is_400_and_never_bricks_the_engine(engine, model_d
     current = httpx.get(f"{engine.url}/model_info", timeout=10).json()["weight_version"]
     refused(post(engine, "/update_weight_version", {"new_version": version}), 400, "new_version")
     before = checksum(engine)
-    update = {"serialized_named_tensors": [base64.b64encode(save(tiny_update(model_dir))).decode()],
-              "weight_version": version}  # fmt: skip
+    update = {
+        "serialized_named_tensors": [base64.b64encode(save(tiny_update(model_dir))).decode()],
+        "weight_version": version,
+    }
     refused(post(engine, "/update_weights_from_tensor", update), 400, "weight_version")
     assert checksum(engine) == before, "a refused version loaded the weights"
     health = httpx.get(f"{engine.url}/health", timeout=10)
@@ -546,8 +584,11 @@ def test_a_number_that_overflows_to_infinity_is_400(engine) -> None:
 
 def test_a_tiny_temperature_is_greedy_with_finite_logprobs(engine) -> None:
     def sample(temperature: float) -> dict:
-        body = {"input_ids": [4, 5, 6], "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}}  # fmt: skip
+        body = {
+            "input_ids": [4, 5, 6],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": temperature, "ignore_eos": True},
+        }
         response = post(engine, "/generate", body)
         assert response.status_code == 200, response.text
         return response.json()
@@ -573,28 +614,49 @@ CONTROL_400 = [
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["a", "b"]}, "one rank"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["!!"]}, "not base64"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": [""], "load_format": "pickle"}, "load_format"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1,
-                                    "world_size": 2}, "master_port"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1,
-                                    "world_size": 2}, "master_port"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 0,
-                                    "world_size": 2}, "rank_offset"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
-                                    "world_size": 1}, "world_size"),
-    ("/init_weights_update_group", {"master_address": ["x"], "master_port": 29500, "rank_offset": 1,
-                                    "world_size": 2}, "master_address"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1,
-                                    "world_size": 2, "group_name": 5}, "group_name"),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1, "world_size": 2},
+        "master_port",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2},
+        "master_port",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 0, "world_size": 2},
+        "rank_offset",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 1},
+        "world_size",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": ["x"], "master_port": 29500, "rank_offset": 1, "world_size": 2},
+        "master_address",
+    ),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, "group_name": 5},
+        "group_name",
+    ),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-1]]}, "shapes"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": [], "shapes": [[1]]}, "same length"),
     ("/update_weights_from_distributed", {"names": [1], "dtypes": ["float32"], "shapes": [[1]]}, "strings"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": "1"}, "shapes"),
-    ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
-     "between begin_weight_update"),  # as SGLang: outside a weight-update session, before the group is looked up
+    (
+        "/update_weights_from_distributed",
+        {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]},
+        "between begin_weight_update",
+    ),  # as SGLang: outside a weight-update session, before the group is looked up
     ("/end_weight_update", {}, "no weight-update session is open"),
     ("/destroy_weights_update_group", {"group_name": "nope"}, "no weight update group"),
     ("/destroy_weights_update_group", {"group_name": ""}, "must not be empty"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("path", "body", "match"), CONTROL_400)
@@ -609,11 +671,20 @@ def test_every_control_field_is_checked(engine, path: str, body: dict, match: st
 
 ROUTES = {
     "/generate": {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2}, "rid": "r", "return_logprob": True},
-    "/update_weights_from_tensor": {"serialized_named_tensors": ["e30="], "load_format": "safetensors",
-                                    "weight_version": "fuzz"},
+    "/update_weights_from_tensor": {
+        "serialized_named_tensors": ["e30="],
+        "load_format": "safetensors",
+        "weight_version": "fuzz",
+    },
     "/update_weights_from_disk": {"model_path": "/nonexistent", "weight_version": "fuzz"},
-    "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1,
-                                   "world_size": 1, "group_name": "g", "backend": "mpi"},  # 3 bad: 2 mutated
+    "/init_weights_update_group": {
+        "master_address": "127.0.0.1",
+        "master_port": 0,
+        "rank_offset": 1,
+        "world_size": 1,
+        "group_name": "g",
+        "backend": "mpi",
+    },  # 3 bad: 2 mutated
     "/update_weights_from_distributed": {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g"},
     "/destroy_weights_update_group": {"group_name": "never-made"},
     "/pause_generation": {"mode": "never"},
@@ -624,11 +695,23 @@ ROUTES = {
     "/health": {},
     "/model_info": {},
     "/server_info": {},
-    "/v1/completions": {"model": "m", "prompt": [4, 5], "max_tokens": 2, "logprobs": 1, "stop_token_ids": [3],
-                        "stream": True, "stream_options": {"include_usage": True}},
-    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                             "logprobs": True, "top_logprobs": 1},
-}  # fmt: skip
+    "/v1/completions": {
+        "model": "m",
+        "prompt": [4, 5],
+        "max_tokens": 2,
+        "logprobs": 1,
+        "stop_token_ids": [3],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+    "/v1/chat/completions": {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    },
+}
 """A body per route that is refused or harmless; the fuzz breaks it further (a mutation may repair one, e.g. a
 valid version or pause: the test undoes it)."""
 
@@ -652,8 +735,10 @@ def random_value(rng: random.Random, depth: int = 0) -> object:
         return None
     if kind == "list":
         return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {rng.choice(["path", "size", "tensors", "mode", "x", ""]): random_value(rng, depth + 1)
-            for _ in range(rng.randint(0, 3))}  # fmt: skip
+    return {
+        rng.choice(["path", "size", "tensors", "mode", "x", ""]): random_value(rng, depth + 1)
+        for _ in range(rng.randint(0, 3))
+    }
 
 
 def malformed_bodies(rng: random.Random, template: dict) -> Iterator[bytes]:

@@ -24,8 +24,7 @@ LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
 
 def draw(params: SamplingParams, count: int) -> collections.Counter:
-    samplers = [_Sampler(GenerationRequest([1], params), set(), seed)
-                for seed in range(count)]  # fmt: skip
+    samplers = [_Sampler(GenerationRequest([1], params), set(), seed) for seed in range(count)]
     tokens, _ = _choose(samplers, list(range(count)), LOGITS.expand(count, -1))
     return collections.Counter(tokens)
 

@@ -33,9 +33,18 @@ CONFIGS = {
 
 def hf_model(model_type: str, **overrides) -> transformers.PreTrainedModel:
     config = transformers.AutoConfig.for_model(
-        model_type, **{"vocab_size": 96, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
-                       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **overrides},
-    )  # fmt: skip
+        model_type,
+        **{
+            "vocab_size": 96,
+            "hidden_size": 64,
+            "intermediate_size": 112,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+            **overrides,
+        },
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():

@@ -51,8 +51,9 @@ def test_nccl_step_equals_the_torch_trainer_in_float32(tmp_path: Path, tensor_pa
 def test_bfloat16_parameters_train_and_export_in_bfloat16(tmp_path: Path) -> None:
     path = perturbed_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, head_dim=24)
     reference = TorchTrainer.from_pretrained(path, SETTINGS).train_step(training_batch())
-    with launch(path, tmp_path, tensor_parallel=min(2, gpus()), distributed_backend="nccl",
-                dtype="bfloat16") as trainer:  # fmt: skip
+    with launch(
+        path, tmp_path, tensor_parallel=min(2, gpus()), distributed_backend="nccl", dtype="bfloat16"
+    ) as trainer:
         metrics = trainer.train_step(training_batch())
         weights = hf_weights(trainer)
     assert all(tensor.dtype == torch.bfloat16 for tensor in weights.values())

@@ -29,14 +29,24 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
     """TP=2 only: a TP=1 step equals the torch trainer's (test_megatron_trainer.py), whose run learns (test_train.py);
     a second 110-step run at TP=1 would add minutes of CI and nothing those two do not show."""
     tensor_parallel = "2"
-    train(tmp_path, "--megatron-tensor-parallel", tensor_parallel, "--num-steps", "110", "--run-eval-every", "0",
-          "--run-checkpoint-every", "0")  # fmt: skip
+    train(
+        tmp_path,
+        "--megatron-tensor-parallel",
+        tensor_parallel,
+        "--num-steps",
+        "110",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+    )
     rows = metrics(tmp_path)
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
-    assert all(row["train/export_gb_per_s"] > 0 and row["weight_transfer/gb_per_s"] > 0 for row in rows
-               if "train/loss" in row)  # fmt: skip
+    assert all(
+        row["train/export_gb_per_s"] > 0 and row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row
+    )
     final = tmp_path / "checkpoints" / "step_000110"
     assert (final / "model.safetensors").is_file()
     ranks = int(tensor_parallel)
@@ -47,8 +57,20 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
 
 
 def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
-    quick = ["--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0",
-             "--run-checkpoint-every", "2", "--megatron-tensor-parallel", "2", "--train-kl-coef", "0.01"]  # fmt: skip
+    quick = [
+        "--rollout-batch-size",
+        "4",
+        "--rollout-group-size",
+        "4",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "2",
+        "--megatron-tensor-parallel",
+        "2",
+        "--train-kl-coef",
+        "0.01",
+    ]
     train(tmp_path, *quick, "--num-steps", "2")
     train(tmp_path, *quick, "--num-steps", "4", "--run-resume", "true")
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3, 4]
@@ -60,19 +82,34 @@ def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
 
 
 def test_megatron_trainer_refuses_other_model_implementations(tmp_path: Path) -> None:
-    result = run_miles("train", "--trainer", "megatron", "--model-impl", "llama=transformers",
-                       "--output-dir", str(tmp_path))  # fmt: skip
+    result = run_miles(
+        "train", "--trainer", "megatron", "--model-impl", "llama=transformers", "--output-dir", str(tmp_path)
+    )
     assert result.returncode != 0
     assert "model.implementations.llama = 'transformers': the megatron trainer trains megatron-core" in result.stderr
-    result = run_miles("train", "--trainer", "megatron", "--megatron-pipeline-parallel", "2",
-                       "--output-dir", str(tmp_path))  # fmt: skip
+    result = run_miles(
+        "train", "--trainer", "megatron", "--megatron-pipeline-parallel", "2", "--output-dir", str(tmp_path)
+    )
     assert result.returncode != 0 and "megatron.pipeline_parallel" in result.stderr
 
 
 def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path) -> None:
-    result = run_miles("train", "--model-impl", "llama=megatron", "--output-dir", str(tmp_path), "--no-progress",
-                       "--num-steps", "3", "--rollout-batch-size", "4", "--rollout-group-size", "4",
-                       "--run-eval-every", "0")  # fmt: skip
+    result = run_miles(
+        "train",
+        "--model-impl",
+        "llama=megatron",
+        "--output-dir",
+        str(tmp_path),
+        "--no-progress",
+        "--num-steps",
+        "3",
+        "--rollout-batch-size",
+        "4",
+        "--rollout-group-size",
+        "4",
+        "--run-eval-every",
+        "0",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "miles: torch trainer, model llama/megatron" in result.stdout
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3]
@@ -80,9 +117,23 @@ def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path)
 
 
 def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:
-    result = train(tmp_path, "--run-worker-provider", "ray", "--megatron-tensor-parallel", "2",
-                   "--megatron-cpus-per-rank", "0.5", "--num-steps", "2", "--rollout-batch-size", "4",
-                   "--rollout-group-size", "4", "--run-eval-every", "0")  # fmt: skip
+    result = train(
+        tmp_path,
+        "--run-worker-provider",
+        "ray",
+        "--megatron-tensor-parallel",
+        "2",
+        "--megatron-cpus-per-rank",
+        "0.5",
+        "--num-steps",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--rollout-group-size",
+        "4",
+        "--run-eval-every",
+        "0",
+    )
     assert "miles: 2 megatron ranks by the ray provider: megatron-rank0 pid" in result.stdout
     assert "megatron-rank0 pid" in result.stdout and "bundle 0" in result.stdout and "bundle 1" in result.stdout
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2]

@@ -22,8 +22,9 @@ from tests.numerics import assert_same_sgd_step, assert_within_first_adam_step
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = TrainSection(backend="megatron", lr=1e-3, micro_batch_size=3, kl_coef=0.05, entropy_coef=0.01,
-                        max_grad_norm=0.5)  # fmt: skip
+SETTINGS = TrainSection(
+    backend="megatron", lr=1e-3, micro_batch_size=3, kl_coef=0.05, entropy_coef=0.01, max_grad_norm=0.5
+)
 SGD_SETTINGS = TrainSection(**{**SETTINGS.model_dump(), "optimizer": "sgd", "lr": 0.1})
 """Cross-trainer weight comparisons step with SGD: its step is linear in the gradient (see tests/numerics.py)."""
 VOCAB = 96
@@ -32,9 +33,16 @@ VOCAB = 96
 def perturbed_checkpoint(directory: Path, model_type: str, **overrides) -> Path:
     """An HF checkpoint whose every weight (norms included) is perturbed, so a swapped tensor cannot hide."""
     config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **overrides,
-    )  # fmt: skip
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **overrides,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
@@ -62,16 +70,24 @@ def launch(path: Path, tmp_path: Path, reference_path: Path | None = None, train
     def provider() -> LocalWorkerProvider:
         return LocalWorkerProvider(token="t", run_dir=tmp_path)
 
-    return MegatronTrainer.launch(path, train=train, layout=MegatronSection(**layout), seed=0,
-                                  provider_factory=provider, reference_path=reference_path)  # fmt: skip
+    return MegatronTrainer.launch(
+        path,
+        train=train,
+        layout=MegatronSection(**layout),
+        seed=0,
+        provider_factory=provider,
+        reference_path=reference_path,
+    )
 
 
 def hf_weights(trainer) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket}
 
 
-MODELS = {"llama": ("llama", {"tie_word_embeddings": False}),
-          "qwen3": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24})}  # fmt: skip
+MODELS = {
+    "llama": ("llama", {"tie_word_embeddings": False}),
+    "qwen3": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +118,16 @@ def assert_same_step(megatron_metrics, megatron_weights, metrics, weights, initi
     assert_same_sgd_step(initial, weights, megatron_weights)
 
 
-@pytest.mark.parametrize("model,layout", [("llama", {"tensor_parallel": 1}), ("llama", {"tensor_parallel": 2}),
-                                          ("llama", {"data_parallel": 2}), ("qwen3", {"tensor_parallel": 2})],
-                         ids=["llama-tp1", "llama-tp2", "llama-dp2", "qwen3-qk-norm-tp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,layout",
+    [
+        ("llama", {"tensor_parallel": 1}),
+        ("llama", {"tensor_parallel": 2}),
+        ("llama", {"data_parallel": 2}),
+        ("qwen3", {"tensor_parallel": 2}),
+    ],
+    ids=["llama-tp1", "llama-tp2", "llama-dp2", "qwen3-qk-norm-tp2"],
+)
 def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, model: str, layout: dict) -> None:
     path, metrics, weights = reference_steps(model)
     initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
@@ -116,10 +139,15 @@ def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, mode
         assert step_metrics["export_gb_per_s"] > 0
 
 
-@pytest.mark.parametrize("model_type,overrides", [("llama", {"tie_word_embeddings": True}),
-                                                  ("qwen2", {"tie_word_embeddings": False}),
-                                                  ("qwen3", {"tie_word_embeddings": False, "head_dim": 24})],
-                         ids=["llama-tied", "qwen2-qkv-bias", "qwen3-qk-norm"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {"tie_word_embeddings": True}),
+        ("qwen2", {"tie_word_embeddings": False}),
+        ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+    ],
+    ids=["llama-tied", "qwen2-qkv-bias", "qwen3-qk-norm"],
+)
 def test_tp2_export_loads_into_transformers_with_equal_logits(tmp_path: Path, model_type: str, overrides) -> None:
     path = perturbed_checkpoint(tmp_path / "model", model_type, **overrides)
     input_ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))

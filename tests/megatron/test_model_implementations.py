@@ -27,9 +27,11 @@ def registries():
     return MilesPluginManager.load().registries
 
 
-CHECKPOINTS = {"qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
-               "llama-tied": ("llama", {"tie_word_embeddings": True}),
-               "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False})}  # fmt: skip
+CHECKPOINTS = {
+    "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False}),
+}
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
@@ -51,13 +53,20 @@ def test_megatron_and_transformers_implementations_agree(tmp_path: Path, registr
 def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, registries) -> None:
     checkpoint = perturbed_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, head_dim=24)
     settings = TrainSection(lr=0.1, micro_batch_size=3, kl_coef=0.05, optimizer="sgd")  # linear in the gradient
-    config = types.SimpleNamespace(train=settings, run=types.SimpleNamespace(seed=0),
-                                   model=types.SimpleNamespace(implementations={}))  # fmt: skip
+    config = types.SimpleNamespace(
+        train=settings, run=types.SimpleNamespace(seed=0), model=types.SimpleNamespace(implementations={})
+    )
     results, initial = {}, None
     for impl in ("transformers", "megatron"):
         config.model.implementations = {"qwen3": impl}
-        trainer = TorchTrainer.for_run(config, model_path=checkpoint, initial_model_path=checkpoint, run_dir=tmp_path,
-                                       token="", registries=registries)  # fmt: skip
+        trainer = TorchTrainer.for_run(
+            config,
+            model_path=checkpoint,
+            initial_model_path=checkpoint,
+            run_dir=tmp_path,
+            token="",
+            registries=registries,
+        )
         assert trainer.implementation == f"qwen3/{impl}"
         initial = initial or {n: t.clone() for bucket in trainer.weight_iterator(1 << 20) for n, t in bucket}
         metrics = trainer.train_step(training_batch())

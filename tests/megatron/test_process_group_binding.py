@@ -30,8 +30,9 @@ def is_loopback(address: str) -> bool:
 
 @pytest.mark.slow
 def test_the_single_rank_world_listens_on_loopback_only() -> None:
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     opened = json.loads(result.stdout.strip().splitlines()[-1])
     assert opened, "the one-rank world opened no listening socket (its store)"

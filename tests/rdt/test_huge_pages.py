@@ -39,8 +39,9 @@ def test_a_small_tensor_is_left_alone() -> None:
     assert collapse_into_huge_pages(torch.ones(1024)) == 0
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or not _kernel_at_least(6, 1),
-                    reason="MADV_COLLAPSE needs Linux 6.1 or later")  # fmt: skip
+@pytest.mark.skipif(
+    platform.system() != "Linux" or not _kernel_at_least(6, 1), reason="MADV_COLLAPSE needs Linux 6.1 or later"
+)
 def test_a_large_tensor_moves_onto_huge_pages_keeping_its_contents_and_address() -> None:
     tensor = torch.arange(8 << 20, dtype=torch.float32)  # 32 MiB
     address, before = tensor.data_ptr(), tensor.clone()

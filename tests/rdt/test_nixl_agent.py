@@ -28,7 +28,7 @@ READ_OVER_TCP = textwrap.dedent(
     reading.register_memory([target])
     reading.add_remote_agent(offering.get_agent_metadata())
     handle = reading.initialize_xfer("READ", reading.get_xfer_descs([target]), offering.get_xfer_descs([source]),
-                                     "offering", b"read")  # fmt: skip
+                                     "offering", b"read")
     state = reading.transfer(handle)
     while state == "PROC":
         state = reading.check_xfer_state(handle)
@@ -42,8 +42,7 @@ def run_read(**environment: str) -> dict:
     """Read 24 MiB from one agent into another with UCX held to TCP, in a fresh process with ``environment``."""
     inherited = {name: value for name, value in os.environ.items() if not name.startswith("UCX_")}
     env = {**inherited, "NIXL_LOG_LEVEL": "WARN", "UCX_TLS": "tcp", **environment}
-    result = subprocess.run([sys.executable, "-c", READ_OVER_TCP], env=env, capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", READ_OVER_TCP], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -26,7 +26,9 @@ def test_rdt_tensors_pickle_by_reference_and_come_back(ray_cluster) -> None:
     by_reference, out_of_band = serialized_rdt_value(tensors)
     assert [t.data_ptr() for t in out_of_band] == [t.data_ptr() for t in tensors]  # the tensors go out of band
     assert b"tensor_from_rdt_object" in by_reference and len(by_reference) < len(by_value) // 2, (
-        len(by_reference), len(by_value))  # fmt: skip
+        len(by_reference),
+        len(by_value),
+    )
     context._thread_local.rdt_tensors = out_of_band  # as Ray sets it while it deserializes an RDT object
     try:
         assert tensor_from_rdt_object(1) is out_of_band[1]

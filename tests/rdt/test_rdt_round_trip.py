@@ -96,9 +96,12 @@ def test_megatron_tp2_round_trip(ray_engines, protocol, loop, tmp_path) -> None:
     from miles_plugins_megatron.trainer import MegatronTrainer
 
     trainer = MegatronTrainer.launch(
-        ray_engines.model_dir, train=TrainSection(backend="megatron"), seed=0,
+        ray_engines.model_dir,
+        train=TrainSection(backend="megatron"),
+        seed=0,
         layout=MegatronSection(tensor_parallel=2),
-        provider_factory=lambda: LocalWorkerProvider(token="megatron", run_dir=tmp_path))  # fmt: skip
+        provider_factory=lambda: LocalWorkerProvider(token="megatron", run_dir=tmp_path),
+    )
     try:
         assert len(trainer.ranks.names) == 2
         weights = tensors_of(trainer.weight_iterator(BUCKET))
@@ -189,8 +192,9 @@ def test_receivers_freeze_what_they_hold_after_start(ray_engines, protocol, loop
     assert len(frozen) == 2 * protocol.lanes and min(frozen) > 10_000, frozen
 
 
-def test_a_trainer_updating_its_weights_in_place_is_sent_without_new_objects(ray_engines, protocol, loop,
-                                                                            monkeypatch) -> None:  # fmt: skip
+def test_a_trainer_updating_its_weights_in_place_is_sent_without_new_objects(
+    ray_engines, protocol, loop, monkeypatch
+) -> None:
     """Once the trainer's registered memory settles, each transfer hands the lanes the last transfer's RDT objects
     (they describe memory, not a copy of it) and the engines get the values that memory holds now; a trainer that
     sends from other memory gets new objects (so do the next transfers, until its registrations settle), and Ray

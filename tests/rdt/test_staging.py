@@ -24,9 +24,13 @@ from tests.conftest import run_miles
 
 
 def test_offsets_are_aligned_to_each_dtype_and_views_round_trip() -> None:
-    tensors = [("a.bf16", torch.randn(3).to(torch.bfloat16)), ("b.f32", torch.randn(2, 3)),
-               ("c.i8", torch.tensor([1, 2, 3], dtype=torch.int8)), ("d.i64", torch.arange(5)),
-               ("e.f64", torch.randn(2, dtype=torch.float64))]  # fmt: skip
+    tensors = [
+        ("a.bf16", torch.randn(3).to(torch.bfloat16)),
+        ("b.f32", torch.randn(2, 3)),
+        ("c.i8", torch.tensor([1, 2, 3], dtype=torch.int8)),
+        ("d.i64", torch.arange(5)),
+        ("e.f64", torch.randn(2, dtype=torch.float64)),
+    ]
     slots = lay_out(tensors, capacity=1024)
     assert [s.offset for s in slots] == [0, 8, 32, 40, 80]  # 6 -> 8 (f32), 35 -> 40 (i64), 80 (f64)
     assert all(s.offset % t.element_size() == 0 for s, (_, t) in zip(slots, tensors, strict=True))
@@ -39,15 +43,21 @@ def test_offsets_are_aligned_to_each_dtype_and_views_round_trip() -> None:
 
 def test_a_tensor_larger_than_the_bucket_is_an_error_naming_it() -> None:
     big = [("model.small", torch.zeros(4)), ("model.layers.0.mlp.up_proj.weight", torch.zeros(300))]
-    with pytest.raises(StagingOverflowError, match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"
-                       r".* raise the rdt setting staging_bucket_mb"):  # fmt: skip
+    with pytest.raises(
+        StagingOverflowError,
+        match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"
+        r".* raise the rdt setting staging_bucket_mb",
+    ):
         lay_out(big, capacity=1024)
 
 
 def test_consecutive_buckets_continue_the_layout() -> None:
     first = lay_out([(f"w{i}", torch.zeros(60)) for i in range(2)], capacity=512)
-    second = lay_out([("h", torch.zeros(3, dtype=torch.float16)), ("w", torch.zeros(1))],
-                     capacity=512, start=first[-1].offset + first[-1].nbytes)  # fmt: skip
+    second = lay_out(
+        [("h", torch.zeros(3, dtype=torch.float16)), ("w", torch.zeros(1))],
+        capacity=512,
+        start=first[-1].offset + first[-1].nbytes,
+    )
     assert [s.offset for s in first + second] == [0, 240, 480, 488]
     with pytest.raises(StagingOverflowError, match=r"w2 .* at offset 480"):
         lay_out([("w2", torch.zeros(60))], capacity=512, start=480)
@@ -77,8 +87,16 @@ def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None
     result = run_miles("config", "show", "--update-weight-transfer-mode", "rdt")
     assert result.returncode != 0
     assert "needs engines hosted in Ray actors" in result.stderr and "--run-worker-provider ray" in result.stderr
-    result = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray",
-                       "--weight-transfer-settings", '{"transport": "tcp"}')  # fmt: skip
+    result = run_miles(
+        "config",
+        "show",
+        "--update-weight-transfer-mode",
+        "rdt",
+        "--run-worker-provider",
+        "ray",
+        "--weight-transfer-settings",
+        '{"transport": "tcp"}',
+    )
     assert result.returncode != 0 and "offers nixl, gloo" in result.stderr
     accepted = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray")
     assert accepted.returncode == 0, accepted.stderr
@@ -91,8 +109,12 @@ def test_connect_from_a_process_outside_ray_is_an_explicit_error(monkeypatch: py
 
 
 def test_lanes_share_a_chunk_evenly_and_cover_every_byte_once() -> None:
-    tensors = [("a", torch.arange(100_000, dtype=torch.float32)), ("b", torch.arange(7, dtype=torch.int8)),
-               ("c", torch.randn(300, 500).to(torch.bfloat16)), ("d", torch.arange(3, dtype=torch.int64))]  # fmt: skip
+    tensors = [
+        ("a", torch.arange(100_000, dtype=torch.float32)),
+        ("b", torch.arange(7, dtype=torch.int8)),
+        ("c", torch.randn(300, 500).to(torch.bfloat16)),
+        ("d", torch.arange(3, dtype=torch.int64)),
+    ]
     slots = lay_out(tensors, capacity=1 << 22)
     bucket = torch.zeros(1 << 22, dtype=torch.uint8)
     lanes = split_into_lanes(slots, 3, granule=4096)

@@ -45,9 +45,11 @@ def real_sglang_config(**overrides: Any) -> Any:
     return build_config(MilesPluginManager.load(), overrides={**settings, **overrides})
 
 
-def real_sglang_server(run_dir: Path, model_path: Path, *, token: str = "sglang-admin", cell_id: str = "engine-0",
-                       **overrides: Any) -> contextlib.AbstractAsyncContextManager[WorkerInfo]:  # fmt: skip
+def real_sglang_server(
+    run_dir: Path, model_path: Path, *, token: str = "sglang-admin", cell_id: str = "engine-0", **overrides: Any
+) -> contextlib.AbstractAsyncContextManager[WorkerInfo]:
     """One stock SGLang server started as ``miles train`` starts it (the plugin's :func:`engine_server`), its log in
     ``run_dir/logs/<cell_id>.log``, stopped with its process group on exit."""
-    return engine_server(real_sglang_config(**overrides), model_path=model_path, run_dir=run_dir, token=token,
-                         cell_id=cell_id)  # fmt: skip
+    return engine_server(
+        real_sglang_config(**overrides), model_path=model_path, run_dir=run_dir, token=token, cell_id=cell_id
+    )

@@ -68,8 +68,9 @@ def test_the_interpreter_is_the_setting_else_the_variable_else_the_make_target_e
 
 
 def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_them(manager, model: Path) -> None:
-    spec = sglang_engine_spec(config(manager, **{"sglang.python": "/env/bin/python"}), cell_id="engine-0",
-                              model_path=str(model))  # fmt: skip
+    spec = sglang_engine_spec(
+        config(manager, **{"sglang.python": "/env/bin/python"}), cell_id="engine-0", model_path=str(model)
+    )
     argv = spec.argv
     assert argv[:3] == ["/env/bin/python", "-m", "sglang.launch_server"]
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--attention-backend") + 1] == "torch_native"
@@ -79,10 +80,22 @@ def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_th
     assert KV_TOKENS_RANGE[0] <= tokens <= KV_TOKENS_RANGE[1]
     assert argv[argv.index("--max-running-requests") + 1] == "256"  # engine.max_batch_size
     assert spec.env == {"SGLANG_USE_CPU_ENGINE": "1"} and spec.num_gpus == 0
-    overridden = sglang_engine_spec(config(manager, **{
-        "sglang.python": "/env/bin/python", "sglang.server_args": {"attention_backend": "intel_amx",
-        "sleep_on_idle": False, "max_total_tokens": 1024}, "sglang.env": {"OMP_NUM_THREADS": "1"}}),
-        cell_id="engine-0", model_path=str(model)).argv  # fmt: skip
+    overridden = sglang_engine_spec(
+        config(
+            manager,
+            **{
+                "sglang.python": "/env/bin/python",
+                "sglang.server_args": {
+                    "attention_backend": "intel_amx",
+                    "sleep_on_idle": False,
+                    "max_total_tokens": 1024,
+                },
+                "sglang.env": {"OMP_NUM_THREADS": "1"},
+            },
+        ),
+        cell_id="engine-0",
+        model_path=str(model),
+    ).argv
     assert overridden.count("--attention-backend") == 1 and "intel_amx" in overridden
     assert "--sleep-on-idle" not in overridden and overridden[overridden.index("--max-total-tokens") + 1] == "1024"
     off = sglang_engine_spec(config(manager, **{"sglang.cpu_launch": "off"}), cell_id="e", model_path=str(model))
@@ -97,8 +110,11 @@ def test_another_server_speaking_sglangs_api_gets_no_sglang_settings(manager, mo
 
 
 def test_a_missing_engine_environment_is_a_clear_error_before_any_engine_starts(manager, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"interpreter '/nowhere/bin/python' does not exist: create one with "
-                                          r"`make sglang`"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"interpreter '/nowhere/bin/python' does not exist: create one with "
+        r"`make sglang`",
+    ):
         check_engine_environment(config(manager, **{"sglang.python": "/nowhere/bin/python"}))
     without = fake_environment(tmp_path / "plain", ["device"])
     (tmp_path / "plain" / "site" / "sglang" / "__init__.py").unlink()
@@ -116,8 +132,11 @@ def test_server_args_are_checked_against_the_engine_environments_sglang(manager,
     assert fields == {"device", "only_in_this_release"} and "engine environment" in source
     checked = config(manager, **{"sglang.python": str(python), "sglang.server_args": {"only_in_this_release": 1}})
     assert checked.sglang.server_args == {"only_in_this_release": 1}
-    with pytest.raises(ConfigError, match=r"'mem_fraction_static' is not an SGLang server setting.*checked against "
-                                          r"the ServerArgs of sglang in the engine environment"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"'mem_fraction_static' is not an SGLang server setting.*checked against "
+        r"the ServerArgs of sglang in the engine environment",
+    ):
         config(manager, **{"sglang.python": str(python), "sglang.server_args": {"mem_fraction_static": 0.5}})
     script = tmp_path / "broken"
     script.write_text("#!/bin/sh\nexit 1\n")
@@ -138,7 +157,12 @@ def test_the_kv_budget_follows_the_model_and_the_memory(tmp_path: Path, monkeypa
 
     monkeypatch.setattr(launch.psutil, "virtual_memory", lambda: SimpleNamespace(available=1 << 30))
     small = launch.kv_token_budget(str(save_tiny_llama(tmp_path / "s", hidden_size=64, num_hidden_layers=2)))
-    large = launch.kv_token_budget(str(save_tiny_llama(tmp_path / "l", hidden_size=512, num_hidden_layers=8,
-                                                       num_attention_heads=8, num_key_value_heads=8)))  # fmt: skip
+    large = launch.kv_token_budget(
+        str(
+            save_tiny_llama(
+                tmp_path / "l", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+            )
+        )
+    )
     bytes_per_token = 2 * 8 * 8 * 64 * 2  # keys and values, 8 layers, 8 heads of 64, 2 bytes
     assert small == KV_TOKENS_RANGE[1] and large == int((1 << 30) * launch.KV_MEMORY_FRACTION) // bytes_per_token

@@ -44,8 +44,7 @@ SERVERS = [pytest.param("sglang", marks=requires_real_sglang), "local"]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pause-models")
-    return tuple(save_tiny_llama(root / f"model-{seed}", seed=seed, max_position_embeddings=CONTEXT)
-                 for seed in (0, 1))  # fmt: skip
+    return tuple(save_tiny_llama(root / f"model-{seed}", seed=seed, max_position_embeddings=CONTEXT) for seed in (0, 1))
 
 
 class ServerLoop:
@@ -88,8 +87,9 @@ def servers(models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
 
 
 @pytest.fixture
-def served(request: pytest.FixtureRequest, servers: dict[str, ServerLoop], models,
-           tmp_path_factory: pytest.TempPathFactory) -> ServerLoop:  # fmt: skip
+def served(
+    request: pytest.FixtureRequest, servers: dict[str, ServerLoop], models, tmp_path_factory: pytest.TempPathFactory
+) -> ServerLoop:
     """The module's server of the test's kind (its ``server`` parameter), on ``models[0]`` when it started."""
     kind = request.node.callspec.params["server"]
     if kind not in servers:
@@ -99,12 +99,26 @@ def served(request: pytest.FixtureRequest, servers: dict[str, ServerLoop], model
 
 @contextlib.asynccontextmanager
 async def local_engine_server(run_dir: Path, model: Path) -> AsyncIterator:
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model), "--host", "{host}",
-            "--port", "{port}", "--admin-api-key", "{token}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(model),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--admin-api-key",
+        "{token}",
+    ]
     provider = LocalWorkerProvider(token=ADMIN, run_dir=run_dir)
     try:
-        yield await provider.start(CommandWorkerSpec(name="engine-0", argv=argv, ports=["port"],
-                                                     health_url="http://{host}:{port}/health_generate"))  # fmt: skip
+        yield await provider.start(
+            CommandWorkerSpec(
+                name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate"
+            )
+        )
     finally:
         await provider.shutdown()
 

@@ -68,11 +68,30 @@ def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_
     probe.write_text(PROBE)
     run_dir = tmp_path / "run"
     result = run_miles(
-        "train", "--engine", "sglang", "--sglang-python", sglang_python(), "--sglang-router", "true",
-        "--engine-num-engines", "2", "--update-weight-transfer-mode", "disk", "--num-steps", str(STEPS),
-        "--run-eval-every", "0", "--run-checkpoint-every", "0", "--no-progress", "--output-dir", str(run_dir),
-        "--plugin", str(probe), timeout_s=1500,
-    )  # fmt: skip
+        "train",
+        "--engine",
+        "sglang",
+        "--sglang-python",
+        sglang_python(),
+        "--sglang-router",
+        "true",
+        "--engine-num-engines",
+        "2",
+        "--update-weight-transfer-mode",
+        "disk",
+        "--num-steps",
+        str(STEPS),
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+        "--no-progress",
+        "--output-dir",
+        str(run_dir),
+        "--plugin",
+        str(probe),
+        timeout_s=1500,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     assert [p["step"] for p in probes] == list(range(1, STEPS + 1))

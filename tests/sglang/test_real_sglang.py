@@ -29,8 +29,15 @@ from tests.sglang.real_sglang import READY_LINE, real_sglang_server, requires_re
 
 pytestmark = [pytest.mark.slow, requires_real_sglang]
 TOKEN = "sglang-admin"
-MODEL = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}  # fmt: skip
+MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 SERVED_DTYPE = torch.float16
 """Pinned (``server_args.dtype``) so that the tolerance knows it; SGLang's CPU kernels have no float32."""
 PROMPTS = [[2, 17, 33, 9, 41], [5, 6, 7], [100, 200, 300, 400, 11, 12]]
@@ -50,12 +57,20 @@ def largest_logit(model: transformers.PreTrainedModel, prompt: list[int], output
 
 async def served(client: EngineClient, *, greedy: bool) -> list[tuple[list[int], list[int], torch.Tensor, dict]]:
     """Each prompt's output ids and the served logprobs, greedy or sampled (seeded)."""
-    params = [{"max_new_tokens": 12, "ignore_eos": True, "temperature": 0.0 if greedy else 1.0, "sampling_seed": i}
-              for i in range(len(PROMPTS))]  # fmt: skip
+    params = [
+        {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0.0 if greedy else 1.0, "sampling_seed": i}
+        for i in range(len(PROMPTS))
+    ]
     answers = await client.generate(PROMPTS, params)
-    return [(prompt, a["output_ids"], torch.tensor([lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]],
-                                                    dtype=torch.float64), a["meta_info"])
-            for prompt, a in zip(PROMPTS, answers, strict=True)]  # fmt: skip
+    return [
+        (
+            prompt,
+            a["output_ids"],
+            torch.tensor([lp for lp, _, _ in a["meta_info"]["output_token_logprobs"]], dtype=torch.float64),
+            a["meta_info"],
+        )
+        for prompt, a in zip(PROMPTS, answers, strict=True)
+    ]
 
 
 async def max_difference(client: EngineClient, model: transformers.PreTrainedModel) -> tuple[float, float]:
@@ -79,8 +94,10 @@ def load(path: Path) -> transformers.PreTrainedModel:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real-sglang")
-    return {name: save_tiny_llama(root / name, seed=seed, **MODEL) for name, seed in
-            (("initial", 0), ("disk", 1), ("broadcast", 2))}  # fmt: skip
+    return {
+        name: save_tiny_llama(root / name, seed=seed, **MODEL)
+        for name, seed in (("initial", 0), ("disk", 1), ("broadcast", 2))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +105,9 @@ def engine(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     """One real SGLang server for the module, on a private event loop thread."""
     run_dir = tmp_path_factory.mktemp("real-sglang-run")
     loop = asyncio.new_event_loop()
-    server = real_sglang_server(run_dir, checkpoints["initial"], token=TOKEN,
-                                **{"sglang.server_args": {"dtype": "float16"}})  # fmt: skip
+    server = real_sglang_server(
+        run_dir, checkpoints["initial"], token=TOKEN, **{"sglang.server_args": {"dtype": "float16"}}
+    )
     info = loop.run_until_complete(server.__aenter__())
     try:
         yield info.url, Path(info.log_file)
@@ -130,8 +148,10 @@ def test_served_logprobs_equal_the_trainers_before_and_after_updates(engine, che
         return measured
 
     measured = asyncio.run(scenario())
-    print("served vs trainer logprobs, max |difference| (as a fraction of the bound):",
-          {name: f"{worst:.2e} ({ratio:.3f})" for name, (worst, ratio) in measured.items()})  # fmt: skip
+    print(
+        "served vs trainer logprobs, max |difference| (as a fraction of the bound):",
+        {name: f"{worst:.2e} ({ratio:.3f})" for name, (worst, ratio) in measured.items()},
+    )
     for name, (worst, ratio) in measured.items():
         assert ratio <= 1, f"{name}: served logprobs differ from the trainer's by {worst:.3g}, {ratio:.2f}x the bound"
 
@@ -148,9 +168,11 @@ def test_a_distributed_update_outside_a_session_is_refused_and_the_protocol_stop
                 tensor = torch.zeros(MODEL["vocab_size"], MODEL["hidden_size"])
                 with pytest.raises(EngineError, match="begin_weight_update"):
                     await client.update_weights_from_distributed(
-                        names=["model.embed_tokens.weight"], dtypes=["float32"], shapes=[list(tensor.shape)],
+                        names=["model.embed_tokens.weight"],
+                        dtypes=["float32"],
+                        shapes=[list(tensor.shape)],
                         group_name=GROUP_NAME,
-                    )  # fmt: skip
+                    )
                 with pytest.raises(EngineError, match=r"engine engine-0 did not join the broadcast"):
                     await asyncio.wait_for(protocol._broadcast_bucket([("model.embed_tokens.weight", tensor)]), 30)
             finally:
@@ -161,8 +183,7 @@ def test_a_distributed_update_outside_a_session_is_refused_and_the_protocol_stop
 
 def test_a_launch_with_a_bad_flag_names_the_command_and_its_log(tmp_path: Path, checkpoints) -> None:
     async def scenario() -> None:
-        async with real_sglang_server(tmp_path, checkpoints["initial"],
-                                      **{"sglang.extra_args": ["--no-such-flag"]}):  # fmt: skip
+        async with real_sglang_server(tmp_path, checkpoints["initial"], **{"sglang.extra_args": ["--no-such-flag"]}):
             pass
 
     with pytest.raises(WorkerStartError) as failure:
@@ -183,10 +204,25 @@ def test_miles_train_with_real_sglang_learns_through_broadcast(tmp_path: Path) -
     checks the served version; one 200-step learning run is what CI's time allows."""
     mode = "broadcast"
     run_dir = tmp_path / "run"
-    result = run_miles("train", "--engine", "sglang", "--sglang-python", sglang_python(),
-                       "--update-weight-transfer-mode", mode, "--num-steps", "200", "--run-eval-every", "0",
-                       "--run-checkpoint-every", "0", "--no-progress", "--output-dir", str(run_dir),
-                       timeout_s=900)  # fmt: skip
+    result = run_miles(
+        "train",
+        "--engine",
+        "sglang",
+        "--sglang-python",
+        sglang_python(),
+        "--update-weight-transfer-mode",
+        mode,
+        "--num-steps",
+        "200",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+        "--no-progress",
+        "--output-dir",
+        str(run_dir),
+        timeout_s=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     log = (run_dir / "logs" / "engine-0.log").read_text()
     assert READY_LINE in log

@@ -40,8 +40,11 @@ def test_server_args_are_checked_against_sglang_fields(manager) -> None:
     assert "shipped with miles-plugins-sglang" in source  # sglang itself is not installed on CPU machines
     config = sglang_config(manager, **{"sglang.server_args": {"mem_fraction_static": 0.8, "enable_metrics": True}})
     assert config.sglang.server_args["mem_fraction_static"] == 0.8
-    with pytest.raises(ConfigError, match=r"'mem_fraction_statc' is not an SGLang server setting \(did you mean "
-                                          r"'mem_fraction_static'"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"'mem_fraction_statc' is not an SGLang server setting \(did you mean "
+        r"'mem_fraction_static'",
+    ):
         sglang_config(manager, **{"sglang.server_args": {"mem_fraction_statc": 0.8}})
     with pytest.raises(ConfigError, match=r"'tp_size' is set by Miles from sglang.tp_size"):
         sglang_config(manager, **{"sglang.server_args": {"tp_size": 2}})
@@ -49,17 +52,35 @@ def test_server_args_are_checked_against_sglang_fields(manager) -> None:
         build_config(manager, overrides={"sglang.router": True})
     with pytest.raises(ConfigError, match=r"stock SGLang's /update_weights_from_tensor does not read"):
         sglang_config(manager, **{"weight_transfer.mode": "tensor"})  # with the default sglang.launch_server
-    result = run_miles("config", "show", "--engine", "sglang", "--update-weight-transfer-mode", "disk",
-                       "--sglang-server-args", '{"max_running_request": 8}')  # fmt: skip
+    result = run_miles(
+        "config",
+        "show",
+        "--engine",
+        "sglang",
+        "--update-weight-transfer-mode",
+        "disk",
+        "--sglang-server-args",
+        '{"max_running_request": 8}',
+    )
     assert result.returncode != 0 and "did you mean 'max_running_requests'" in result.stderr
 
 
 def test_engine_command_line(manager) -> None:
-    config = sglang_config(manager, **{
-        "sglang.server_args": {"enable_metrics": True, "disable_radix_cache": False, "cuda_graph_bs_decode": [1, 2],
-                               "json_model_override_args": {"rope": 1}},
-        "sglang.extra_args": ["--custom-flag", "{not-a-placeholder}"], "sglang.tp_size": 2,
-        "sglang.cpu_launch": "off", "sglang.python": "/envs/sglang/bin/python"})  # fmt: skip
+    config = sglang_config(
+        manager,
+        **{
+            "sglang.server_args": {
+                "enable_metrics": True,
+                "disable_radix_cache": False,
+                "cuda_graph_bs_decode": [1, 2],
+                "json_model_override_args": {"rope": 1},
+            },
+            "sglang.extra_args": ["--custom-flag", "{not-a-placeholder}"],
+            "sglang.tp_size": 2,
+            "sglang.cpu_launch": "off",
+            "sglang.python": "/envs/sglang/bin/python",
+        },
+    )
     assert server_flags({"a_b": True, "c": False, "d": [1, 2]}) == ["--a-b", "--d", "1", "2"]
     spec = sglang_engine_spec(config, cell_id="engine-0", model_path="/models/{odd}")
     resolved = spec.resolve({"port": 31000}, token="secret")
@@ -98,8 +119,9 @@ def test_a_launch_command_that_exits_at_once_reports_its_log(manager, tmp_path: 
 
 def test_a_server_that_never_becomes_healthy_times_out_naming_the_worker(manager, tmp_path: Path) -> None:
     silent = ["{python}", "-c", "import time; time.sleep(120)"]
-    with pytest.raises(WorkerStartError, match=r"worker engine-0 did not become healthy at .*/health_generate in time"
-                       ) as error:  # fmt: skip
+    with pytest.raises(
+        WorkerStartError, match=r"worker engine-0 did not become healthy at .*/health_generate in time"
+    ) as error:
         start_engine(manager, tmp_path, **{"sglang.launch_command": silent, "engine.startup_timeout_s": 3})
     assert "--admin-api-key ***" in str(error.value) and "--admin-api-key t " not in str(error.value)
 
@@ -112,10 +134,14 @@ def test_a_port_already_in_use_is_a_clear_error(manager, tmp_path: Path) -> None
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with pytest.raises(WorkerStartError, match=rf"(?s)engine-0.*cannot listen on 127.0.0.1:{port}: Address "
-                                                   r"already in use"):  # fmt: skip
-            start_engine(manager, tmp_path, **{"sglang.launch_command": LOCAL_ENGINE,
-                                               "sglang.extra_args": ["--port", str(port)]})  # fmt: skip
+        with pytest.raises(
+            WorkerStartError,
+            match=rf"(?s)engine-0.*cannot listen on 127.0.0.1:{port}: Address "
+            r"already in use",
+        ):
+            start_engine(
+                manager, tmp_path, **{"sglang.launch_command": LOCAL_ENGINE, "sglang.extra_args": ["--port", str(port)]}
+            )
 
 
 def test_each_plugin_manager_has_its_own_sglang_plugin_and_router_registrars() -> None:
@@ -189,7 +215,7 @@ def test_train_through_the_real_router_spreads_and_survives_an_engine_death(tmp_
         "--plugin",
         str(probe),
         timeout_s=600,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     assert [p["step"] for p in probes] == list(range(12)) and all(p["samples"] == 128 for p in probes)

@@ -113,10 +113,24 @@ def test_data_order_depends_on_the_step_alone() -> None:
     train, evaluation = echo_last_prompts(seed=0)
     assert not {p.text for p in train} & {p.text for p in evaluation}
     config = types.SimpleNamespace(rollout=RolloutSection(batch_size=16), run=RunSection(seed=5))
-    executor = RolloutExecutor(config=config, tokenizer=None, train_prompts=train, eval_prompts=evaluation,
-                               reward_fn=lambda **_: 0.0, reward_name="none", controller=None)  # fmt: skip
-    again = RolloutExecutor(config=config, tokenizer=None, train_prompts=train, eval_prompts=evaluation,
-                            reward_fn=lambda **_: 0.0, reward_name="none", controller=None)  # fmt: skip
+    executor = RolloutExecutor(
+        config=config,
+        tokenizer=None,
+        train_prompts=train,
+        eval_prompts=evaluation,
+        reward_fn=lambda **_: 0.0,
+        reward_name="none",
+        controller=None,
+    )
+    again = RolloutExecutor(
+        config=config,
+        tokenizer=None,
+        train_prompts=train,
+        eval_prompts=evaluation,
+        reward_fn=lambda **_: 0.0,
+        reward_name="none",
+        controller=None,
+    )
     assert [p.text for p in executor.prompts_for(37)] == [p.text for p in again.prompts_for(37)]
     epoch = [p.text for step in range(32) for p in executor.prompts_for(step)]
     assert sorted(epoch) == sorted(p.text for p in train)  # one epoch visits every prompt once

@@ -52,9 +52,17 @@ def test_nccl_without_a_cuda_device_is_refused_with_what_to_do() -> None:
     ],
 )
 def test_miles_train_refuses_bad_protocol_settings_before_any_worker_starts(tmp_path: Path, settings, message) -> None:
-    result = run_miles("train", "--num-steps", "1", "--output-dir", str(tmp_path / "run"),
-                       "--update-weight-transfer-mode", "broadcast",
-                       "--weight-transfer-settings", settings)  # fmt: skip
+    result = run_miles(
+        "train",
+        "--num-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--update-weight-transfer-mode",
+        "broadcast",
+        "--weight-transfer-settings",
+        settings,
+    )
     assert result.returncode == 2, result.stderr
     assert re.search(message, result.stderr), result.stderr
     assert "trainer, model" not in result.stdout  # stopped before the trainer was built
@@ -62,16 +70,33 @@ def test_miles_train_refuses_bad_protocol_settings_before_any_worker_starts(tmp_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: NCCL puts the trainer and the "
-                    f"engine on GPUs of their own (found {torch.cuda.device_count()})")  # fmt: skip
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices: NCCL puts the trainer and the "
+    f"engine on GPUs of their own (found {torch.cuda.device_count()})",
+)
 def test_nccl_group_carries_the_weights_to_an_engine_on_another_gpu(tmp_path: Path) -> None:
     model_dir = save_tiny_llama(tmp_path / "model")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model.load_state_dict(perturbed_state(model, seed=7))
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model_dir),
-            "--host", "{host}", "--port", "{port}"]  # fmt: skip
-    spec = CommandWorkerSpec(name="engine-gpu1", argv=argv, ports=["port"], env={"CUDA_VISIBLE_DEVICES": "1"},
-                             health_url="http://{host}:{port}/health")  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+    ]
+    spec = CommandWorkerSpec(
+        name="engine-gpu1",
+        argv=argv,
+        ports=["port"],
+        env={"CUDA_VISIBLE_DEVICES": "1"},
+        health_url="http://{host}:{port}/health",
+    )
     provider = LocalWorkerProvider(token=ADMIN, run_dir=tmp_path / "run")
 
     async def scenario() -> None:

@@ -64,8 +64,9 @@ def test_a_group_on_a_loopback_master_listens_on_loopback_only(master: str) -> N
 
     def member(rank: int) -> None:
         try:
-            groups[rank] = new_weight_update_group(master_address=master, master_port=port, rank=rank,
-                                                   world_size=2, group_name="binding", timeout_s=60)  # fmt: skip
+            groups[rank] = new_weight_update_group(
+                master_address=master, master_port=port, rank=rank, world_size=2, group_name="binding", timeout_s=60
+            )
         except BaseException as exc:  # reported below, in the test's thread
             failures.append(exc)
 
@@ -93,8 +94,17 @@ def test_the_protocol_with_a_real_engine_listens_on_loopback_only(tmp_path: Path
     """The whole path: ``miles``'s trainer side (store and gloo) and a local engine's side (gloo, joined through
     ``/init_weights_update_group``), both inspected while the group is up."""
     model_dir = save_tiny_llama(tmp_path / "model")
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model_dir),
-            "--host", "{host}", "--port", "{port}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(model_dir),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+    ]
     spec = CommandWorkerSpec(name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health")
     provider = LocalWorkerProvider(token=ADMIN, run_dir=tmp_path / "run")
 
@@ -106,8 +116,10 @@ def test_the_protocol_with_a_real_engine_listens_on_loopback_only(tmp_path: Path
         protocol = BroadcastProtocol(backend="gloo", timeout_s=60)
         try:
             await protocol.connect([EngineEndpoint(name=info.name, url=info.url, admin_key=ADMIN)])
-            opened = {"trainer": listening(psutil.Process().pid) - trainer_before,
-                      "engine": listening(engine_pid) - engine_before}  # fmt: skip
+            opened = {
+                "trainer": listening(psutil.Process().pid) - trainer_before,
+                "engine": listening(engine_pid) - engine_before,
+            }
             state = {"model.norm.weight": torch.full((64,), 0.5)}
             await protocol.transfer([list(state.items())], version=1)
             async with EngineClient(info.url, admin_key=ADMIN) as client:

@@ -26,19 +26,34 @@ def listening_ports() -> list[dict]:
             connections = process.net_connections(kind="tcp")
         except psutil.Error:
             continue  # gone meanwhile
-        rows += [{"pid": process.pid, "name": name, "address": c.laddr.ip, "port": c.laddr.port}
-                 for c in connections if c.status == psutil.CONN_LISTEN]  # fmt: skip
+        rows += [
+            {"pid": process.pid, "name": name, "address": c.laddr.ip, "port": c.laddr.port}
+            for c in connections
+            if c.status == psutil.CONN_LISTEN
+        ]
     return rows
 
 
 async def main(run_dir: str) -> list[dict]:
     provider = RayWorkerProvider(token="ports-token", run_dir=run_dir, num_cpus=2)
     try:
-        await provider.start(PythonWorkerSpec(name="python-worker", target="miles_core.testkit.echo_worker:EchoWorker",
-                                              rpc_groups=ECHO_GROUPS, num_cpus=0.25))  # fmt: skip
-        await provider.start(CommandWorkerSpec(
-            name="command-worker", argv=[sys.executable, "-m", "http.server", "{port}", "--bind", "{host}"],
-            ports=["port"], health_url="http://{host}:{port}/", num_cpus=0.25))  # fmt: skip
+        await provider.start(
+            PythonWorkerSpec(
+                name="python-worker",
+                target="miles_core.testkit.echo_worker:EchoWorker",
+                rpc_groups=ECHO_GROUPS,
+                num_cpus=0.25,
+            )
+        )
+        await provider.start(
+            CommandWorkerSpec(
+                name="command-worker",
+                argv=[sys.executable, "-m", "http.server", "{port}", "--bind", "{host}"],
+                ports=["port"],
+                health_url="http://{host}:{port}/",
+                num_cpus=0.25,
+            )
+        )
         return listening_ports()
     finally:
         await provider.shutdown()

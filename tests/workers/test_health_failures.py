@@ -49,8 +49,12 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_
 
 def switched_spec(name: str, sick_pids: Path) -> CommandWorkerSpec:
     """A worker that answers its health URL with 503 while its pid is listed in ``sick_pids``."""
-    return CommandWorkerSpec(name=name, argv=[sys.executable, "-c", SWITCHED_HEALTH_SERVER, "{port}", str(sick_pids)],
-                             ports=["port"], health_url="http://{host}:{port}/health")  # fmt: skip
+    return CommandWorkerSpec(
+        name=name,
+        argv=[sys.executable, "-c", SWITCHED_HEALTH_SERVER, "{port}", str(sick_pids)],
+        ports=["port"],
+        health_url="http://{host}:{port}/health",
+    )
 
 
 async def kill_and_wait(provider: LocalWorkerProvider, name: str) -> None:
@@ -114,10 +118,26 @@ def test_an_exited_process_is_restarted_at_the_first_check_and_even_liveness_onl
 
 def test_the_local_engine_answers_health_generate_with_503_while_paused(provider, tmp_path: Path) -> None:
     model = save_tiny_llama(tmp_path / "model")
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model), "--host", "{host}",
-            "--port", "{port}", "--admin-api-key", "{token}"]  # fmt: skip
-    spec = CommandWorkerSpec(name="engine-0", argv=argv, ports=["port"], env={"SGLANG_HEALTH_CHECK_TIMEOUT": "1.5"},
-                             health_url="http://{host}:{port}/health_generate")  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "miles_core.engines.local_server",
+        "--model-path",
+        str(model),
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--admin-api-key",
+        "{token}",
+    ]
+    spec = CommandWorkerSpec(
+        name="engine-0",
+        argv=argv,
+        ports=["port"],
+        env={"SGLANG_HEALTH_CHECK_TIMEOUT": "1.5"},
+        health_url="http://{host}:{port}/health_generate",
+    )
 
     async def scenario() -> None:
         info = await provider.start(spec)
@@ -136,8 +156,10 @@ def test_a_bad_health_check_timeout_stops_the_local_engine_at_start(value: str, 
     model = save_tiny_llama(tmp_path / "model")
     result = subprocess.run(
         [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model), "--port", "0"],
-        env={**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": value}, capture_output=True, text=True,
+        env={**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": value},
+        capture_output=True,
+        text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"SGLANG_HEALTH_CHECK_TIMEOUT={value!r}" in result.stderr

@@ -43,11 +43,15 @@ def test_an_engine_whose_health_check_answers_slowly_is_not_restarted(tmp_path: 
     config = build_config(MilesPluginManager.load(), overrides={})
     assert config.engine.health_check_timeout_s > SLOW_HEALTH_DELAY_S
     provider = LocalWorkerProvider(token="t", run_dir=tmp_path)
-    spec = CommandWorkerSpec(name="engine-0", argv=[sys.executable, "-c", SLOW_HEALTH_SERVER, "{port}",
-                                                    str(SLOW_HEALTH_DELAY_S)],
-                             ports=["port"], health_url="http://{host}:{port}/health_generate")  # fmt: skip
-    controller = InferenceController(config=config, hooks=None, provider=provider, protocol=None,
-                                     backend=LocalEngineBackend(), model_path="")  # fmt: skip
+    spec = CommandWorkerSpec(
+        name="engine-0",
+        argv=[sys.executable, "-c", SLOW_HEALTH_SERVER, "{port}", str(SLOW_HEALTH_DELAY_S)],
+        ports=["port"],
+        health_url="http://{host}:{port}/health_generate",
+    )
+    controller = InferenceController(
+        config=config, hooks=None, provider=provider, protocol=None, backend=LocalEngineBackend(), model_path=""
+    )
 
     async def scenario() -> None:
         try:

@@ -154,9 +154,11 @@ def test_command_worker_tree_is_stopped(provider: LocalWorkerProvider) -> None:
 
 def test_command_that_exits_at_once_reports_its_log(provider: LocalWorkerProvider) -> None:
     spec = CommandWorkerSpec(
-        name="bad-flag", argv=[sys.executable, "-c", "print('error: unknown flag --tp-size'); raise SystemExit(3)"],
-        ports=["port"], health_url="http://{host}:{port}/health",
-    )  # fmt: skip
+        name="bad-flag",
+        argv=[sys.executable, "-c", "print('error: unknown flag --tp-size'); raise SystemExit(3)"],
+        ports=["port"],
+        health_url="http://{host}:{port}/health",
+    )
     with pytest.raises(WorkerStartError) as caught:
         asyncio.run(provider.start(spec))
     message = str(caught.value)
@@ -167,9 +169,12 @@ def test_command_that_exits_at_once_reports_its_log(provider: LocalWorkerProvide
 
 def test_worker_that_never_becomes_healthy_times_out(provider: LocalWorkerProvider) -> None:
     spec = CommandWorkerSpec(
-        name="silent", argv=["sleep", "60"], ports=["port"], health_url="http://{host}:{port}/health",
+        name="silent",
+        argv=["sleep", "60"],
+        ports=["port"],
+        health_url="http://{host}:{port}/health",
         startup_timeout_s=1.0,
-    )  # fmt: skip
+    )
     start = time.monotonic()
     with pytest.raises(WorkerStartError, match=r"worker silent did not become healthy at http://127\.0\.0\.1:"):
         asyncio.run(provider.start(spec))
@@ -210,8 +215,9 @@ def test_a_workers_log_is_readable_by_its_owner_alone(provider: LocalWorkerProvi
     earlier.parent.mkdir(parents=True, exist_ok=True)
     earlier.write_text("an earlier run's line\n")
     earlier.chmod(0o644)
-    spec = CommandWorkerSpec(name="talker", argv=[sys.executable, "-c", f"print('admin key {TOKEN}')"],
-                             log_file=str(earlier))  # fmt: skip
+    spec = CommandWorkerSpec(
+        name="talker", argv=[sys.executable, "-c", f"print('admin key {TOKEN}')"], log_file=str(earlier)
+    )
 
     async def scenario() -> None:
         await provider.start(spec)

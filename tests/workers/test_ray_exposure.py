@@ -29,8 +29,15 @@ def is_loopback(address: str) -> bool:
 
 def test_a_default_ray_run_listens_on_loopback_only(tmp_path: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # a default run: no cluster
-    result = subprocess.run([sys.executable, "-m", "tests.workers.ray_ports", str(tmp_path / "run")], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.workers.ray_ports", str(tmp_path / "run")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     ports = json.loads(result.stdout.strip().splitlines()[-1])
     names = " ".join(row["name"] for row in ports)

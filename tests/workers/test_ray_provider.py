@@ -33,8 +33,13 @@ def provider(tmp_path_factory: pytest.TempPathFactory, loop):
 
 
 def echo_spec(name: str) -> PythonWorkerSpec:
-    return PythonWorkerSpec(name=name, target="miles_core.testkit.echo_worker:EchoWorker", kwargs={"label": name},
-                            rpc_groups=ECHO_GROUPS, num_cpus=0.25)  # fmt: skip
+    return PythonWorkerSpec(
+        name=name,
+        target="miles_core.testkit.echo_worker:EchoWorker",
+        kwargs={"label": name},
+        rpc_groups=ECHO_GROUPS,
+        num_cpus=0.25,
+    )
 
 
 def gone(pids: list[int]) -> bool:
@@ -45,12 +50,21 @@ def test_placement_order_is_node_then_device_then_bundle() -> None:
     def slot(ip: str, gpus: list[str], index: int) -> _Slot:
         return _Slot(group=None, bundle_index=index, location={"node_ip": ip, "gpu_ids": gpus})
 
-    slots = [slot("10.0.0.10", ["1"], 0), slot("10.0.0.9", ["3"], 1), slot("10.0.0.9", ["10"], 2),
-             slot("10.0.0.10", ["0"], 3), slot("10.0.0.9", ["2"], 4)]  # fmt: skip
+    slots = [
+        slot("10.0.0.10", ["1"], 0),
+        slot("10.0.0.9", ["3"], 1),
+        slot("10.0.0.9", ["10"], 2),
+        slot("10.0.0.10", ["0"], 3),
+        slot("10.0.0.9", ["2"], 4),
+    ]
     ordered = sorted(slots, key=placement_order)
     assert [(s.location["node_ip"], s.location["gpu_ids"][0]) for s in ordered] == [
-        ("10.0.0.9", "2"), ("10.0.0.9", "3"), ("10.0.0.9", "10"), ("10.0.0.10", "0"), ("10.0.0.10", "1"),
-    ]  # fmt: skip
+        ("10.0.0.9", "2"),
+        ("10.0.0.9", "3"),
+        ("10.0.0.9", "10"),
+        ("10.0.0.10", "0"),
+        ("10.0.0.10", "1"),
+    ]
 
 
 def test_workers_land_on_bundles_in_the_documented_order(provider: RayWorkerProvider, loop) -> None:
@@ -103,9 +117,12 @@ def test_python_worker_killed_then_recovered_in_its_bundle(provider: RayWorkerPr
 def test_command_worker_is_supervised_by_its_actor(provider: RayWorkerProvider, loop) -> None:
     async def scenario() -> None:
         spec = CommandWorkerSpec(
-            name="ray-http", argv=["bash", "-c", f"{sys.executable} -m http.server {{port}} --bind {{host}} & wait"],
-            ports=["port"], health_url="http://{host}:{port}/", num_cpus=0.25,
-        )  # fmt: skip
+            name="ray-http",
+            argv=["bash", "-c", f"{sys.executable} -m http.server {{port}} --bind {{host}} & wait"],
+            ports=["port"],
+            health_url="http://{host}:{port}/",
+            num_cpus=0.25,
+        )
         info = await provider.start(spec)
         tree = await provider.tree_pids("ray-http")
         assert len(tree) == 3  # the actor, bash, and the server
@@ -119,16 +136,22 @@ def test_command_worker_is_supervised_by_its_actor(provider: RayWorkerProvider, 
 
 
 def test_command_that_fails_under_ray_reports_its_log(provider: RayWorkerProvider, loop, tmp_path: Path) -> None:
-    spec = CommandWorkerSpec(name="ray-bad", argv=[sys.executable, "-c", "print('no such model'); raise SystemExit(2)"],
-                             ports=["port"], health_url="http://{host}:{port}/health", num_cpus=0.25)  # fmt: skip
+    spec = CommandWorkerSpec(
+        name="ray-bad",
+        argv=[sys.executable, "-c", "print('no such model'); raise SystemExit(2)"],
+        ports=["port"],
+        health_url="http://{host}:{port}/health",
+        num_cpus=0.25,
+    )
     with pytest.raises(WorkerStartError) as caught:
         loop.run_until_complete(provider.start(spec))
     assert "worker ray-bad exited while starting" in str(caught.value)
     assert "no such model" in str(caught.value)
 
 
-def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(provider: RayWorkerProvider,
-                                                                              loop) -> None:  # fmt: skip
+def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(
+    provider: RayWorkerProvider, loop
+) -> None:
     async def scenario() -> None:
         free = echo_spec("no-cpu").model_copy(update={"num_cpus": 0.0})  # like a CPU engine sharing the cores
         info = await provider.start(free)

@@ -70,8 +70,11 @@ def test_remote_exception_comes_back_with_type_message_and_traceback() -> None:
                 await handle.fail("disk on fire")
             error = caught.value
             assert (error.error_type, error.remote_message, error.worker, error.method) == (
-                "ValueError", "disk on fire", "echo-0", "fail",
-            )  # fmt: skip
+                "ValueError",
+                "disk on fire",
+                "echo-0",
+                "fail",
+            )
             assert "in fail\n    raise ValueError(message)" in error.remote_traceback
             assert await handle.ping() == "pong"  # the server keeps serving
             await handle.client.aclose()
@@ -113,8 +116,9 @@ def test_long_poll_waits_without_spinning() -> None:
             assert 0.9 < await client.call("sleep", 1.0) < 2.0
             assert client.resends == 0
             async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-                submitted = await http.post(f"{served.server.url}/rpc/submit", json={
-                    "call_id": "slow", "method": "sleep", "args": [0.5]})  # fmt: skip
+                submitted = await http.post(
+                    f"{served.server.url}/rpc/submit", json={"call_id": "slow", "method": "sleep", "args": [0.5]}
+                )
                 assert submitted.json() == {"call_id": "slow", "state": "running"}  # answered at once
                 start = time.monotonic()
                 polled = await http.get(f"{served.server.url}/rpc/poll", params={"call_id": "slow", "wait_s": 5})

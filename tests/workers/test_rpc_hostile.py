@@ -381,9 +381,19 @@ def test_bearer_scheme_is_case_insensitive_and_spaces_are_tolerated(header: str)
 
 @pytest.mark.parametrize(
     "header",
-    [TOKEN, "Bearer", f"Basic {TOKEN}", "Bearer wrong", f"Bearer{TOKEN}", f"{TOKEN} Bearer",
-     f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", f"Token {TOKEN}", ""],
-)  # fmt: skip
+    [
+        TOKEN,
+        "Bearer",
+        f"Basic {TOKEN}",
+        "Bearer wrong",
+        f"Bearer{TOKEN}",
+        f"{TOKEN} Bearer",
+        f"Bearer {TOKEN}x",
+        f"Bearer {TOKEN[:-1]}",
+        f"Token {TOKEN}",
+        "",
+    ],
+)
 def test_anything_but_a_bearer_token_is_refused_on_every_route(header: str) -> None:
     async def scenario() -> None:
         async with Served() as served, httpx.AsyncClient(base_url=served.server.url) as http:
@@ -457,14 +467,16 @@ def _bad_submit(rng: random.Random, index: int) -> tuple[bytes | dict, dict[str,
         body[rng.choice(["args", "kwargs"])] = rng.choice(["k", 5, True, None]) if rng.random() < 0.5 else {"k": 1}
     elif kind == 8:  # broken bytes: truncated JSON, NaN, huge numbers, deep nesting, random bytes
         raw = json.dumps(good).encode()
-        return rng.choice([
-            raw[: rng.randrange(1, len(raw) - 1)],
-            raw.replace(b'"wait_s": 0', b'"wait_s": NaN'),
-            raw.replace(b'"k", ' + str(index).encode(), b'"k", ' + b"8" * rng.randrange(65, 6000)),
-            raw.replace(b'"kwargs": {}', b'"kwargs": ' + b"[" * 3000 + b"]" * 3000),
-            raw.replace(b'"wait_s": 0', b'"wait_s": 1e' + str(rng.randrange(309, 999)).encode()),
-            bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))),
-        ]), AUTH  # fmt: skip
+        return rng.choice(
+            [
+                raw[: rng.randrange(1, len(raw) - 1)],
+                raw.replace(b'"wait_s": 0', b'"wait_s": NaN'),
+                raw.replace(b'"k", ' + str(index).encode(), b'"k", ' + b"8" * rng.randrange(65, 6000)),
+                raw.replace(b'"kwargs": {}', b'"kwargs": ' + b"[" * 3000 + b"]" * 3000),
+                raw.replace(b'"wait_s": 0', b'"wait_s": 1e' + str(rng.randrange(309, 999)).encode()),
+                bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200))),
+            ]
+        ), AUTH
     elif kind == 9:  # a good body with a bad token
         return good, {"Authorization": rng.choice(["", TOKEN, f"Basic {TOKEN}", "Bearer nope", f"Bearer{TOKEN}"])}
     elif kind == 10:

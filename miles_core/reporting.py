@@ -10,6 +10,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+SUMMARY_FIELDS = (
+    ("reward", "rollout/reward_mean", ".3f", ""),
+    ("loss", "train/loss", "+.4f", ""),
+    ("entropy", "train/entropy", ".3f", ""),
+    ("step", "time/step", ".2f", "s"),
+    ("eval", "eval/reward_mean", ".3f", ""),
+)
+"""The step line: label, metric, format, unit; a metric the step did not report is left out."""
+
 
 class RunReporter:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True) -> None:
@@ -32,14 +41,8 @@ class RunReporter:
         self.rows.append(row)
         with open(self.metrics_file, "a") as out:
             out.write(json.dumps(row) + "\n")
-        summary = (
-            f"step {step:4d}  reward {metrics.get('rollout/reward_mean', float('nan')):.3f}  "
-            f"loss {metrics.get('train/loss', float('nan')):+.4f}  "
-            f"entropy {metrics.get('train/entropy', float('nan')):.3f}  "
-            f"step {metrics.get('time/step', 0):.2f}s"
-        )
-        if "eval/reward_mean" in metrics:
-            summary += f"  eval {metrics['eval/reward_mean']:.3f}"
+        fields = [f"{label} {metrics[key]:{spec}}{unit}" for label, key, spec, unit in SUMMARY_FIELDS if key in metrics]
+        summary = "  ".join([f"step {step:4d}", *fields])  # a trainer reports its own set of metrics
         self.bar.write(summary)
         self.bar.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0):.3f}")
         self.bar.update(1)

@@ -1,4 +1,5 @@
-"""Hook implementations of the example plugin. Targets are import strings, so listing plugins imports no torch."""
+"""Hook implementations of the example plugin: a reward function, a model implementation, a training backend and an
+engine backend. Targets are import strings, so listing plugins imports no torch."""
 
 from __future__ import annotations
 
@@ -24,3 +25,15 @@ def provide_model_implementations() -> list[Implementation]:
             "llama", "minimal", "miles_example_hooks.minimal_llama:MinimalLlama", "plain-PyTorch Llama, eager"
         )
     ]
+
+
+@hookimpl
+def provide_training_backends() -> list[Implementation]:
+    target = "miles_example_hooks.reinforce:ReinforceTrainer"
+    return [Implementation("example-reinforce", target, "plain REINFORCE on the minimal Llama (an example)")]
+
+
+@hookimpl
+def provide_engine_backends() -> list[Implementation]:
+    target = "miles_example_hooks.reinforce:ExampleLocalEngines"
+    return [Implementation("example-local", target, "Miles' local engine as a command (an example)")]

@@ -13,12 +13,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError, MilesError, PluginHookError, PluginLoadError, RegistryError
+from miles_core.events import EngineInfo, EngineWorker, RouterInfo, TrainerInfo
 from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
     from miles_core.engines.backend import EngineBackend
     from miles_core.models.causal_lm import CausalLM
+    from miles_core.rollout.executor import Sample
     from miles_core.rollout.prompts import Prompt
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch
@@ -36,6 +38,7 @@ _LAZY = {
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "Prompt": "miles_core.rollout.prompts",
     "PythonWorkerSpec": "miles_core.workers.specs",
+    "Sample": "miles_core.rollout.executor",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
     "TransferReport": "miles_core.weight_transfer.protocol",
@@ -64,6 +67,8 @@ __all__ = [
     "ConfigError",
     "EngineBackend",
     "EngineEndpoint",
+    "EngineInfo",
+    "EngineWorker",
     "HfWeightIterator",
     "Implementation",
     "MilesError",
@@ -72,7 +77,10 @@ __all__ = [
     "Prompt",
     "PythonWorkerSpec",
     "RegistryError",
+    "RouterInfo",
+    "Sample",
     "TrainBatch",
+    "TrainerInfo",
     "TrainingBackend",
     "TransferReport",
     "WeightBucket",

@@ -10,7 +10,10 @@ this module is their documentation. Conventions:
   listing plugins never imports torch, ray or a backend.
 * **Configuration hooks** contribute pydantic sections and command-line flags, and validate the whole config once
   it is built.
-* **Run-time hooks** (engine launch, rollout preparation, dashboard, weight updates) are called by the RL loop.
+* **Run-time hooks** (rollout preparation, run events, weight updates) are called by the RL loop; what they receive
+  is typed (:class:`~miles_core.events.TrainerInfo`, :class:`~miles_core.events.EngineInfo`,
+  :class:`~miles_core.events.RouterInfo`, the rollout's ``Sample``, the ``InferenceController``, the protocol and its
+  ``TransferReport``), all importable from ``miles_core``.
 
 None of the hooks is historic: plugins register before any hook is called. Every call goes through
 :mod:`miles_core.plugin_guard`: what an implementation raises, or returns outside what its hook allows (checked by
@@ -27,7 +30,11 @@ import pluggy
 
 if TYPE_CHECKING:  # annotations only: importing these at run time would be circular
     from miles_core.config.flags import ConfigFlag
+    from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
     from miles_core.registry import Implementation, Registries
+    from miles_core.rollout.controller import InferenceController
+    from miles_core.rollout.executor import Sample
+    from miles_core.weight_transfer.protocol import TransferReport, WeightTransferProtocol
 
 PROJECT_NAME = "miles"
 
@@ -167,7 +174,7 @@ def validate_config(config: Any, registries: Registries) -> None:
 
 
 @hookspec
-def prepare_rollout(rollout_id: int, controller: Any) -> None:
+def prepare_rollout(rollout_id: int, controller: InferenceController) -> None:
     """Runs before every training rollout is generated.
 
     Called by the RL loop with the rollout id and the ``InferenceController``; used to resume health monitoring,
@@ -176,7 +183,7 @@ def prepare_rollout(rollout_id: int, controller: Any) -> None:
 
 
 @hookspec
-def prepare_eval(rollout_id: int, controller: Any) -> None:
+def prepare_eval(rollout_id: int, controller: InferenceController) -> None:
     """Runs before every evaluation, like :func:`prepare_rollout` but for eval generation; ``rollout_id`` is the
     step the eval follows (``0`` for the eval before training, ``N`` for the eval after step ``N``)."""
 
@@ -200,15 +207,15 @@ def on_run_end(status: str, error: str | None) -> None:
 
 
 @hookspec
-def register_trainer(trainer: dict[str, Any]) -> None:
+def register_trainer(trainer: TrainerInfo) -> None:
     """The trainer of the run: ``backend``, ``implementation`` and ``ranks`` (one name per trainer rank). Called
     once, after the trainer is built."""
 
 
 @hookspec
-def register_engines(engines: list[Any]) -> None:
-    """The engines now running: one description per engine (cell id, state, workers with their URLs, weight
-    version).
+def register_engines(engines: list[EngineInfo]) -> None:
+    """The engines now running: one :class:`~miles_core.events.EngineInfo` per engine (cell id, state, workers with
+    their URLs, weight version).
 
     Called after engines start, after a cell is restarted (its URL may have changed), and with ``[]`` before the
     engines stop. A router plugin keeps its router's worker list equal to this list.
@@ -216,8 +223,9 @@ def register_engines(engines: list[Any]) -> None:
 
 
 @hookspec
-def register_router(router: Any) -> None:
-    """A router is up: called with its description (``name``, ``url``, ``pid``). Called after it starts."""
+def register_router(router: RouterInfo) -> None:
+    """A router is up: called with its :class:`~miles_core.events.RouterInfo` (``name``, ``url``, ``pid``). Called
+    after it starts."""
 
 
 @hookspec
@@ -246,7 +254,7 @@ def on_eval(step: int, metrics: dict[str, float], started: float, ended: float) 
 
 
 @hookspec
-def on_samples(rollout_id: int, step: int, samples: list[Any]) -> None:
+def on_samples(rollout_id: int, step: int, samples: list[Sample]) -> None:
     """The samples of a training rollout (prompt, response, reward), called once per step after rewards are
     computed; ``step`` and ``rollout_id`` as in :func:`on_phase`."""
 
@@ -257,12 +265,12 @@ def on_samples(rollout_id: int, step: int, samples: list[Any]) -> None:
 
 
 @hookspec
-def before_weight_update(version: int, protocol: Any) -> None:
+def before_weight_update(version: int, protocol: WeightTransferProtocol) -> None:
     """Called before every weight transfer, with the version about to be published and the protocol instance."""
 
 
 @hookspec
-def weight_update_wrapper(version: int, protocol: Any) -> contextlib.AbstractContextManager | None:
+def weight_update_wrapper(version: int, protocol: WeightTransferProtocol) -> contextlib.AbstractContextManager | None:
     """Wrap every weight transfer: return a context manager (or ``None``).
 
     Called before every transfer, after :func:`before_weight_update`. The core enters every returned context
@@ -273,6 +281,6 @@ def weight_update_wrapper(version: int, protocol: Any) -> contextlib.AbstractCon
 
 
 @hookspec
-def after_weight_update(version: int, protocol: Any, report: Any) -> None:
+def after_weight_update(version: int, protocol: WeightTransferProtocol, report: TransferReport) -> None:
     """Called after every successful weight transfer, with the version, the protocol and its
     :class:`~miles_core.weight_transfer.TransferReport` (bytes, seconds, GB/s, checksum result)."""

@@ -17,6 +17,7 @@ import transformers
 
 from miles_core.engines.backend import load_engine_backend
 from miles_core.errors import ConfigError, MilesError
+from miles_core.events import TrainerInfo
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
@@ -49,12 +50,8 @@ async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progres
     trainer = _build_trainer(config, registries, setup)
     print(f"miles: {config.train.backend} trainer, model {trainer.implementation}", flush=True)
     try:
-        trainer_info = {
-            "backend": config.train.backend,
-            "implementation": trainer.implementation,
-            "ranks": list(trainer.rank_names()),
-        }
-        manager.hook.register_trainer(trainer=trainer_info)
+        ranks = tuple(trainer.rank_names())
+        manager.hook.register_trainer(trainer=TrainerInfo(config.train.backend, trainer.implementation, ranks))
         if setup.start_step:
             trainer.load_checkpoint(setup.model_path)
         return await _run_with_trainer(config, manager, setup, trainer, protocol, progress=progress)

@@ -59,7 +59,7 @@ def test_an_update_reads_the_weights_once_verifies_them_and_keeps_a_cpu_copy(tmp
     async def scenario() -> None:
         try:
             await controller.start(version=3)
-            assert controller.version == 3 and {e["weight_version"] for e in controller.describe_engines()} == {3}
+            assert controller.version == 3 and {e.weight_version for e in controller.describe_engines()} == {3}
             report = await controller.update_weights(source, version=4)
             assert source.passes == 1  # sent, checksummed and copied in one pass
             assert report.checksum_ok and controller.version == 4

@@ -110,7 +110,7 @@ def on_phase(rollout_id, phase, started, ended):
 
 @hookimpl
 def register_engines(engines):
-    REGISTRATIONS.append(sorted(engine["cell_id"] for engine in engines))
+    REGISTRATIONS.append(sorted(engine.cell_id for engine in engines))
 
 
 @hookimpl

@@ -17,6 +17,7 @@ from typing import Any
 from miles_core.config.flags import ConfigFlag
 from miles_core.dashboard.store import DashboardStore
 from miles_core.errors import ConfigError
+from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
 from miles_core.hookspecs import hookimpl
 
 
@@ -133,16 +134,16 @@ class DashboardPlugin:
     # -- topology and events ------------------------------------------------------------------------------------
 
     @hookimpl
-    def register_trainer(self, trainer: dict[str, Any]) -> None:
-        self._record("register_trainer", "set_trainer", trainer)
+    def register_trainer(self, trainer: TrainerInfo) -> None:
+        self._record("register_trainer", "set_trainer", trainer.to_dict())
 
     @hookimpl
-    def register_engines(self, engines: list[Any]) -> None:
-        self._record("register_engines", "set_engines", engines)
+    def register_engines(self, engines: list[EngineInfo]) -> None:
+        self._record("register_engines", "set_engines", [engine.to_dict() for engine in engines])
 
     @hookimpl
-    def register_router(self, router: Any) -> None:
-        self._record("register_router", "set_router", router)
+    def register_router(self, router: RouterInfo) -> None:
+        self._record("register_router", "set_router", router.to_dict())
 
     # Events are stored under ``step``, the number the terminal and metrics.jsonl show (rollout_id + 1), so that
     # the terminal's step 160 is /api/steps/160 and the eval before training is step 0.

@@ -23,6 +23,7 @@ from miles_core.engines.backend import EngineBackend
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
+from miles_core.events import EngineInfo, EngineWorker, RouterInfo
 from miles_core.training.weight_iterator import bucketize
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
 from miles_core.workers.cells import Cell, CellManager
@@ -134,7 +135,7 @@ class InferenceController:
         self.router_client = EngineClient(
             self.router.url, name=self.router.name, admin_key=self.provider.token, is_router=True
         )
-        self.hooks.register_router(router={"name": self.router.name, "url": self.router.url, "pid": self.router.pid})
+        self.hooks.register_router(router=RouterInfo(name=self.router.name, url=self.router.url, pid=self.router.pid))
 
     def _specs(self, cell_id: str) -> list[WorkerSpec]:
         specs = self.backend.engine_specs(self.config, cell_id=cell_id, model_path=self.model_path)
@@ -157,8 +158,21 @@ class InferenceController:
         """Clients of the engines that are running now."""
         return [self.clients[cell.cell_id] for cell in self.cells.running() if cell.cell_id in self.clients]
 
-    def describe_engines(self) -> list[dict]:
-        return [{**cell.snapshot(), "weight_version": self.version} for cell in self.cells.cells.values()]
+    def describe_engines(self) -> list[EngineInfo]:
+        """Every engine cell as ``register_engines`` reports it."""
+        return [
+            EngineInfo(
+                cell_id=cell.cell_id,
+                server_id=cell.server_id,
+                index=cell.index,
+                state=cell.state.value,
+                restarts=cell.restarts,
+                last_error=cell.last_error,
+                workers=tuple(EngineWorker(w.name, w.url, w.pid, w.node) for w in cell.workers),
+                weight_version=self.version,
+            )
+            for cell in self.cells.cells.values()
+        ]
 
     def _refresh_clients(self) -> None:
         for cell in self.cells.running():

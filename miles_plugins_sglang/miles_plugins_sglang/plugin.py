@@ -17,6 +17,7 @@ from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation
 
 if TYPE_CHECKING:
+    from miles_core import EngineInfo, RouterInfo
     from miles_plugins_sglang.router import RouterRegistrar
 
 LOCAL_ENGINE_MODULE = "miles_core.engines.local_server"
@@ -73,18 +74,18 @@ class SglangPlugin:
             raise ConfigError(CHECKSUM_REFUSED)
 
     @hookimpl
-    def register_router(self, router: dict) -> None:
+    def register_router(self, router: RouterInfo) -> None:
         from miles_plugins_sglang.router import RouterRegistrar
 
-        previous = self.routers.pop(router["name"], None)
+        previous = self.routers.pop(router.name, None)
         if previous is not None:
             previous.close()
-        self.routers[router["name"]] = RouterRegistrar(router["url"])
+        self.routers[router.name] = RouterRegistrar(router.url)
 
     @hookimpl
-    def register_engines(self, engines: list[dict]) -> None:
+    def register_engines(self, engines: list[EngineInfo]) -> None:
         """Route to exactly the running engines (the controller calls this once they serve the current weights)."""
-        urls = [worker["url"] for engine in engines if engine["state"] == "running" for worker in engine["workers"]]
+        urls = [url for engine in engines if engine.state == "running" for url in engine.urls]
         for registrar in self.routers.values():
             registrar.sync(urls)
             if not engines:  # the run is stopping: forget the router with its engines

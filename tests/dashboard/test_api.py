@@ -4,6 +4,7 @@ what it recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -16,18 +17,20 @@ import pytest
 
 from miles_core.dashboard.plugin import DashboardPlugin
 from miles_core.dashboard.store import DashboardStore
+from miles_core.events import EngineInfo, EngineWorker, RouterInfo, TrainerInfo
 from miles_core.weight_transfer.protocol import TransferReport
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun, get_json
 
-ENGINE = {
-    "cell_id": "engine-0",
-    "server_id": "engine",
-    "index": 0,
-    "state": "running",
-    "restarts": 0,
-    "workers": [{"name": "engine-0", "url": "http://127.0.0.1:1", "pid": 1}],
-    "weight_version": 0,
-}
+ENGINE = EngineInfo(
+    cell_id="engine-0",
+    server_id="engine",
+    index=0,
+    state="running",
+    restarts=0,
+    last_error=None,
+    workers=(EngineWorker(name="engine-0", url="http://127.0.0.1:1", pid=1, node="127.0.0.1"),),
+    weight_version=0,
+)
 
 
 def sample(index: int, response: str, reward: float = 0.5) -> dict:
@@ -67,9 +70,10 @@ def test_running_run(recording_run, serve) -> None:
     """Events are stored under the step the terminal and metrics.jsonl show (rollout_id + 1); the eval before
     training is step 0; an eval within a step is recorded once."""
     run_dir, hooks = recording_run
-    hooks.register_trainer(trainer={"backend": "torch", "implementation": "llama/transformers", "ranks": ["driver"]})
-    hooks.register_router(router={"name": "router", "url": "http://127.0.0.1:2", "pid": 2})
-    hooks.register_engines(engines=[ENGINE, {**ENGINE, "cell_id": "engine-1", "state": "failed"}])
+    hooks.register_trainer(trainer=TrainerInfo(backend="torch", implementation="llama/transformers", ranks=("driver",)))
+    hooks.register_router(router=RouterInfo(name="router", url="http://127.0.0.1:2", pid=2))
+    failed = dataclasses.replace(ENGINE, cell_id="engine-1", state="failed")
+    hooks.register_engines(engines=[ENGINE, failed])
     hooks.on_eval(step=0, metrics={"eval/reward_mean": 0.125}, started=99.0, ended=100.0)  # before training
     hooks.on_phase(rollout_id=0, step=1, phase="rollout", started=100.0, ended=101.5)
     hooks.on_samples(rollout_id=0, step=1, samples=[sample(0, "77"), sample(1, "12", reward=0.0)])

@@ -34,7 +34,7 @@ ROUTERS = []
 
 @hookimpl
 def register_router(router):
-    ROUTERS.append(router["url"])
+    ROUTERS.append(router.url)
 
 
 @hookimpl

@@ -17,6 +17,7 @@ from miles_plugins_sglang.plugin import SglangPlugin
 
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError
+from miles_core.events import RouterInfo
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -148,7 +149,7 @@ def test_each_plugin_manager_has_its_own_sglang_plugin_and_router_registrars() -
     first, second = MilesPluginManager.load(), MilesPluginManager.load()
     plugins = [manager.pm.get_plugin("sglang") for manager in (first, second)]
     assert all(isinstance(plugin, SglangPlugin) for plugin in plugins) and plugins[0] is not plugins[1]
-    first.hook.register_router(router={"name": "router", "url": "http://127.0.0.1:9"})
+    first.hook.register_router(router=RouterInfo(name="router", url="http://127.0.0.1:9", pid=None))
     assert list(plugins[0].routers) == ["router"] and plugins[1].routers == {}  # no state in the module
     plugins[0].routers.pop("router").close()
 
@@ -164,7 +165,7 @@ ROUTERS = []
 
 @hookimpl
 def register_router(router):
-    ROUTERS.append(router["url"])
+    ROUTERS.append(router.url)
 
 
 @hookimpl

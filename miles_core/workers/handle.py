@@ -1,5 +1,6 @@
 """Typed client handles: ``await handle.update_weights(version=3)``, checked against the worker's real signature
-and type hints before it is sent."""
+and type hints before it is sent, its result rebuilt as the method's return type. Arguments and results are encoded
+alike (dataclasses and pydantic models as JSON objects) and rebuilt from the type hints on the other side."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class WorkerHandle:
 
     async def _invoke(self, name: str, check: ArgumentCheck, *args: Any, **kwargs: Any) -> Any:
         timeout_s = kwargs.pop("rpc_timeout_s", None)
-        check.bind(args, kwargs)  # the values are sent as given: the worker validates them again
-        return await self._client.call(name, *args, timeout_s=timeout_s, **kwargs)
+        check.bind(args, kwargs)  # the values are sent in their JSON form: the worker validates them again
+        return check.result(await self._client.call(name, *args, timeout_s=timeout_s, **kwargs))
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._methods))

@@ -1,4 +1,5 @@
-"""The strict check of RPC arguments against a method's signature and type hints, shared by server and handle.
+"""The strict check of RPC arguments against a method's signature and type hints, shared by server and handle,
+and the rebuilding of results from the return hint (:meth:`ArgumentCheck.result`).
 
 Arguments travel as JSON, so each is validated *as the JSON it is*, in pydantic's strict mode: no coercion between
 types (``true`` is not an ``int``, ``"5"`` is not an ``int`` and ``1.5`` is not one either), no NaN or infinity,
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pydantic
+import pydantic_core
 
 SHOWN_VALUE_CHARS = 200  # how much of a refused value an error message repeats
 
@@ -48,6 +50,8 @@ class ArgumentCheck:
             elif param.kind is param.VAR_KEYWORD:
                 annotation = dict[str, annotation]
             self._adapters[param.name] = pydantic.TypeAdapter(annotation)
+        self._returns = hints.get("return", Any)
+        self._result = pydantic.TypeAdapter(self._returns)
 
     def bind(self, args: typing.Sequence[Any], kwargs: dict[str, Any]) -> inspect.BoundArguments:
         """Bind and check; the bound values are the validated ones (a pydantic model for a model's object)."""
@@ -59,11 +63,23 @@ class ArgumentCheck:
             bound.arguments[name] = self._check(name, value)
         return bound
 
+    def result(self, value: Any) -> Any:
+        """A call's JSON result rebuilt as the method's return type (a dataclass or pydantic model from its object,
+        a tuple from its array); a result that does not fit is an :class:`ArgumentError` naming the method."""
+        if self._returns is Any:
+            return value
+        try:
+            return self._result.validate_python(value)
+        except pydantic.ValidationError as exc:
+            problems = "; ".join(_problem("result", error) for error in exc.errors(include_url=False))
+            refused = f"{self.name} returned what its hint {type_name(self._returns)} refuses: {problems}"
+            raise ArgumentError(refused) from None
+
     def _check(self, name: str, value: Any) -> Any:
         refused = f"bad argument {name}={short_repr(value)} for {self.name}{self.signature}: "
         refused += f"expected {self._expected[name]}"
         try:
-            text = json.dumps(value, allow_nan=False)
+            text = json.dumps(pydantic_core.to_jsonable_python(value), allow_nan=False)  # as RpcClient sends it
         except (TypeError, ValueError) as exc:  # NaN or infinity; from a Python caller, a non-JSON object
             raise ArgumentError(f"{refused}; not strict JSON ({exc}): NaN and infinity are not allowed") from None
         try:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import pydantic_core
 
 from miles_core.workers.errors import (
     CallLostError,
@@ -85,10 +86,11 @@ class RpcClient:
     ) -> Any:
         """Call ``method`` with JSON arguments; return its JSON result or raise :class:`RemoteError` (or
         :class:`RpcDeadlineError`, :class:`WorkerDiedError`, :class:`CallLostError`, :class:`RpcRequestError`).
-        Arguments that are not strict JSON (NaN, infinity, other objects) are a ``ValueError``, and nothing is sent."""
+        Dataclasses and pydantic models travel as JSON objects and tuples as arrays (:func:`encode_value`; the worker
+        rebuilds them from the method's type hints). Arguments that are not strict JSON even so (NaN, infinity, other
+        objects) are a ``ValueError``, and nothing is sent."""
         call = _Call(self, method, call_id or uuid.uuid4().hex, time.monotonic() + (timeout_s or self.timeout_s))
-        payload = {"call_id": call.call_id, "method": method, "args": list(args), "kwargs": kwargs}
-        _check_json(payload, call)
+        payload = _json_payload(call, {"call_id": call.call_id, "method": method, "args": list(args), "kwargs": kwargs})
         record = await call.request("POST", SUBMIT_PATH, payload=payload)
         while record["state"] == RUNNING:
             record = await call.request("GET", POLL_PATH, params={"call_id": call.call_id})
@@ -213,10 +215,19 @@ class _StatusError(Exception):
         super().__init__(f"HTTP {response.status_code}: {response.text[:200]}")
 
 
-def _check_json(payload: dict[str, Any], call: _Call) -> None:
-    """Refuse, before anything is sent, arguments that are not strict JSON (the worker would refuse them)."""
+def encode_value(value: Any) -> Any:
+    """``value`` in its JSON form, the one the worker's server uses for results too: dataclasses and pydantic models
+    as objects, tuples as arrays (``pydantic_core.to_jsonable_python``); NaN and infinity are left for the check."""
+    return pydantic_core.to_jsonable_python(value)
+
+
+def _json_payload(call: _Call, payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload in JSON form; one that is not strict JSON is refused before anything is sent (the worker would
+    refuse it)."""
     try:
-        json.dumps(payload, allow_nan=False)
+        encoded = encode_value(payload)
+        json.dumps(encoded, allow_nan=False)
+        return encoded
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"{call.describe()}: the arguments must be JSON (str keys, finite numbers, lists, dicts): {exc}"

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
-from miles_core.training.batch import TrainBatch, TrainSample
+from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
 from miles_core.training.optimizer import build_optimizer
 from miles_core.workers.rpc_server import rpc_method
@@ -136,12 +136,12 @@ class MegatronRank:
     # -- training ---------------------------------------------------------------------------------------------
 
     @rpc_method(group="train")
-    def train_step(self, samples: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step over the whole batch: this rank's data-parallel share of ``samples`` in
-        micro-batches, gradients summed over data-parallel ranks, clipped by the global norm."""
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over the whole batch: this rank's data-parallel share of its samples in
+        micro-batches, gradients summed over data-parallel ranks, clipped by the global norm. The batch arrives as
+        a ``TrainBatch``: the RPC rebuilds it from this hint."""
         from megatron.core import parallel_state
 
-        batch = TrainBatch([TrainSample(**sample) for sample in samples])
         total_tokens = sum(len(s.response_ids) for s in batch.samples)
         if total_tokens == 0:
             raise MilesError("the batch has no response tokens to train on")

@@ -11,7 +11,6 @@ driver reads once and serves to every weight-transfer protocol through :meth:`Me
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -133,8 +132,7 @@ class MegatronTrainer:
         """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
         if not batch.samples:
             raise MilesError("the batch has no samples to train on")
-        samples = [dataclasses.asdict(sample) for sample in batch.samples]
-        metrics = self.ranks.call("train_step", samples)[0]
+        metrics = self.ranks.call("train_step", batch)[0]
         self.step += 1
         self._export()
         return {

@@ -330,9 +330,22 @@ def test_the_client_refuses_non_json_arguments_before_sending() -> None:
             client = RpcClient(served.server.url, token=TOKEN, worker="typed-0")
             with pytest.raises(ValueError, match=r"typed-0\.scale .*: the arguments must be JSON .*Out of range float"):
                 await client.call("scale", float("nan"))
-            with pytest.raises(ValueError, match=r"the arguments must be JSON .*not JSON serializable"):
-                await client.call("configure", Settings(lr=0.1, steps=1))
+            with pytest.raises(ValueError, match=r"the arguments must be JSON .*Unable to serialize unknown type"):
+                await client.call("configure", object())
             assert served.worker.executions == {} and len(served.server.store) == 0
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_models_and_dataclasses_travel_as_objects_and_arrive_rebuilt_from_the_hints() -> None:
+    async def scenario() -> None:
+        async with Served() as served:
+            client = RpcClient(served.server.url, token=TOKEN, worker="typed-0")
+            assert await client.call("configure", Settings(lr=0.1, steps=1)) == "Settings lr=0.1 steps=1"
+            assert await client.call("pair", (3, 4)) == [3, 4]  # a tuple as its array
+            with pytest.raises(RpcRequestError, match=r"steps"):  # the object is still checked field by field
+                await client.call("configure", {"lr": 0.1, "steps": "one"})
             await client.aclose()
 
     run(scenario())

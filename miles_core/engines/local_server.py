@@ -59,7 +59,7 @@ from miles_core.http import (
     safe_message,
 )
 from miles_core.workers.process import listening_socket
-from miles_core.workers.rpc_wire import TOKEN_ENV
+from miles_core.workers.rpc.wire import TOKEN_ENV
 
 MIB = 1 << 20
 CONTROL_BODY_BYTES = 1 * MIB

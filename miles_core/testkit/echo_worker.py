@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from miles_core.workers.rpc_server import rpc_method
+from miles_core.workers.rpc.server import rpc_method
 
 ECHO_GROUPS: dict[str, int | None] = {"control": 1, "query": None, "limited": 4}
 """Concurrency groups an ``EchoWorker`` server is started with."""

@@ -9,17 +9,17 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from miles_core.workers.rpc_arguments import ArgumentCheck
-from miles_core.workers.rpc_client import RpcClient
-from miles_core.workers.rpc_server import rpc_methods_of
+from miles_core.workers.rpc.arguments import ArgumentCheck
+from miles_core.workers.rpc.client import RpcClient
+from miles_core.workers.rpc.server import rpc_methods_of
 
 
 class WorkerHandle:
     """Calls a worker's methods through an :class:`RpcClient`, checking the arguments against the signature and
     type hints of ``interface`` first (the same strict check the worker's server runs), so a wrong call fails here
-    with a ``TypeError`` (an :class:`~miles_core.workers.rpc_arguments.ArgumentError`) and is never sent.
+    with a ``TypeError`` (an :class:`~miles_core.workers.rpc.arguments.ArgumentError`) and is never sent.
 
-    ``interface`` is the worker class (its :func:`~miles_core.workers.rpc_server.rpc_method` methods are exposed) or
+    ``interface`` is the worker class (its :func:`~miles_core.workers.rpc.server.rpc_method` methods are exposed) or
     a ``typing.Protocol`` describing it (all its public methods are exposed).
     """
 

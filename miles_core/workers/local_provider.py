@@ -14,7 +14,7 @@ from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo, wait_healthy
 from miles_core.workers.python_worker import READY_FILE_ENV, SPEC_ENV
-from miles_core.workers.rpc_wire import HEALTH_PATH, TOKEN_ENV
+from miles_core.workers.rpc.wire import HEALTH_PATH, TOKEN_ENV
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from miles_core.workers.errors import WorkerError, WorkerStartError
-from miles_core.workers.rpc_client import RpcClient
+from miles_core.workers.rpc.client import RpcClient
 from miles_core.workers.specs import WorkerSpec
 
 

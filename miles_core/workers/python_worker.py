@@ -16,8 +16,8 @@ from typing import Any
 import uvloop
 
 from miles_core.registry import Implementation
-from miles_core.workers.rpc_server import RpcServer
-from miles_core.workers.rpc_wire import TOKEN_ENV
+from miles_core.workers.rpc.server import RpcServer
+from miles_core.workers.rpc.wire import TOKEN_ENV
 from miles_core.workers.specs import PythonWorkerSpec
 
 SPEC_ENV = "MILES_WORKER_SPEC"

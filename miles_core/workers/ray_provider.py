@@ -32,7 +32,7 @@ from miles_core.workers.errors import WorkerError, WorkerStartError
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
-from miles_core.workers.rpc_wire import HEALTH_PATH, TOKEN_ENV
+from miles_core.workers.rpc.wire import HEALTH_PATH, TOKEN_ENV
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
 ZERO_CPU_BUNDLE = 0.01

@@ -21,7 +21,7 @@ from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
 from miles_core.training.optimizer import build_optimizer
-from miles_core.workers.rpc_server import rpc_method
+from miles_core.workers.rpc.server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

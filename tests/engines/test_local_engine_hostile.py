@@ -29,7 +29,7 @@ from miles_core.engines.staging import STAGING_DIR_ENV
 from miles_core.engines.weights import staging_layout
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.workers.process import free_ports
-from miles_core.workers.rpc_wire import TOKEN_ENV
+from miles_core.workers.rpc.wire import TOKEN_ENV
 
 ADMIN = "hostile-admin-key"
 VOCAB = 64  # the tiny Llama's vocabulary

@@ -13,8 +13,8 @@ from miles_core.testkit.echo_worker import ECHO_GROUPS, EchoWorker
 from miles_core.testkit.fault_proxy import FaultProxy
 from miles_core.workers.errors import CallLostError, RemoteError, RpcDeadlineError, RpcRequestError
 from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.rpc_client import RpcClient
-from miles_core.workers.rpc_server import RpcServer
+from miles_core.workers.rpc.client import RpcClient
+from miles_core.workers.rpc.server import RpcServer
 
 TOKEN = "test-token"
 

@@ -21,9 +21,9 @@ import pytest
 from miles_core.testkit.fault_proxy import FaultProxy
 from miles_core.workers.errors import CallLostError, RpcDeadlineError, RpcRequestError, WorkerDiedError
 from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.rpc_arguments import ArgumentError
-from miles_core.workers.rpc_client import RpcClient
-from miles_core.workers.rpc_server import RpcServer, rpc_method
+from miles_core.workers.rpc.arguments import ArgumentError
+from miles_core.workers.rpc.client import RpcClient
+from miles_core.workers.rpc.server import RpcServer, rpc_method
 
 TOKEN = "hostile-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -38,10 +38,10 @@ from miles_core.http import (
     parse_json_object,
     read_body,
 )
-from miles_core.workers.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
 from miles_core.workers.process import listening_socket
-from miles_core.workers.rpc_arguments import ArgumentCheck, ArgumentError, short_repr
-from miles_core.workers.rpc_wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc.arguments import ArgumentCheck, ArgumentError, short_repr
+from miles_core.workers.rpc.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
+from miles_core.workers.rpc.wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 RPC_MARKER = "__miles_rpc_group__"
 DEFAULT_GROUPS: dict[str, int | None] = {"control": 1, "query": None}

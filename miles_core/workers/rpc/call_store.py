@@ -7,7 +7,7 @@ import collections
 import dataclasses
 import time
 
-from miles_core.workers.rpc_wire import RUNNING
+from miles_core.workers.rpc.wire import RUNNING
 
 DEFAULT_RESULT_TTL_S = 12 * 3600.0
 MAX_FORGOTTEN_IDS = 100_000  # about 10 MB of remembered ids

@@ -31,7 +31,7 @@ from miles_core.workers.errors import (
     RpcRequestError,
     WorkerDiedError,
 )
-from miles_core.workers.rpc_wire import DONE, GONE, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc.wire import DONE, GONE, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
 
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 """Transport failures before a connection existed: the request was never written."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_core.config.sections import TrainSection
 from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch
@@ -49,7 +50,7 @@ class MegatronRank:
         self.rank, self.world_size, self.init_method = rank, world_size, init_method
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
-        self.train = _Settings(train)
+        self.train = TrainSection.model_validate(train)  # the driver's train section, checked again here
         self.threads = threads
         self.reference_path = reference_path
         self.model: torch.nn.Module | None = None
@@ -336,13 +337,6 @@ class MegatronRank:
         """Leave the process group (the worker process is stopped by its provider afterwards)."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-class _Settings:
-    """The ``train`` section's values, as attributes (they arrive as JSON)."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.__dict__.update(values)
 
 
 def _all_reduce_in_place(tensors: list[torch.Tensor], group: Any) -> None:

@@ -76,7 +76,8 @@ class GenerateOutput:
     @classmethod
     def from_sglang(cls, body: Any, *, engine: str, with_logprobs: bool = False) -> GenerateOutput:
         """Check and read one answer; ``with_logprobs``: it was asked for with ``return_logprob`` (so it must
-        carry one logprob per output id). Anything malformed is an :class:`EngineError` naming ``engine``."""
+        carry one logprob per output id; an aborted answer may carry none). Anything malformed is an
+        :class:`EngineError` naming ``engine``."""
 
         def bad(what: str) -> EngineError:
             return EngineError(f"engine {engine} sent a malformed /generate answer: {what}")
@@ -93,12 +94,16 @@ class GenerateOutput:
         reason = meta.get("finish_reason")
         if not isinstance(reason, Mapping) or not isinstance(reason.get("type"), str):
             raise bad(f"meta_info.finish_reason = {_excerpt(reason)}, expected an object with a string 'type'")
-        logprobs = _logprobs(meta, output_ids, bad) if with_logprobs else []
+        # An aborted request's answer may lack the logprobs and the version (SGLang answers a request aborted while
+        # queued from its tokenizer process): it is partial anyway and is sent again, so only what it has is checked.
+        aborted = reason["type"] == "abort"
+        logprobs = [] if not with_logprobs or (aborted and "output_token_logprobs" not in meta) else None
+        version = meta.get("weight_version", INITIAL_WEIGHT_VERSION if aborted else _MISSING)
         return cls(
             output_ids=list(output_ids),
-            logprobs=logprobs,
+            logprobs=_logprobs(meta, output_ids, bad) if logprobs is None else logprobs,
             finish_reason=reason["type"],
-            weight_version=parse_weight_version(meta.get("weight_version", _MISSING), engine=engine),
+            weight_version=parse_weight_version(version, engine=engine),
             text=text,
             meta=dict(meta),
         )

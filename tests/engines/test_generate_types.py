@@ -230,6 +230,23 @@ def test_a_malformed_answer_is_an_engine_error_naming_the_engine(bad_engine, bod
         run(scenario())
 
 
+def test_an_aborted_answer_may_lack_logprobs_and_version_but_not_its_shape(bad_engine) -> None:
+    url = f"http://127.0.0.1:{bad_engine.server_address[1]}"
+
+    async def call() -> GenerateOutput:
+        async with EngineClient(url, name="odd-engine") as client:
+            return await client.generate_outputs([4], SamplingParams(max_new_tokens=2))
+
+    abort = {"type": "abort", "message": "aborted while queued"}
+    bare = {"text": "", "output_ids": [], "meta_info": {"finish_reason": abort}}
+    bad_engine.answer = json.dumps(bare).encode()
+    output = run(call())
+    assert (output.aborted, output.output_ids, output.logprobs, output.weight_version) == (True, [], [], None)
+    bad_engine.answer = json.dumps(answer(finish_reason=abort, output_token_logprobs=LOGPROBS[:1])).encode()
+    with pytest.raises(EngineError, match=r"odd-engine .*expected a list of 2"):  # what it has is still checked
+        run(call())
+
+
 def test_non_finite_logprobs_and_wrong_batch_shapes_are_engine_errors(bad_engine) -> None:
     url = f"http://127.0.0.1:{bad_engine.server_address[1]}"
     params = SamplingParams(max_new_tokens=2)

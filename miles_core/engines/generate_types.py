@@ -97,11 +97,14 @@ class GenerateOutput:
         # An aborted request's answer may lack the logprobs and the version (SGLang answers a request aborted while
         # queued from its tokenizer process): it is partial anyway and is sent again, so only what it has is checked.
         aborted = reason["type"] == "abort"
-        logprobs = [] if not with_logprobs or (aborted and "output_token_logprobs" not in meta) else None
+        if not with_logprobs or (aborted and "output_token_logprobs" not in meta):
+            logprobs: list[float] = []
+        else:
+            logprobs = _logprobs(meta, output_ids, bad)
         version = meta.get("weight_version", INITIAL_WEIGHT_VERSION if aborted else _MISSING)
         return cls(
             output_ids=list(output_ids),
-            logprobs=_logprobs(meta, output_ids, bad) if logprobs is None else logprobs,
+            logprobs=logprobs,
             finish_reason=reason["type"],
             weight_version=parse_weight_version(version, engine=engine),
             text=text,

@@ -2,7 +2,8 @@
 
 The public API is this flat namespace: plugins import from ``miles_core``, not from its modules. The contracts a
 third party programs against are here (:class:`TrainingBackend`, :class:`EngineBackend`,
-:class:`WeightTransferProtocol` and its types, :class:`HfWeightIterator`, :class:`CausalLM`, the worker specs);
+:class:`WeightTransferProtocol` and its types, :class:`HfWeightIterator`, :class:`CausalLM`, the worker specs,
+an engine's typed ``/generate`` request and answer, :class:`SamplingParams` and :class:`GenerateOutput`);
 those that need torch or pydantic are imported on first use, so that ``import miles_core`` stays light (every
 ``miles`` command imports it).
 """
@@ -12,13 +13,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from miles_core.errors import ConfigError, MilesError, PluginHookError, PluginLoadError, RegistryError
+from miles_core.errors import ConfigError, EngineError, MilesError, PluginHookError, PluginLoadError, RegistryError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo, TrainerInfo
 from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
     from miles_core.engines.backend import EngineBackend
+    from miles_core.engines.generate_types import GenerateOutput, SamplingParams
     from miles_core.models.causal_lm import CausalLM
     from miles_core.rollout.executor import Sample
     from miles_core.rollout.prompts import Prompt
@@ -35,10 +37,12 @@ _LAZY = {
     "CommandWorkerSpec": "miles_core.workers.specs",
     "EngineBackend": "miles_core.engines.backend",
     "EngineEndpoint": "miles_core.weight_transfer.protocol",
+    "GenerateOutput": "miles_core.engines.generate_types",
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "Prompt": "miles_core.rollout.prompts",
     "PythonWorkerSpec": "miles_core.workers.specs",
     "Sample": "miles_core.rollout.executor",
+    "SamplingParams": "miles_core.engines.generate_types",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
     "TransferReport": "miles_core.weight_transfer.protocol",
@@ -67,8 +71,10 @@ __all__ = [
     "ConfigError",
     "EngineBackend",
     "EngineEndpoint",
+    "EngineError",
     "EngineInfo",
     "EngineWorker",
+    "GenerateOutput",
     "HfWeightIterator",
     "Implementation",
     "MilesError",
@@ -79,6 +85,7 @@ __all__ = [
     "RegistryError",
     "RouterInfo",
     "Sample",
+    "SamplingParams",
     "TrainBatch",
     "TrainerInfo",
     "TrainingBackend",

@@ -21,3 +21,7 @@ class ConfigError(MilesError):
 
 class PluginHookError(MilesError):
     """A plugin's hook implementation raised, or returned something its hook does not allow."""
+
+
+class EngineError(MilesError):
+    """An engine refused a request, answered unsuccessfully, or answered in a shape Miles cannot read."""

@@ -9,12 +9,9 @@ from typing import Any
 
 import httpx
 
+from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.engines.weights import encode_tensors
-from miles_core.errors import MilesError
-
-
-class EngineError(MilesError):
-    """An engine refused a request or answered unsuccessfully."""
+from miles_core.errors import EngineError  # defined with the other errors; imported from here by older callers
 
 
 class EngineClient:
@@ -64,6 +61,38 @@ class EngineClient:
         if rid is not None:
             body["rid"] = rid
         return await self._request("POST", "/generate", body)
+
+    async def generate_outputs(
+        self,
+        input_ids: list[int] | list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        *,
+        return_logprob: bool = True,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """``/generate`` with token ids, the answer checked and typed: one :class:`GenerateOutput` for one prompt
+        (a list of ids), a list of them for a batch (a list of lists; ``params`` one for all, or one per prompt).
+        A malformed answer is an :class:`EngineError` naming this engine. (:meth:`generate` keeps SGLang's raw
+        JSON, for callers that read more of it.)"""
+        batch = bool(input_ids) and isinstance(input_ids[0], list)
+        count = len(input_ids) if batch else 1
+        if not input_ids or (isinstance(params, list) and (not batch or len(params) != count)):
+            raise ValueError(
+                f"generate_outputs: {count if input_ids else 0} prompt(s) and "
+                f"{len(params) if isinstance(params, list) else 1} SamplingParams: give a non-empty list of ids "
+                "with one SamplingParams, or a list of prompts with one SamplingParams or one per prompt"
+            )
+        sampling = [p.to_sglang() for p in params] if isinstance(params, list) else params.to_sglang()
+        answer = await self.generate(input_ids, sampling, return_logprob=return_logprob)
+        engine = f"{self.name} ({self.url})"
+        if not batch:
+            return GenerateOutput.from_sglang(answer, engine=engine, with_logprobs=return_logprob)
+        if not isinstance(answer, list) or len(answer) != count:
+            raise EngineError(
+                f"engine {engine} sent a malformed /generate answer: expected a list of {count} answers for "
+                f"{count} prompts, got {type(answer).__name__}"
+                + (f" of {len(answer)}" if isinstance(answer, list) else "")
+            )
+        return [GenerateOutput.from_sglang(a, engine=engine, with_logprobs=return_logprob) for a in answer]
 
     async def health(self) -> bool:
         try:

@@ -26,6 +26,7 @@ import numpy
 import torch
 
 from miles_core.engines.client import EngineClient
+from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.errors import MilesError
 from miles_core.rollout.prompts import Prompt
 from miles_core.training.batch import TrainBatch, TrainSample
@@ -43,7 +44,7 @@ class Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     response: str = ""
     finish_reason: str = ""
-    weight_version: str = ""
+    weight_version: int | None = None  # the Miles version that generated it; None: the initial weights
     reward: float = 0.0
     engine: str = ""
 
@@ -123,18 +124,15 @@ class RolloutExecutor:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))
 
-    def _sampling(self, *, temperature: float) -> dict[str, Any]:
+    def _sampling(self, *, temperature: float) -> SamplingParams:
         rollout = self.config.rollout
-        return {
-            "max_new_tokens": rollout.max_new_tokens,
-            "temperature": temperature,
-            "top_p": rollout.top_p,
-            "top_k": rollout.top_k,
-        }
+        return SamplingParams(
+            max_new_tokens=rollout.max_new_tokens, temperature=temperature, top_p=rollout.top_p, top_k=rollout.top_k
+        )
 
     # -- generation -----------------------------------------------------------------------------------------
 
-    async def _generate(self, samples: list[Sample], params: dict[str, Any], *, seed_base: int) -> None:
+    async def _generate(self, samples: list[Sample], params: SamplingParams, *, seed_base: int) -> None:
         """Fill every sample's response; one /generate call per engine per wave, failures retried elsewhere."""
         pending = list(samples)
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -165,29 +163,27 @@ class RolloutExecutor:
         self._next_engine = (self._next_engine + 1) % len(clients)
         return clients[self._next_engine :] + clients[: self._next_engine]
 
-    async def _generate_on(self, client: EngineClient, share: list[Sample], params: dict, seed_base: int) -> None:
-        per_sample = [{**params, "sampling_seed": seed_base + s.index} for s in share]
+    async def _generate_on(
+        self, client: EngineClient, share: list[Sample], params: SamplingParams, seed_base: int
+    ) -> None:
+        per_sample = [dataclasses.replace(params, sampling_seed=seed_base + s.index) for s in share]
+        outputs: list[GenerateOutput | BaseException]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
             outputs = await asyncio.gather(
-                *(
-                    client.generate(s.prompt_ids, p, return_logprob=True)
-                    for s, p in zip(share, per_sample, strict=True)
-                ),
+                *(client.generate_outputs(s.prompt_ids, p) for s, p in zip(share, per_sample, strict=True)),
                 return_exceptions=True,
             )
         else:
-            outputs = await client.generate([s.prompt_ids for s in share], per_sample, return_logprob=True)
+            outputs = await client.generate_outputs([s.prompt_ids for s in share], per_sample)
         for sample, output in zip(share, outputs, strict=True):
-            if isinstance(output, BaseException):
+            if isinstance(output, BaseException) or output.aborted:
                 continue  # generated again in the next wave
-            meta = output["meta_info"]
-            if meta["finish_reason"]["type"] == "abort":
-                continue  # generated again in the next wave
-            sample.response_ids = output["output_ids"]
-            sample.logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
-            sample.finish_reason = meta["finish_reason"]["type"]
-            sample.weight_version = meta["weight_version"]
+            sample.response_ids = output.output_ids
+            sample.logprobs = output.logprobs
+            sample.finish_reason = output.finish_reason
+            sample.weight_version = output.weight_version
             sample.engine = client.name
+            # the tokenizer's decode, not the engine's text: rewards see exactly what the trainer trains on
             sample.response = decode_response(self.tokenizer, sample.response_ids)
         failed = [output for output in outputs if isinstance(output, BaseException)]
         if failed:

@@ -2,9 +2,9 @@
 
 The public API is this flat namespace: plugins import from ``miles_core``, not from its modules. The contracts a
 third party programs against are here (:class:`TrainingBackend`, :class:`EngineBackend`,
-:class:`WeightTransferProtocol` and its types, :class:`HfWeightIterator`, :class:`CausalLM`, the worker specs);
-those that need torch or pydantic are imported on first use, so that ``import miles_core`` stays light (every
-``miles`` command imports it).
+:class:`WeightTransferProtocol` and its types, :class:`StagingLayout`, :class:`HfWeightIterator`,
+:class:`CausalLM`, the worker specs); those that need torch or pydantic are imported on first use, so that
+``import miles_core`` stays light (every ``miles`` command imports it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
     from miles_core.engines.backend import EngineBackend
+    from miles_core.engines.staging_layout import StagingLayout
     from miles_core.models.causal_lm import CausalLM
     from miles_core.rollout.prompts import Prompt
     from miles_core.training.backend import TrainingBackend
@@ -36,6 +37,7 @@ _LAZY = {
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "Prompt": "miles_core.rollout.prompts",
     "PythonWorkerSpec": "miles_core.workers.specs",
+    "StagingLayout": "miles_core.engines.staging_layout",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
     "TransferReport": "miles_core.weight_transfer.protocol",
@@ -72,6 +74,7 @@ __all__ = [
     "Prompt",
     "PythonWorkerSpec",
     "RegistryError",
+    "StagingLayout",
     "TrainBatch",
     "TrainingBackend",
     "TransferReport",

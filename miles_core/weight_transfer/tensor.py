@@ -1,12 +1,13 @@
-"""``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor``.
+"""``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor`` (or, through shared
+memory, ``/update_weights_from_staging``).
 
 * Engines on other machines get the bucket as safetensors bytes in the request body.
-* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging
-  files in the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept
-  them from) with the trainer: the trainer copies a bucket into one once, every engine copies it
-  out into its weights, and the request carries only the layout. Two files alternate, so the trainer fills bucket
-  k+1 while the engines empty bucket k; they are mapped once and reused for every bucket and version, so a
-  steady-state transfer costs two overlapped memory copies and no serialisation.
+* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging files in
+  the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept them from)
+  with the trainer: the trainer copies a bucket into one once, every engine copies it out into its weights, and the
+  request carries only the file and its :class:`~miles_core.engines.staging_layout.StagingLayout`. Two files
+  alternate, so the trainer fills bucket k+1 while the engines empty bucket k; they are mapped once and reused for
+  every bucket and version, so a steady-state transfer costs two overlapped memory copies and no serialisation.
 * With ``zero_copy`` (the default for engines on this machine) the whole model goes into one staging file and
   the engines point their parameters at it instead of copying: one memory copy per transfer. Two such files
   alternate between transfers, so the trainer never writes the file the engines serve from; after a failed

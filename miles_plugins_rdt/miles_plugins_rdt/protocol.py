@@ -197,8 +197,8 @@ class RdtProtocol(HttpEngineProtocol):
             pending.extend(self._start_wave(wave, layout, slot, objects, held))
             layouts.append(layout)
             sent.extend(tensor for _, tensor in wave)
-        layout = StagingLayout.concat(layouts, alignment=1)  # the whole version, as the engines will serve it
         try:
+            layout = StagingLayout.concat(layouts, alignment=1)  # the whole version, as the engines will serve it
             read_failures = await self._failures_of(pending)  # no engine is asked to switch before every read is in
             if read_failures:  # then every engine serves the bucket it served, untouched
                 for name in read_failures:  # a lane may have died: connect() starts the engine's receivers anew
@@ -218,7 +218,7 @@ class RdtProtocol(HttpEngineProtocol):
 
     async def _switch(self, layout: StagingLayout, slot: int, version: int) -> None:
         """Have every engine serve the tensors of its staging bucket ``slot`` (no copy) as ``version``, in one
-        request each (``/update_weights_from_tensor`` ``shm_swap``: the engine maps the bucket's file). If one fails,
+        request each (``/update_weights_from_staging`` with ``swap``: the engine maps the bucket's file). If one fails,
         others may have switched: every receiver is replaced (new buckets), so no served bucket is written again."""
         clients = {client.name: client for client in self.clients}
 

@@ -6,7 +6,7 @@ memory. The receiver runs on the engine's node and owns the engine rank's stagin
 each backed by a shared-memory file and registered once with NIXL. A version's tensors move P2P from the trainer
 straight into one bucket (NIXL reads into it; gloo receives and copies into it) while the engine serves from the
 other; once every engine rank holds everything, the trainer has the engine point its weights at the new bucket
-(``/update_weights_from_tensor`` ``shm_swap``: the pages are mapped by both processes, nothing is copied or
+(``/update_weights_from_staging`` with ``swap``: the pages are mapped by both processes, nothing is copied or
 pickled) and set the version in the same step. The receiver also checks, once, that a Ray actor hosts its engine.
 An engine rank's other receive lanes are receivers that map the first one's buckets and read their share of each
 large wave in their own process.

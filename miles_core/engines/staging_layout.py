@@ -223,11 +223,12 @@ def _check_layout(layout: StagingLayout) -> None:
         raise StagingLayoutError(f"{field}.tensors has {len(layout.tensors)} entries: at most {MAX_STAGED_TENSORS}")
     seen: set[str] = set()
     for index, entry in enumerate(layout.tensors):
-        where = f"{field}.tensors[{index}] ({entry.name[:80]!r})"
         if entry.name in seen:
-            raise StagingLayoutError(f"{where}: the name is given twice: each tensor is staged once")
+            raise StagingLayoutError(f"{_where(index, entry)}: the name is given twice: each tensor is staged once")
         seen.add(entry.name)
-        _check_entry(entry, where, size=layout.size, alignment=alignment)
+        problem = _entry_problem(entry, size=layout.size, alignment=alignment)
+        if problem:
+            raise StagingLayoutError(f"{_where(index, entry)}: {problem}")
     _check_disjoint(layout.tensors)
 
 
@@ -240,28 +241,31 @@ def _check_disjoint(tensors: Sequence[StagedTensor]) -> None:
         if last is not None and tensors[last].offset + tensors[last].nbytes > entry.offset:
             other = tensors[last]
             raise StagingLayoutError(
-                f"layout.tensors[{index}] ({entry.name[:80]!r}) at offset {entry.offset} overlaps "
-                f"layout.tensors[{last}] ({other.name[:80]!r}, bytes {other.offset}..{other.offset + other.nbytes})"
+                f"{_where(index, entry)} at offset {entry.offset} overlaps {_where(last, other)}, bytes "
+                f"{other.offset}..{other.offset + other.nbytes}"
             )
         if last is None or entry.offset + entry.nbytes > tensors[last].offset + tensors[last].nbytes:
             last = index
 
 
-def _check_entry(entry: StagedTensor, where: str, *, size: int, alignment: int) -> None:
+def _where(index: int, entry: StagedTensor) -> str:
+    return f"layout.tensors[{index}] ({entry.name[:80]!r})"
+
+
+def _entry_problem(entry: StagedTensor, *, size: int, alignment: int) -> str | None:
+    """What is wrong with one entry on its own, or ``None`` (messages are built only for a bad entry)."""
     if entry.dtype not in STAGING_DTYPES:
-        raise StagingLayoutError(f"{where}: unknown dtype {entry.dtype!r:.80}: use one of {', '.join(STAGING_DTYPES)}")
+        return f"unknown dtype {entry.dtype!r:.80}: use one of {', '.join(STAGING_DTYPES)}"
     element_size = _ELEMENT_SIZES[entry.dtype]
     expected = math.prod(entry.shape) * element_size
     if entry.nbytes != expected:
-        raise StagingLayoutError(
-            f"{where}: nbytes {entry.nbytes} does not match shape {entry.shape} of {entry.dtype} ({expected} bytes)"
-        )
-    if entry.offset < 0 or entry.offset % max(alignment, element_size):
-        raise StagingLayoutError(
-            f"{where}: offset {entry.offset} is not a multiple of {max(alignment, element_size)} (the alignment, "
-            f"and {entry.dtype}'s {element_size} bytes)"
+        return f"nbytes {entry.nbytes} does not match shape {entry.shape} of {entry.dtype} ({expected} bytes)"
+    step = max(alignment, element_size)
+    if entry.offset < 0 or entry.offset % step:
+        return (
+            f"offset {entry.offset} is not a multiple of {step} (the alignment, and {entry.dtype}'s "
+            f"{element_size} bytes)"
         )
     if entry.offset + entry.nbytes > size:
-        raise StagingLayoutError(
-            f"{where}: bytes {entry.offset}..{entry.offset + entry.nbytes} lie beyond the layout's size {size}"
-        )
+        return f"bytes {entry.offset}..{entry.offset + entry.nbytes} lie beyond the layout's size {size}"
+    return None

@@ -42,6 +42,9 @@ STAGING_DTYPES: dict[str, torch.dtype] = {
         "int32",
         "int16",
         "int8",
+        "uint64",
+        "uint32",
+        "uint16",
         "uint8",
         "bool",
     )

@@ -2,10 +2,10 @@
 
 The public API is this flat namespace: plugins import from ``miles_core``, not from its modules. The contracts a
 third party programs against are here (:class:`TrainingBackend`, :class:`EngineBackend`,
-:class:`WeightTransferProtocol` and its types, :class:`HfWeightIterator`, :class:`CausalLM`, the worker specs,
-an engine's typed ``/generate`` request and answer, :class:`SamplingParams` and :class:`GenerateOutput`);
-those that need torch or pydantic are imported on first use, so that ``import miles_core`` stays light (every
-``miles`` command imports it).
+:class:`WeightTransferProtocol` and its types, :class:`StagingLayout`, :class:`HfWeightIterator`,
+:class:`CausalLM`, the worker specs, an engine's typed ``/generate`` request and answer, :class:`SamplingParams`
+and :class:`GenerateOutput`); those that need torch or pydantic are imported on first use, so that
+``import miles_core`` stays light (every ``miles`` command imports it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from miles_core.registry import Implementation, model_implementation
 if TYPE_CHECKING:
     from miles_core.engines.backend import EngineBackend
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
+    from miles_core.engines.staging_layout import StagingLayout
     from miles_core.models.causal_lm import CausalLM
     from miles_core.rollout.executor import Sample
     from miles_core.rollout.prompts import Prompt
@@ -43,6 +44,7 @@ _LAZY = {
     "PythonWorkerSpec": "miles_core.workers.specs",
     "Sample": "miles_core.rollout.executor",
     "SamplingParams": "miles_core.engines.generate_types",
+    "StagingLayout": "miles_core.engines.staging_layout",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
     "TransferReport": "miles_core.weight_transfer.protocol",
@@ -86,6 +88,7 @@ __all__ = [
     "RouterInfo",
     "Sample",
     "SamplingParams",
+    "StagingLayout",
     "TrainBatch",
     "TrainerInfo",
     "TrainingBackend",

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import encode_tensors
 from miles_core.errors import EngineError  # defined with the other errors; imported from here by older callers
 
@@ -134,6 +135,27 @@ class EngineClient:
             "/update_weights_from_tensor",
             serialized_named_tensors=[payload],
             load_format="safetensors",
+            weight_version=weight_version,
+        )
+
+    async def update_weights_from_staging(
+        self,
+        *,
+        staging_path: str,
+        buffer_size: int,
+        layout: StagingLayout,
+        swap: bool = False,
+        weight_version: str | None = None,
+    ) -> dict:
+        """Load the tensors that ``layout`` places in the file ``staging_path`` (``buffer_size`` bytes, in the
+        engine's weight-staging directory): copied into the weights, or with ``swap`` served from the file itself
+        (the sender must not write it again while the engine may serve from it). Miles' local engine only."""
+        return await self._control(
+            "/update_weights_from_staging",
+            staging_path=staging_path,
+            buffer_size=buffer_size,
+            layout=layout.to_wire(),
+            swap=swap,
             weight_version=weight_version,
         )
 

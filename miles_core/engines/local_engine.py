@@ -25,7 +25,8 @@ import torch
 import transformers
 
 from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, generate_batch
-from miles_core.engines.staging import confined_staging_file, parse_staging_description, weight_staging_dir
+from miles_core.engines.staging import confined_staging_file, weight_staging_dir
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import (
     GROUP_BACKENDS,
     WeightLoadError,
@@ -40,7 +41,6 @@ from miles_core.engines.weights import (
     new_weight_update_group,
     read_checkpoint_dir,
     read_safetensors_file,
-    staged_views,
     swap_in_named_tensors,
     unique_named_tensors,
 )
@@ -324,15 +324,12 @@ class LocalEngine:
 
     def update_from_tensor(self, serialized: list[str], weight_version: str | None, load_format: str | None) -> int:
         """``load_format`` ``safetensors`` (default): base64 safetensors bytes; ``safetensors_path``: the path of a
-        safetensors file in the staging directory, removed once loaded (a refused one is left to its sender);
-        ``shm_staging``: a JSON description (path, size, ``[name, dtype, shape, offset]`` rows) of tensors in a
-        shared-memory staging file, which must lie in the staging directory; ``shm_swap``: the same, aliased."""
+        safetensors file in the staging directory, removed once loaded (a refused one is left to its sender). Tensors
+        in a shared-memory staging file come through :meth:`update_from_staging`."""
         if len(serialized) != 1:
             raise WeightLoadError(f"the local engine has one rank; got {len(serialized)} serialized payloads")
         if not isinstance(serialized[0], str):
             raise WeightLoadError(f"serialized_named_tensors[0] must be a string, got {type(serialized[0]).__name__}")
-        if load_format in ("shm_staging", "shm_swap"):
-            return self._load_staged(serialized[0], weight_version, swap=load_format == "shm_swap")
         if load_format == "safetensors_path":
             path = confined_staging_file(serialized[0], self.staging_dir, field="serialized_named_tensors[0]")
             loaded = self._load(read_safetensors_file(path), weight_version)
@@ -344,21 +341,27 @@ class LocalEngine:
             raise WeightLoadError(f"serialized_named_tensors[0] is not base64: {exc}") from None
         return self._load(decode_tensors(data), weight_version)
 
-    def _load_staged(self, payload: str, weight_version: str | None, *, swap: bool) -> int:
-        """Copy tensors straight out of a shared-memory staging file that the trainer filled (mapped once), or, with
-        ``swap``, point the parameters at them (zero copy: the trainer never writes that file again while the
-        engine may still serve from it). The file must be a staging file (see :mod:`miles_core.engines.staging`)
-        at least ``size`` bytes long: mapping never grows or writes it."""
-        description = parse_staging_description(payload)
+    def update_from_staging(
+        self, *, path: str, buffer_size: int, layout: StagingLayout, swap: bool, weight_version: str | None
+    ) -> int:
+        """Copy the tensors that ``layout`` places in a shared-memory staging file that the trainer filled (mapped
+        once), or, with ``swap``, point the parameters at them (zero copy: the trainer never writes that file again
+        while the engine may still serve from it). The file must be a staging file (see
+        :mod:`miles_core.engines.staging`) at least ``buffer_size`` bytes long: mapping never grows or writes it."""
         version = None if weight_version is None else check_weight_version(weight_version)
-        path = confined_staging_file(description.path, self.staging_dir, field="path")
-        key = (str(path), description.size)
+        if layout.size > buffer_size:
+            raise WeightLoadError(
+                f"layout.size {layout.size} is beyond buffer_size {buffer_size}: the layout's tensors must lie in the "
+                f"staging file"
+            )
+        resolved = confined_staging_file(path, self.staging_dir, field="staging_path")
+        key = (str(resolved), buffer_size)
         buffer = self._staging.get(key)
         if buffer is None:
-            if path.stat().st_size < description.size:
-                raise WeightLoadError(f"staging file {description.path} is smaller than {description.size} bytes")
+            if resolved.stat().st_size < buffer_size:
+                raise WeightLoadError(f"staging file {path} is smaller than buffer_size {buffer_size} bytes")
             buffer = map_staging_file(*key)
-        views = staged_views(buffer, [list(row) for row in description.tensors])
+        views = layout.views(buffer)
         if key not in self._staging:  # cached only once its first request checked out
             while len(self._staging) >= MAX_STAGING_FILES:
                 self._staging.pop(next(iter(self._staging)))

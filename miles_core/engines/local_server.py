@@ -46,6 +46,7 @@ from miles_core import __version__
 from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
 from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
+from miles_core.engines.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.errors import MilesError
 from miles_core.http import (
     JSON_ERRORS,
@@ -68,8 +69,10 @@ ROUTE_BODY_BYTES = {
     "/generate": 32 * MIB,  # a batch of long prompts as token-id lists
     "/update_weights_from_distributed": 16 * MIB,  # names, dtypes and shapes of every tensor of a large model
     "/update_weights_from_tensor": 1 << 30,  # weights may travel in the body (base64 safetensors)
+    "/update_weights_from_staging": 64 * MIB,  # the layout of every tensor of a large model
 }
 MAX_RID_CHARS = 256
+STAGING_FIELDS = ("staging_path", "buffer_size", "layout", "swap", "weight_version")
 MAX_PROMPTS_PER_REQUEST = 16384
 """A /generate batch's prompts at most (a rollout sends its share of one step: thousands). Each prompt costs Python
 objects and a sampling-parameter check before the engine sees it, so 32 MiB of ``[[0],[0],...]`` (8 million
@@ -170,6 +173,7 @@ class LocalEngineServer:
             "/flush_cache": self.flush_cache,
             "/update_weights_from_disk": self.update_from_disk,
             "/update_weights_from_tensor": self.update_from_tensor,
+            "/update_weights_from_staging": self.update_from_staging,
             "/init_weights_update_group": self.init_group,
             "/begin_weight_update": self.begin_update,
             "/end_weight_update": self.end_update,
@@ -407,11 +411,31 @@ class LocalEngineServer:
     async def update_from_tensor(self, body: dict) -> dict:
         payload = _require(body, "serialized_named_tensors", list)
         load_format = body.get("load_format")
-        if load_format not in (None, "safetensors", "safetensors_path", "shm_staging", "shm_swap"):
+        if load_format not in (None, "safetensors", "safetensors_path"):
             raise HttpError(
-                400, f"load_format {load_format!r:.80}: use safetensors, safetensors_path, shm_staging or shm_swap"
+                400,
+                f"load_format {load_format!r:.80}: use safetensors or safetensors_path (tensors in a shared-memory "
+                "staging file go to /update_weights_from_staging)",
             )
         loaded = await asyncio.to_thread(self.engine.update_from_tensor, payload, _version(body), load_format)
+        return self._success(f"loaded {loaded} bytes")
+
+    async def update_from_staging(self, body: dict) -> dict:
+        """Tensors in a shared-memory staging file: ``staging_path``, ``buffer_size``, ``layout`` (a
+        :class:`StagingLayout`'s wire object), ``swap`` (serve from the file, no copy) and ``weight_version``."""
+        unknown = sorted(str(key)[:80] for key in body if key not in STAGING_FIELDS)
+        if unknown:
+            fields = ", ".join(STAGING_FIELDS)
+            raise HttpError(400, f"unknown field {unknown[0]!r}: /update_weights_from_staging takes {fields}")
+        layout = StagingLayout.from_wire(_require(body, "layout", dict))
+        loaded = await asyncio.to_thread(
+            self.engine.update_from_staging,
+            path=_require(body, "staging_path", str, high=4096),
+            buffer_size=_require(body, "buffer_size", int, low=1, high=MAX_STAGING_BYTES),
+            layout=layout,
+            swap=_optional(body, "swap", bool, False),
+            weight_version=_version(body),
+        )
         return self._success(f"loaded {loaded} bytes")
 
     async def init_group(self, body: dict) -> dict:

@@ -1,12 +1,13 @@
 """Where weight-staging files live, and the check that a path from a request names one of them.
 
-Weight updates on one machine travel through files (``/update_weights_from_tensor`` with ``safetensors_path``,
-``shm_staging`` or ``shm_swap``): the sender writes them and the engine reads, maps or removes them. A path in a
-request must never reach anything else, so senders create these files in one *staging directory* and the engine
-accepts only regular files directly inside it (after resolving symlinks). The directory is private to the user
-(mode 0700, owned by them, never a symlink): ``$MILES_WEIGHT_STAGING_DIR`` where set, else
-``/dev/shm/miles-staging-<uid>`` (the system's temporary directory where there is no ``/dev/shm``). Senders and
-engines of a run find the same directory without being told, as they run as the same user on the same machine.
+Weight updates on one machine travel through files (``/update_weights_from_tensor`` with ``safetensors_path``, or
+``/update_weights_from_staging``, whose layout :mod:`miles_core.engines.staging_layout` describes): the sender
+writes them and the engine reads, maps or removes them. A path in a request must never reach anything else, so
+senders create these files in one *staging directory* and the engine accepts only regular files directly inside it
+(after resolving symlinks). The directory is private to the user (mode 0700, owned by them, never a symlink):
+``$MILES_WEIGHT_STAGING_DIR`` where set, else ``/dev/shm/miles-staging-<uid>`` (the system's temporary directory
+where there is no ``/dev/shm``). Senders and engines of a run find the same directory without being told, as they
+run as the same user on the same machine.
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Annotated
-
-import pydantic
 
 from miles_core.errors import MilesError
-from miles_core.http import HttpError, parse_json
 
 STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"
 
@@ -84,37 +81,3 @@ def confined_staging_file(path: object, directory: Path, *, field: str) -> Path:
     if not stat.S_ISREG(info.st_mode):
         raise StagingPathError(f"{field} {path!r} is not a regular file")
     return resolved
-
-
-MAX_STAGED_TENSORS = 1 << 20  # far more than any model has; bounds the work one request can ask for
-_Count = Annotated[int, pydantic.Strict(), pydantic.Field(ge=0)]
-_Name = Annotated[str, pydantic.Strict(), pydantic.Field(min_length=1, max_length=1024)]
-
-
-class StagingDescription(pydantic.BaseModel):
-    """An ``shm_staging`` / ``shm_swap`` payload: the staging file, its size, and ``[name, dtype, shape, offset]``
-    rows, one per tensor (as :func:`miles_core.engines.weights.staging_layout` writes them)."""
-
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")  # strict per field: JSON arrays are tuples
-
-    path: Annotated[str, pydantic.Strict()] = pydantic.Field(min_length=1, max_length=4096)
-    size: Annotated[int, pydantic.Strict()] = pydantic.Field(gt=0, lt=1 << 48)
-    tensors: list[tuple[_Name, _Name, list[_Count], _Count]] = pydantic.Field(
-        min_length=1, max_length=MAX_STAGED_TENSORS
-    )
-
-
-def parse_staging_description(raw: object) -> StagingDescription:
-    """The JSON text of a staging payload, checked field by field; anything malformed is a :class:`MilesError`
-    that names what is wrong."""
-    if not isinstance(raw, str):
-        raise MilesError(f"a staging payload is a JSON string, got {type(raw).__name__}")
-    try:
-        return StagingDescription.model_validate(parse_json(raw))
-    except HttpError as exc:
-        raise MilesError(f"staging payload: {exc}") from None
-    except pydantic.ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'payload'}: {e['msg']}" for e in exc.errors()[:5])
-        raise MilesError(
-            f"bad staging payload (want {{path, size, tensors: [[name, dtype, shape, offset], ...]}}): {problems}"
-        ) from None

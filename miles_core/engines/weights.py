@@ -204,19 +204,6 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) 
     group.broadcast([tensor], options).wait()
 
 
-STAGING_ALIGNMENT = 64
-
-
-def staging_layout(tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[list], int]:
-    """Where each tensor goes in a staging buffer: ``[name, dtype, shape, offset]`` rows (offsets aligned to 64
-    bytes) and the bytes needed."""
-    layout, offset = [], 0
-    for name, tensor in tensors:
-        layout.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
-        offset += -(-tensor.numel() * tensor.element_size() // STAGING_ALIGNMENT) * STAGING_ALIGNMENT
-    return layout, offset
-
-
 def map_staging_file(path: str | Path, size: int) -> torch.Tensor:
     """A file in shared memory as a uint8 tensor (both sides map the same pages: no copy through the kernel)."""
     return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
@@ -228,23 +215,3 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise WeightLoadError(f"unknown dtype {name!r}")
     return dtype
-
-
-def staged_views(buffer: torch.Tensor, layout: list[list]) -> dict[str, torch.Tensor]:
-    """The tensors that ``layout`` describes, as views into ``buffer``; a layout outside it is an error."""
-    views = {}
-    for name, dtype_name, shape, offset in layout:
-        dtype = dtype_from_name(dtype_name)
-        count = 1
-        for dim in shape:
-            count *= int(dim)
-        element_size = torch.empty((), dtype=dtype).element_size()
-        nbytes = count * element_size
-        if offset < 0 or offset + nbytes > buffer.numel():
-            raise WeightLoadError(
-                f"{name}: bytes {offset}..{offset + nbytes} lie outside the {buffer.numel()}-byte buffer"
-            )
-        if offset % element_size:
-            raise WeightLoadError(f"{name}: offset {offset} is not a multiple of {dtype}'s {element_size} bytes")
-        views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
-    return views

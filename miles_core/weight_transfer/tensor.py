@@ -1,12 +1,13 @@
-"""``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor``.
+"""``tensor``: each bucket of tensors goes to the engines through ``/update_weights_from_tensor`` (or, through shared
+memory, ``/update_weights_from_staging``).
 
 * Engines on other machines get the bucket as safetensors bytes in the request body.
-* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging
-  files in the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept
-  them from) with the trainer: the trainer copies a bucket into one once, every engine copies it
-  out into its weights, and the request carries only the layout. Two files alternate, so the trainer fills bucket
-  k+1 while the engines empty bucket k; they are mapped once and reused for every bucket and version, so a
-  steady-state transfer costs two overlapped memory copies and no serialisation.
+* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging files in
+  the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept them from)
+  with the trainer: the trainer copies a bucket into one once, every engine copies it out into its weights, and the
+  request carries only the file and its :class:`~miles_core.engines.staging_layout.StagingLayout`. Two files
+  alternate, so the trainer fills bucket k+1 while the engines empty bucket k; they are mapped once and reused for
+  every bucket and version, so a steady-state transfer costs two overlapped memory copies and no serialisation.
 * With ``zero_copy`` (the default for engines on this machine) the whole model goes into one staging file and
   the engines point their parameters at it instead of copying: one memory copy per transfer. Two such files
   alternate between transfers, so the trainer never writes the file the engines serve from; after a failed
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import os
 import time
 import uuid
@@ -28,11 +29,21 @@ import torch
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import weight_staging_dir
-from miles_core.engines.weights import map_staging_file, staging_layout
+from miles_core.engines.staging_layout import StagingLayout
+from miles_core.engines.weights import map_staging_file
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """A bucket copied into a staging file: the file, its size and where each tensor lies in it."""
+
+    path: Path
+    buffer_size: int
+    layout: StagingLayout
 
 
 class TensorProtocol(HttpEngineProtocol):
@@ -95,8 +106,8 @@ class TensorProtocol(HttpEngineProtocol):
         try:
             staged = await asyncio.to_thread(self._stage, tensors, slot)
             await self.on_each_engine(
-                lambda client: client._control(
-                    "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_swap"
+                lambda client: client.update_weights_from_staging(
+                    staging_path=str(staged.path), buffer_size=staged.buffer_size, layout=staged.layout, swap=True
                 )
             )
         except BaseException:
@@ -109,32 +120,32 @@ class TensorProtocol(HttpEngineProtocol):
             version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors), started=started
         )
 
-    def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> str:
-        """Copy the bucket into staging file ``slot`` (grown when too small); returns the request's description."""
-        layout, needed = staging_layout(tensors)
+    def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> Staged:
+        """Copy the bucket into staging file ``slot`` (grown when too small); returns where it lies."""
+        layout = StagingLayout.of(tensors)
         current = self._staging[slot]
-        if current is None or current[1].numel() < needed:
+        if current is None or current[1].numel() < layout.size:
             self._drop_staging(slot)
             _remove_orphans(self.shm_dir)
             path = self.shm_dir / f"miles-staging-{os.getpid()}-{uuid.uuid4().hex}"
+            size = max(layout.size, 1)  # a file of no bytes cannot be mapped
             with open(path, "wb") as staging_file:
-                staging_file.truncate(needed)
-            self._staging[slot] = (path, map_staging_file(path, needed))
+                staging_file.truncate(size)
+            self._staging[slot] = (path, map_staging_file(path, size))
         path, buffer = self._staging[slot]
-        for (_, tensor), (_, _, _, offset) in zip(tensors, layout, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            buffer[offset : offset + nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
-        return json.dumps({"path": str(path), "size": buffer.numel(), "tensors": layout})
+        for (_, tensor), target in zip(tensors, layout.views(buffer).values(), strict=True):
+            target.copy_(tensor)
+        return Staged(path=path, buffer_size=buffer.numel(), layout=layout)
 
-    async def _send_all(self, tensors: list, staged: str | None) -> None:
+    async def _send_all(self, tensors: list, staged: Staged | None) -> None:
         await self.on_each_engine(lambda client: self._send(client, tensors, staged))
 
-    async def _send(self, client: EngineClient, tensors: list, staged: str | None) -> None:
+    async def _send(self, client: EngineClient, tensors: list, staged: Staged | None) -> None:
         if staged is None or not self._local(client):
             await client.update_weights_from_tensor(dict(tensors))
             return
-        await client._control(
-            "/update_weights_from_tensor", serialized_named_tensors=[staged], load_format="shm_staging"
+        await client.update_weights_from_staging(
+            staging_path=str(staged.path), buffer_size=staged.buffer_size, layout=staged.layout
         )
 
     def _drop_staging(self, slot: int) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -39,6 +38,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.errors import MilesError
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
@@ -47,7 +47,7 @@ from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.ray_serializer import pickle_tensors_by_reference
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
-from miles_plugins_rdt.staging import Slot, byte_range, in_waves, lay_out, plan_routes, split_into_lanes, views
+from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
 TRANSPORTS = ("nixl", "gloo")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -189,25 +189,22 @@ class RdtProtocol(HttpEngineProtocol):
         started = time.perf_counter()
         if self.transport == "nixl":
             pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
-        slot, rows, sent, pending, held = self._next_slot, [], [], [], []  # held: the gloo waves' objects
+        slot, layouts, sent, pending, held = self._next_slot, [], [], [], []  # held: the gloo waves' objects
         earlier = set(self._registered)  # memory registered by earlier transfers
         objects: dict[tuple, StandingObject] = {}  # this transfer's NIXL objects, new or standing
         for wave in in_waves(buckets, WAVE_BYTES if self.transport == "nixl" else 0):  # received in this order
-            start = rows[-1][3] + rows[-1][4] if rows else 0
-            wave_rows = [
-                [s.name, s.dtype, list(s.shape), s.offset, s.nbytes]
-                for s in lay_out(wave, capacity=self.capacity, start=start)
-            ]
-            pending.extend(self._start_wave(wave, wave_rows, slot, objects, held))
-            rows.extend(wave_rows)
+            layout = bucket_layout(wave, capacity=self.capacity, start=layouts[-1].size if layouts else 0)
+            pending.extend(self._start_wave(wave, layout, slot, objects, held))
+            layouts.append(layout)
             sent.extend(tensor for _, tensor in wave)
         try:
+            layout = StagingLayout.concat(layouts, alignment=1)  # the whole version, as the engines will serve it
             read_failures = await self._failures_of(pending)  # no engine is asked to switch before every read is in
             if read_failures:  # then every engine serves the bucket it served, untouched
                 for name in read_failures:  # a lane may have died: connect() starts the engine's receivers anew
                     await self._drop_receiver(name)
                 raise self._transfer_error(read_failures)
-            await self._switch(rows, slot, version)
+            await self._switch(layout, slot, version)
         except BaseException:
             self._stand({})
             objects.clear()  # an error's traceback holds this frame: its objects must not live on with it
@@ -217,21 +214,20 @@ class RdtProtocol(HttpEngineProtocol):
         self._next_slot = 1 - slot
         self._stand(objects)
         self._keep_registered(sent, earlier)
-        return self.report(version=version, num_bytes=sum(row[4] for row in rows), started=started)
+        return self.report(version=version, num_bytes=sum(entry.nbytes for entry in layout.tensors), started=started)
 
-    async def _switch(self, rows: list[list], slot: int, version: int) -> None:
+    async def _switch(self, layout: StagingLayout, slot: int, version: int) -> None:
         """Have every engine serve the tensors of its staging bucket ``slot`` (no copy) as ``version``, in one
-        request each (``/update_weights_from_tensor`` ``shm_swap``: the engine maps the bucket's file). If one fails,
+        request each (``/update_weights_from_staging`` with ``swap``: the engine maps the bucket's file). If one fails,
         others may have switched: every receiver is replaced (new buckets), so no served bucket is written again."""
-        layout = [[name, dtype, shape, offset] for name, dtype, shape, offset, _ in rows]
         clients = {client.name: client for client in self.clients}
 
         async def switch(name: str) -> None:
-            staged = json.dumps({"path": self.staging_paths[name][slot], "size": self.capacity, "tensors": layout})
-            await clients[name]._control(
-                "/update_weights_from_tensor",
-                serialized_named_tensors=[staged],
-                load_format="shm_swap",
+            await clients[name].update_weights_from_staging(
+                staging_path=self.staging_paths[name][slot],
+                buffer_size=self.capacity,
+                layout=layout,
+                swap=True,
                 weight_version=str(version),
             )
 
@@ -247,7 +243,7 @@ class RdtProtocol(HttpEngineProtocol):
     def _start_wave(
         self,
         wave: list[tuple[str, torch.Tensor]],
-        rows: list[list],
+        layout: StagingLayout,
         slot: int,
         objects: dict[tuple, StandingObject],
         held: list,
@@ -256,23 +252,26 @@ class RdtProtocol(HttpEngineProtocol):
         wave's objects go into ``objects`` (NIXL) or ``held`` (gloo). Nothing waits: the next wave starts while this
         one moves."""
         if self.transport == "nixl":
-            return self._start_nixl_wave(wave, rows, slot, objects)
-        slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
-        for target, (_, tensor) in zip(views(self.send_bucket[1], slots), wave, strict=True):
+            return self._start_nixl_wave(wave, layout, slot, objects)
+        for target, (_, tensor) in zip(layout.views(self.send_bucket[1]).values(), wave, strict=True):
             target.copy_(tensor)  # each wave has its own bytes of the send bucket: nothing in flight is overwritten
-        held.append(self.sender.chunk.remote(rows))
+        held.append(self.sender.chunk.remote(layout))
         return [
-            (name, lanes[0].receive_gloo.remote(held[-1], rows, slot)) for name, (_, lanes) in self.receivers.items()
+            (name, lanes[0].receive_gloo.remote(held[-1], layout, slot)) for name, (_, lanes) in self.receivers.items()
         ]
 
     def _start_nixl_wave(
-        self, wave: list[tuple[str, torch.Tensor]], rows: list[list], slot: int, objects: dict[tuple, StandingObject]
+        self,
+        wave: list[tuple[str, torch.Tensor]],
+        layout: StagingLayout,
+        slot: int,
+        objects: dict[tuple, StandingObject],
     ) -> list[tuple[str, Any]]:
         """One RDT object per receive lane, holding that lane's byte ranges of the wave's tensors (the last
         transfer's, where it sent the same bytes); the lanes' reads are asked for once every object exists, so that
         they start together."""
         self._register(tensor for _, tensor in wave)
-        slots = [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows]
+        slots = layout.tensors
         lane_count = max(1, min(self.lanes, sum(slot.nbytes for slot in slots) // MIN_LANE_SHARE))
         shares = [pieces for pieces in split_into_lanes(slots, lane_count) if pieces]
         refs = [

@@ -6,7 +6,7 @@ memory. The receiver runs on the engine's node and owns the engine rank's stagin
 each backed by a shared-memory file and registered once with NIXL. A version's tensors move P2P from the trainer
 straight into one bucket (NIXL reads into it; gloo receives and copies into it) while the engine serves from the
 other; once every engine rank holds everything, the trainer has the engine point its weights at the new bucket
-(``/update_weights_from_tensor`` ``shm_swap``: the pages are mapped by both processes, nothing is copied or
+(``/update_weights_from_staging`` with ``swap``: the pages are mapped by both processes, nothing is copied or
 pickled) and set the version in the same step. The receiver also checks, once, that a Ray actor hosts its engine.
 An engine rank's other receive lanes are receivers that map the first one's buckets and read their share of each
 large wave in their own process.
@@ -26,9 +26,9 @@ import ray
 import torch
 
 from miles_core.engines.staging import weight_staging_dir
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import map_staging_file
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
-from miles_plugins_rdt.staging import Slot, views
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)
@@ -111,12 +111,11 @@ class StagingReceiver:
             raise RuntimeError(f"engine {self.engine_name}: Ray received the chunk outside the staging bucket")
         return sum(nbytes for _, nbytes in pieces)
 
-    def receive_gloo(self, tensors: list[torch.Tensor], rows: list[list], slot: int) -> int:
-        """A chunk that Ray received over gloo before this call, laid into staging bucket ``slot``."""
-        slots = _slots(rows)
-        for target, tensor in zip(views(self.buckets[slot], slots), tensors, strict=True):
+    def receive_gloo(self, tensors: list[torch.Tensor], layout: StagingLayout, slot: int) -> int:
+        """A chunk that Ray received over gloo before this call, laid into staging bucket ``slot`` as ``layout``."""
+        for target, tensor in zip(layout.views(self.buckets[slot]).values(), tensors, strict=True):
             target.copy_(tensor)
-        return sum(slot.nbytes for slot in slots)
+        return sum(entry.nbytes for entry in layout.tensors)
 
     def close(self) -> None:
         """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
@@ -129,7 +128,3 @@ class StagingReceiver:
         if getattr(self, "owns_files", False):
             for path in self.paths:
                 Path(path).unlink(missing_ok=True)
-
-
-def _slots(rows: list[list]) -> list[Slot]:
-    return [Slot(name, dtype, tuple(shape), offset, nbytes) for name, dtype, shape, offset, nbytes in rows]

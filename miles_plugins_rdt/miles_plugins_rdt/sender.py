@@ -15,8 +15,8 @@ from pathlib import Path
 import ray
 import torch
 
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import map_staging_file
-from miles_plugins_rdt.staging import Slot, views
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
@@ -37,5 +37,6 @@ class GlooSender:
         self.bucket = map_staging_file(path, capacity)
 
     @ray.method(tensor_transport="gloo")
-    def chunk(self, rows: list[list]) -> list[torch.Tensor]:
-        return views(self.bucket, [Slot(n, d, tuple(s), o, b) for n, d, s, o, b in rows])
+    def chunk(self, layout: StagingLayout) -> list[torch.Tensor]:
+        """The tensors of a chunk that the trainer laid into the send bucket as ``layout``, as views of it."""
+        return list(layout.views(self.bucket).values())

@@ -1,9 +1,10 @@
 """The staging bucket of an engine rank, and how tensors are laid into it.
 
 Each engine rank owns one fixed-size uint8 buffer, registered once with the transport. A chunk of HF-named tensors
-is laid into it at offsets aligned to each tensor's dtype (a view of a uint8 buffer as ``float32`` needs an offset
-that is a multiple of 4); a tensor that cannot fit is an error that names it and says which setting to raise. A
-staging bucket holds one whole version of the weights (the engine then serves straight from it).
+is laid into it as a :class:`~miles_core.engines.staging_layout.StagingLayout` at offsets aligned to each tensor's
+dtype (a view of a uint8 buffer as ``float32`` needs an offset that is a multiple of 4); a tensor that cannot fit is
+an error that names it and says which setting to raise. A staging bucket holds one whole version of the weights (the
+engine then serves straight from it).
 """
 
 from __future__ import annotations
@@ -13,22 +14,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from miles_core.engines.staging_layout import StagedTensor, StagingLayout, StagingOverflowError
 from miles_core.errors import MilesError
-
-
-class StagingOverflowError(MilesError):
-    """A tensor that does not fit into the staging bucket."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """Where one tensor lies in a staging bucket."""
-
-    name: str
-    dtype: str  # "float32", "bfloat16", ...
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:
@@ -39,22 +26,17 @@ def align_up(offset: int, alignment: int) -> int:
     return -(-offset // alignment) * alignment
 
 
-def lay_out(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start: int = 0) -> list[Slot]:
-    """Offsets for ``tensors`` in a bucket of ``capacity`` bytes, each aligned to its dtype's element size."""
-    slots, offset = [], start
-    for name, tensor in tensors:
-        offset = align_up(offset, tensor.element_size())
-        size = nbytes_of(tensor)
-        if offset + size > capacity:
-            raise StagingOverflowError(
-                f"{name} ({str(tensor.dtype).removeprefix('torch.')}, shape {tuple(tensor.shape)}, {size} bytes) "
-                f"does not fit the {capacity}-byte staging bucket at offset {offset}; raise the rdt setting "
-                f"staging_bucket_mb (--weight-transfer-settings) to at least {align_up(offset + size, 1 << 20) >> 20} "
-                f"MiB: one staging bucket holds a whole version of the weights"
-            )
-        slots.append(Slot(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, size))
-        offset += size
-    return slots
+def bucket_layout(tensors: Sequence[tuple[str, torch.Tensor]], *, capacity: int, start: int = 0) -> StagingLayout:
+    """:meth:`StagingLayout.of` for a chunk laid into a staging bucket of ``capacity`` bytes from ``start``, each
+    offset aligned to its dtype alone; a tensor that does not fit says which rdt setting to raise."""
+    try:
+        return StagingLayout.of(tensors, alignment=1, start=start, capacity=capacity)
+    except StagingOverflowError as exc:
+        raise StagingOverflowError(
+            f"{exc}; raise the rdt setting staging_bucket_mb (--weight-transfer-settings) to at least "
+            f"{align_up(exc.needed, 1 << 20) >> 20} MiB: one staging bucket holds a whole version of the weights",
+            needed=exc.needed,
+        ) from None
 
 
 def in_waves(
@@ -75,20 +57,6 @@ def in_waves(
         yield wave
 
 
-def views(bucket: torch.Tensor, slots: Sequence[Slot]) -> list[torch.Tensor]:
-    """The tensors that ``slots`` describe, as views into the uint8 ``bucket`` (no copy)."""
-    out = []
-    for slot in slots:
-        if slot.offset < 0 or slot.offset + slot.nbytes > bucket.numel():
-            raise StagingOverflowError(
-                f"{slot.name}: bytes {slot.offset}..{slot.offset + slot.nbytes} lie outside the "
-                f"{bucket.numel()}-byte staging bucket"
-            )
-        dtype = getattr(torch, slot.dtype)
-        out.append(bucket[slot.offset : slot.offset + slot.nbytes].view(dtype).view(slot.shape))
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A byte range of one tensor of a chunk and where it lands in the staging bucket."""
@@ -102,7 +70,7 @@ class Piece:
 LANE_GRANULE = 1 << 16
 
 
-def split_into_lanes(slots: Sequence[Slot], lanes: int, *, granule: int = LANE_GRANULE) -> list[list[Piece]]:
+def split_into_lanes(slots: Sequence[StagedTensor], lanes: int, *, granule: int = LANE_GRANULE) -> list[list[Piece]]:
     """Cut a chunk's bytes (its tensors one after the other, as ``slots`` lays them out) into ``lanes`` runs of
     about equal size, each cut on a multiple of ``granule`` bytes of the chunk; a lane may get no piece."""
     if lanes < 1:

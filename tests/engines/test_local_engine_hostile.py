@@ -7,6 +7,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -26,7 +27,7 @@ from safetensors.torch import save, save_file
 from miles_core.engines.local_engine import LocalEngine, _Pending
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV
-from miles_core.engines.weights import staging_layout
+from miles_core.engines.staging_layout import StagingLayout
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.workers.process import free_ports
 from miles_core.workers.rpc.wire import TOKEN_ENV
@@ -252,32 +253,31 @@ def test_safetensors_path_in_the_staging_dir_is_removed_only_once_loaded(engine,
     assert not staged.exists() and checksum(engine) != before
 
 
-def staging_file(directory: Path, tensors: dict[str, torch.Tensor], name: str) -> tuple[Path, str]:
-    """A staging file holding ``tensors`` (as the tensor protocol writes one) and its request payload."""
-    layout, size = staging_layout(tensors.items())
-    buffer = bytearray(size)
-    for (_, tensor), (_, _, _, offset) in zip(tensors.items(), layout, strict=True):
-        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-        buffer[offset : offset + len(data)] = data
+def staging_file(directory: Path, tensors: dict[str, torch.Tensor], name: str) -> tuple[Path, dict]:
+    """A staging file holding ``tensors`` (as the tensor protocol writes one) and its request body."""
+    layout = StagingLayout.of(tensors.items())
+    buffer = bytearray(layout.size)
+    for entry, tensor in zip(layout.tensors, tensors.values(), strict=True):
+        buffer[entry.offset : entry.offset + entry.nbytes] = tensor.contiguous().view(torch.uint8).numpy().tobytes()
     path = directory / name
     path.write_bytes(bytes(buffer))
-    return path, json.dumps({"path": str(path), "size": size, "tensors": layout})
+    return path, {"staging_path": str(path), "buffer_size": layout.size, "layout": layout.to_wire()}
 
 
-@pytest.mark.parametrize("load_format", ["shm_staging", "shm_swap"])
-def test_staging_files_outside_the_staging_dir_are_never_mapped(engine, model_dir, tmp_path, load_format) -> None:
+@pytest.mark.parametrize("swap", [False, True])
+def test_staging_files_outside_the_staging_dir_are_never_mapped(engine, model_dir, tmp_path, swap) -> None:
     """Neither copied from nor aliased: a later update would otherwise write into whatever file it named."""
     before = checksum(engine)
-    outside, payload = staging_file(tmp_path, tiny_update(model_dir), "not-staging")
+    outside, body = staging_file(tmp_path, tiny_update(model_dir), "not-staging")
     digest = file_digest(outside)
-    link = engine.staging_dir / f"miles-staging-link-{load_format}"
+    link = engine.staging_dir / f"miles-staging-link-{swap}"
     link.symlink_to(outside)
     try:
-        for target in (payload, payload.replace(str(outside), str(link))):
-            body = {"serialized_named_tensors": [target], "load_format": load_format}
-            refused(post(engine, "/update_weights_from_tensor", body), 400, "not in this engine's weight-staging")
+        for target in (str(outside), str(link)):
+            request = body | {"staging_path": target, "swap": swap}
+            refused(post(engine, "/update_weights_from_staging", request), 400, "not in this engine's weight-staging")
         # An update after the refusals copies into the served weights: had they been aliased, it would write there.
-        refresh = {"model.norm.weight": torch.full((64,), 0.75 if load_format == "shm_staging" else 0.8)}
+        refresh = {"model.norm.weight": torch.full((64,), 0.8 if swap else 0.75)}
         body = {"serialized_named_tensors": [base64.b64encode(save(refresh)).decode()]}
         assert post(engine, "/update_weights_from_tensor", body).status_code == 200
         assert file_digest(outside) == digest and link.is_symlink()
@@ -288,69 +288,102 @@ def test_staging_files_outside_the_staging_dir_are_never_mapped(engine, model_di
 
 def test_staging_inside_the_staging_dir_still_works(engine, model_dir) -> None:
     tensors = {"model.norm.weight": torch.full((64,), 0.25)}
-    path, payload = staging_file(engine.staging_dir, tensors, "miles-staging-ok")
+    path, body = staging_file(engine.staging_dir, tensors, "miles-staging-ok")
     before = checksum(engine)
-    for load_format in ("shm_staging", "shm_swap"):
-        response = post(
-            engine, "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "load_format": load_format}
-        )
+    for swap in (False, True):
+        response = post(engine, "/update_weights_from_staging", body | {"swap": swap, "weight_version": f"s{swap}"})
         assert response.status_code == 200, response.text
+        assert response.headers["X-Weight-Version"] == f"s{swap}"
     assert checksum(engine) != before
     path.unlink()
     assert_still_serving(engine)
 
 
+def _staging_body(**change: object) -> dict:
+    layout = StagingLayout.of([("model.norm.weight", torch.zeros(64))]).to_wire()
+    return {"staging_path": "/dev/shm/x", "buffer_size": 256, "layout": layout} | change
+
+
+def _layout_with(**change: object) -> dict:
+    layout = _staging_body()["layout"]
+    return _staging_body(layout=layout | change)
+
+
+def _entry_with(**change: object) -> dict:
+    layout = _staging_body()["layout"]
+    return _staging_body(layout=layout | {"tensors": [layout["tensors"][0] | change]})
+
+
 MALFORMED_STAGING = [
-    ("not json", "not valid JSON"),
-    ('["a list"]', "bad staging payload"),
-    ("{}", "path: Field required"),
-    ('{"path": "x", "size": 8}', "tensors: Field required"),
-    ('{"path": 3, "size": 8, "tensors": [["w", "float32", [2], 0]]}', "path"),
-    ('{"path": "x", "size": "8", "tensors": [["w", "float32", [2], 0]]}', "size"),
-    ('{"path": "x", "size": 0, "tensors": [["w", "float32", [2], 0]]}', "size"),
-    ('{"path": "x", "size": 8, "tensors": "w"}', "tensors"),
-    ('{"path": "x", "size": 8, "tensors": [["w", "float32", [-2], 0]]}', "tensors"),
-    ('{"path": "x", "size": 8, "tensors": [["w", "float32", [2], -8]]}', "tensors"),
-    ('{"path": "x", "size": 8, "tensors": [["w", "float32"]]}', "tensors"),
-    ('{"path": "x", "size": 8, "tensors": [], "extra": 1}', "tensors|extra"),
-    ('{"path": "x", "size": NaN, "tensors": []}', "NaN"),
-    ("[" * 200 + "]" * 200, "nested deeper"),
+    (b"not json", "not valid JSON"),
+    (b'["a list"]', "object"),
+    (b'{"staging_path": "x", "buffer_size": NaN, "layout": {}}', "NaN"),
+    (b"[" * 200 + b"]" * 200, "nested deeper"),
+    ({}, "missing field 'layout'"),
+    (_staging_body(layout=json.dumps(_staging_body()["layout"])), "field 'layout' must be dict"),  # JSON in JSON
+    (_staging_body(extra=1), "unknown field 'extra'"),
+    (_staging_body(serialized_named_tensors=["x"]), "unknown field 'serialized_named_tensors'"),
+    ({k: v for k, v in _staging_body().items() if k != "staging_path"}, "missing field 'staging_path'"),
+    (_staging_body(staging_path=3), "field 'staging_path' must be str"),
+    (_staging_body(buffer_size="256"), "field 'buffer_size' must be int"),
+    (_staging_body(buffer_size=0), "field 'buffer_size' must be an integer from 1"),
+    (_staging_body(swap="yes"), "field 'swap' must be bool"),
+    (_staging_body(weight_version="\n"), "weight_version"),
+    (_layout_with(tensors="w"), r"layout\.tensors must be a list"),
+    (_layout_with(tensors=[["model.norm.weight", "float32", [64], 0]]), r"layout\.tensors\[0\] must be an object"),
+    (_layout_with(size=-1), r"layout\.size must be from 0"),
+    (_layout_with(alignment=3), r"layout\.alignment must be a power of two"),
+    (_layout_with(extra=1), r"layout: unknown extra"),
+    (_entry_with(shape=[-2]), r"layout\.tensors\[0\]\.shape\[0\] must be from 0"),
+    (_entry_with(offset=-8), r"layout\.tensors\[0\]\.offset must be from 0"),
+    (_entry_with(dtype="complex_nonsense"), r"layout\.tensors\[0\] \('model\.norm\.weight'\): unknown dtype"),
+    (_entry_with(nbytes=8), r"nbytes 8 does not match shape \(64,\)"),
+    (_layout_with(size=100), r"lie beyond the layout's size 100"),
 ]
 
 
-@pytest.mark.parametrize(("payload", "match"), MALFORMED_STAGING)
-def test_malformed_staging_payloads_are_400(engine, payload: str, match: str) -> None:
-    body = {"serialized_named_tensors": [payload], "load_format": "shm_staging"}
-    refused(post(engine, "/update_weights_from_tensor", body), 400, match)
+@pytest.mark.parametrize(("body", "match"), MALFORMED_STAGING)
+def test_malformed_staging_requests_are_400(engine, body: dict | bytes, match: str) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    refused(post(engine, "/update_weights_from_staging", content=content), 400, match)
+
+
+def test_staging_formats_of_update_weights_from_tensor_are_gone(engine) -> None:
+    for load_format in ("shm_staging", "shm_swap"):
+        body = {"serialized_named_tensors": ["{}"], "load_format": load_format}
+        refused(post(engine, "/update_weights_from_tensor", body), 400, "go to /update_weights_from_staging")
+
+
+def _layout_of(name: str, dtype: str, shape: list[int], offset: int, *, size: int) -> dict:
+    nbytes = 4 * math.prod(shape)
+    entry = {"name": name, "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes}
+    return {"alignment": 1, "size": max(size, offset + nbytes), "tensors": [entry]}
 
 
 @pytest.mark.parametrize(
-    ("row", "match"),
+    ("entry", "match"),
     [
-        (["model.norm.weight", "float32", [32], 2], "not a multiple"),  # misaligned for float32
-        (["model.norm.weight", "complex_nonsense", [64], 0], "unknown dtype"),
-        (["model.norm.weight", "float32", [1 << 40], 0], "outside the"),
-        (["model.norm.weight", "float32", [3], 0], r"shape \(3,\)"),
-        (["not.a.weight", "float32", [64], 0], "not a weight"),
+        (("model.norm.weight", "float32", [32], 2), "not a multiple of 4"),  # misaligned for float32
+        (("model.norm.weight", "float32", [1 << 40], 0), r"layout\.size \d+ is beyond buffer_size"),
+        (("model.norm.weight", "float32", [3], 0), r"shape \(3,\)"),
+        (("not.a.weight", "float32", [64], 0), "not a weight"),
     ],
 )
-def test_staging_layouts_that_do_not_fit_are_400_and_load_nothing(engine, model_dir, row, match) -> None:
+def test_staging_layouts_that_do_not_fit_are_400_and_load_nothing(engine, model_dir, entry, match) -> None:
     before = checksum(engine)
-    path, _ = staging_file(engine.staging_dir, tiny_update(model_dir), f"miles-staging-layout-{row[1]}")
-    payload = json.dumps({"path": str(path), "size": path.stat().st_size, "tensors": [row]})
-    for load_format in ("shm_staging", "shm_swap"):
-        body = {"serialized_named_tensors": [payload], "load_format": load_format}
-        refused(post(engine, "/update_weights_from_tensor", body), 400, match)
+    path, body = staging_file(engine.staging_dir, tiny_update(model_dir), f"miles-staging-layout-{entry[2][0]}")
+    body["layout"] = _layout_of(*entry, size=body["buffer_size"])
+    for swap in (False, True):
+        refused(post(engine, "/update_weights_from_staging", body | {"swap": swap}), 400, match)
     assert checksum(engine) == before
     path.unlink()
 
 
 def test_a_staging_size_beyond_the_file_is_refused_and_the_file_not_grown(engine, model_dir) -> None:
-    path, payload = staging_file(engine.staging_dir, tiny_update(model_dir), "miles-staging-short")
+    path, body = staging_file(engine.staging_dir, tiny_update(model_dir), "miles-staging-short")
     size = path.stat().st_size
-    grown = json.loads(payload) | {"size": size * 1000}
-    body = {"serialized_named_tensors": [json.dumps(grown)], "load_format": "shm_swap"}
-    refused(post(engine, "/update_weights_from_tensor", body), 400, "smaller than")
+    grown = body | {"buffer_size": size * 1000, "swap": True}
+    refused(post(engine, "/update_weights_from_staging", grown), 400, "smaller than buffer_size")
     assert path.stat().st_size == size
     path.unlink()
 
@@ -674,6 +707,13 @@ ROUTES = {
     "/update_weights_from_tensor": {
         "serialized_named_tensors": ["e30="],
         "load_format": "safetensors",
+        "weight_version": "fuzz",
+    },
+    "/update_weights_from_staging": {
+        "staging_path": "/etc/passwd",
+        "buffer_size": 256,
+        "layout": StagingLayout.of([("model.norm.weight", torch.zeros(64))]).to_wire(),
+        "swap": True,
         "weight_version": "fuzz",
     },
     "/update_weights_from_disk": {"model_path": "/nonexistent", "weight_version": "fuzz"},

@@ -9,16 +9,9 @@ import miles_plugins_rdt.protocol as protocol_module
 import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol
-from miles_plugins_rdt.staging import (
-    StagingOverflowError,
-    byte_range,
-    in_waves,
-    lay_out,
-    plan_routes,
-    split_into_lanes,
-    views,
-)
+from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
+from miles_core.engines.staging_layout import StagingLayout, StagingLayoutError, StagingOverflowError
 from miles_core.errors import MilesError
 from tests.conftest import run_miles
 
@@ -31,13 +24,14 @@ def test_offsets_are_aligned_to_each_dtype_and_views_round_trip() -> None:
         ("d.i64", torch.arange(5)),
         ("e.f64", torch.randn(2, dtype=torch.float64)),
     ]
-    slots = lay_out(tensors, capacity=1024)
-    assert [s.offset for s in slots] == [0, 8, 32, 40, 80]  # 6 -> 8 (f32), 35 -> 40 (i64), 80 (f64)
-    assert all(s.offset % t.element_size() == 0 for s, (_, t) in zip(slots, tensors, strict=True))
+    layout = bucket_layout(tensors, capacity=1024)
+    assert [s.offset for s in layout.tensors] == [0, 8, 32, 40, 80]  # 6 -> 8 (f32), 35 -> 40 (i64), 80 (f64)
+    assert all(s.offset % t.element_size() == 0 for s, (_, t) in zip(layout.tensors, tensors, strict=True))
     bucket = torch.zeros(1024, dtype=torch.uint8)
-    for target, (_, tensor) in zip(views(bucket, slots), tensors, strict=True):
+    for target, (_, tensor) in zip(layout.views(bucket).values(), tensors, strict=True):
         target.copy_(tensor)
-    for view, (_, tensor) in zip(views(bucket, slots), tensors, strict=True):
+    wire = StagingLayout.from_wire(layout.to_wire())  # as the engine reads it from the switch request
+    for view, (_, tensor) in zip(wire.views(bucket).values(), tensors, strict=True):
         assert view.dtype == tensor.dtype and torch.equal(view, tensor)
 
 
@@ -48,25 +42,24 @@ def test_a_tensor_larger_than_the_bucket_is_an_error_naming_it() -> None:
         match=r"model\.layers\.0\.mlp\.up_proj\.weight \(float32, shape \(300,\)"
         r".* raise the rdt setting staging_bucket_mb",
     ):
-        lay_out(big, capacity=1024)
+        bucket_layout(big, capacity=1024)
 
 
 def test_consecutive_buckets_continue_the_layout() -> None:
-    first = lay_out([(f"w{i}", torch.zeros(60)) for i in range(2)], capacity=512)
-    second = lay_out(
-        [("h", torch.zeros(3, dtype=torch.float16)), ("w", torch.zeros(1))],
-        capacity=512,
-        start=first[-1].offset + first[-1].nbytes,
+    first = bucket_layout([(f"w{i}", torch.zeros(60)) for i in range(2)], capacity=512)
+    second = bucket_layout(
+        [("h", torch.zeros(3, dtype=torch.float16)), ("w", torch.zeros(1))], capacity=512, start=first.size
     )
-    assert [s.offset for s in first + second] == [0, 240, 480, 488]
+    whole = StagingLayout.concat([first, second], alignment=1)  # the version the engines switch to
+    assert [s.offset for s in whole.tensors] == [0, 240, 480, 488] and whole.size == 492
     with pytest.raises(StagingOverflowError, match=r"w2 .* at offset 480"):
-        lay_out([("w2", torch.zeros(60))], capacity=512, start=480)
+        bucket_layout([("w2", torch.zeros(60))], capacity=512, start=480)
 
 
 def test_views_refuse_a_layout_outside_the_bucket() -> None:
-    slots = lay_out([("x", torch.zeros(8))], capacity=64)
-    with pytest.raises(StagingOverflowError, match="outside the 16-byte staging bucket"):
-        views(torch.zeros(16, dtype=torch.uint8), slots)
+    layout = bucket_layout([("x", torch.zeros(8))], capacity=64)
+    with pytest.raises(StagingLayoutError, match=r"needs 32 bytes .* the staging buffer has 16"):
+        layout.views(torch.zeros(16, dtype=torch.uint8))
 
 
 def test_routes_spread_engines_over_sending_ranks() -> None:
@@ -115,22 +108,22 @@ def test_lanes_share_a_chunk_evenly_and_cover_every_byte_once() -> None:
         ("c", torch.randn(300, 500).to(torch.bfloat16)),
         ("d", torch.arange(3, dtype=torch.int64)),
     ]
-    slots = lay_out(tensors, capacity=1 << 22)
+    layout = bucket_layout(tensors, capacity=1 << 22)
     bucket = torch.zeros(1 << 22, dtype=torch.uint8)
-    lanes = split_into_lanes(slots, 3, granule=4096)
-    total = sum(slot.nbytes for slot in slots)
+    lanes = split_into_lanes(layout.tensors, 3, granule=4096)
+    total = sum(slot.nbytes for slot in layout.tensors)
     sizes = [sum(piece.nbytes for piece in lane) for lane in lanes]
     assert sum(sizes) == total and max(sizes) - min(sizes) <= 2 * 4096
     for lane in lanes:  # each lane moves its pieces, as a receiver would, into the bucket
         for piece in lane:
             source = byte_range(tensors[piece.tensor][1], piece.start, piece.nbytes)
             bucket[piece.offset : piece.offset + piece.nbytes].copy_(source)
-    for (_, tensor), view in zip(tensors, views(bucket, slots), strict=True):
+    for (_, tensor), view in zip(tensors, layout.views(bucket).values(), strict=True):
         assert torch.equal(view, tensor)
 
 
 def test_a_chunk_smaller_than_the_granule_goes_to_one_lane() -> None:
-    slots = lay_out([("x", torch.ones(10))], capacity=1024)
+    slots = bucket_layout([("x", torch.ones(10))], capacity=1024).tensors
     assert [len(lane) for lane in split_into_lanes(slots, 2)] == [1, 0]
     with pytest.raises(MilesError, match="at least one receive lane"):
         split_into_lanes(slots, 0)

@@ -40,8 +40,18 @@ def test_plugins_json_lists_core_first_party_and_examples() -> None:
         assert plugins[name]["source"] == "entry point"
     hooks = plugins["example-hooks"]
     assert hooks["distribution"] == "miles-example-hooks"
-    assert hooks["hooks"] == ["provide_model_implementations", "provide_reward_functions"]
-    assert hooks["provides"] == {"model_implementations": ["llama/minimal"], "reward_functions": ["example.keyword"]}
+    assert hooks["hooks"] == [
+        "provide_engine_backends",
+        "provide_model_implementations",
+        "provide_reward_functions",
+        "provide_training_backends",
+    ]
+    assert hooks["provides"] == {
+        "training_backends": ["example-reinforce"],
+        "engine_backends": ["example-local"],
+        "model_implementations": ["llama/minimal"],
+        "reward_functions": ["example.keyword"],
+    }
     transfer = plugins["miles-example-transfer"]
     assert transfer["source"] == "entry point (miles.weight_transfer)"
     assert transfer["provides"] == {"weight_transfer_protocols": ["sharded-disk"]}

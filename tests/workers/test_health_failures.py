@@ -47,6 +47,19 @@ http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_
 """
 
 
+CLOSING_SERVER = """\
+import http.server, os, sys, threading, time
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+server.shutdown()
+server.server_close()  # the port refuses connections from now on, while the process lives on
+time.sleep(3600)
+"""
+
+
 def switched_spec(name: str, sick_pids: Path) -> CommandWorkerSpec:
     """A worker that answers its health URL with 503 while its pid is listed in ``sick_pids``."""
     return CommandWorkerSpec(
@@ -111,6 +124,39 @@ def test_an_exited_process_is_restarted_at_the_first_check_and_even_liveness_onl
         await kill_and_wait(provider, "engine-1")
         assert await monitor.check_once() == ["engine-1"]  # no failures in a row needed for an exited process
         assert monitor.failures["engine-0"] == 1
+        await cells.stop_all()
+
+    asyncio.run(scenario())
+
+
+def test_a_live_process_whose_port_refuses_connections_is_restored_by_a_liveness_check(provider, tmp_path) -> None:
+    """A process being killed closes its sockets before it can be reaped: its clients see the connection drop while
+    its pid still looks alive, and the liveness check must not wait for the pid."""
+    close = tmp_path / "close"
+
+    async def scenario() -> None:
+        cells = CellManager(provider)
+        spec = CommandWorkerSpec(
+            name="engine-0",
+            argv=[sys.executable, "-c", CLOSING_SERVER, "{port}", str(close)],
+            ports=["port"],
+            health_url="http://{host}:{port}/",
+            cwd=str(tmp_path),
+        )
+        cells.add_server("engine", count=1, specs=lambda cell_id: [spec])
+        await cells.start_all()
+        monitor = HealthMonitor(cells, failures_to_restart=5)
+        assert await monitor.check_once(liveness_only=True) == []
+        close.touch()
+        pid = cells.get("engine-0").workers[0].pid
+        for _ in range(100):  # until the port is closed
+            if not await monitor.is_alive(cells.get("engine-0")):
+                break
+            await asyncio.sleep(0.05)
+        assert await provider.is_alive("engine-0")  # the process lives
+        close.unlink()  # the restarted worker keeps its port open
+        assert await monitor.check_once(liveness_only=True) == ["engine-0"]
+        assert cells.get("engine-0").workers[0].pid != pid
         await cells.stop_all()
 
     asyncio.run(scenario())

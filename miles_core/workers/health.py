@@ -4,7 +4,7 @@ A failed cell is stopped, restarted from its specs, then handed to the recovery 
 wherever it was registered (the router, the dashboard) and bring it to the current weight version, while the run
 goes on. Checks pause around weight updates (:meth:`HealthMonitor.paused`).
 
-A cell whose process exited, or whose port refuses connections, is restarted at the first check that sees it; one
+A cell whose process exited, or whose URL no longer answers HTTP, is restarted at the first check that sees it; one
 whose process lives but does not answer its health URL is restarted after ``failures_to_restart`` such checks in a
 row, since a busy server can miss one (SGLang answers ``/health_generate`` with 503 when its scheduler produced
 nothing for 20 s). The owner of a generation pause checks with ``liveness_only``: a paused SGLang server produces
@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -108,26 +107,15 @@ class HealthMonitor:
         return await self.is_alive(cell) and await self.answers_health(cell)
 
     async def is_alive(self, cell: Cell) -> bool:
-        """The cell has workers, every one of their processes is alive and every worker URL accepts a connection: a
-        process being killed closes its sockets before it can be reaped, so its pid alone still looks alive for a
-        moment after its clients saw the connection drop."""
+        """The cell has workers, every one of their processes is alive and every worker URL answers HTTP at all (any
+        status): a process being killed can still hold its port for a moment, accepting connections it never
+        answers, after its clients already saw theirs drop."""
         alive = [await self.cells.provider.is_alive(worker.name) for worker in cell.workers]
         if not (alive and all(alive)):
             return False
         urls = [worker.url for worker in cell.workers if worker.url]
-        return all(await asyncio.gather(*(self._accepts_connections(url) for url in urls)))
-
-    async def _accepts_connections(self, url: str) -> bool:
-        parsed = urllib.parse.urlsplit(url)
-        try:
-            connecting = asyncio.open_connection(parsed.hostname, parsed.port)
-            _, writer = await asyncio.wait_for(connecting, self.timeout_s)
-        except (OSError, TimeoutError):
-            return False
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
-        return True
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            return all(await asyncio.gather(*(_answers_http(client, url) for url in urls)))
 
     async def answers_health(self, cell: Cell) -> bool:
         """Every worker with a health URL answers it with 200 within ``timeout_s``."""
@@ -183,3 +171,12 @@ class HealthMonitor:
     def _event(self, cell_id: str, what: str) -> None:
         self.events.append((time.time(), cell_id, what))
         logger.info("cell %s: %s", cell_id, what)
+
+
+async def _answers_http(client: httpx.AsyncClient, url: str) -> bool:
+    """``url`` answers a GET with any status (a 404 or a 401 still says a server is there)."""
+    try:
+        await client.get(url)
+    except httpx.HTTPError:
+        return False
+    return True

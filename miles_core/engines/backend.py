@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from miles_core.errors import RegistryError
+
 if TYPE_CHECKING:
     from miles_core.workers.specs import WorkerSpec
 
@@ -34,8 +36,6 @@ class EngineBackend(Protocol):
 def load_engine_backend(registries: Any, name: str) -> EngineBackend:
     """An instance of the engine backend registered as ``name``; a target that is not an :class:`EngineBackend`
     class is a ``RegistryError`` naming it."""
-    from miles_core.registry import RegistryError  # deferred: registry imports pluggy
-
     entry = registries.engine_backends.get_or_raise(name)
     target = entry.load()
     backend = target() if isinstance(target, type) else None

@@ -135,7 +135,7 @@ class HealthMonitor:
         if cell.state != CellState.RUNNING:
             return False
         if not await self.is_alive(cell):
-            self._event(cell.cell_id, "a process exited")
+            self._event(cell.cell_id, "a process exited or its URL stopped answering")
             return True
         if liveness_only:
             return False

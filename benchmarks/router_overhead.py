@@ -5,7 +5,10 @@ local-engine servers on the embedded default model and a real sglang-router in f
 miles-plugins-sglang worker specs and the local worker provider), then generates ``--samples`` samples of 8 new
 tokens (one rollout's worth, per-sample seeds) three ways: direct batches (one ``/generate`` per engine, what the
 executor does without a router), direct single requests (one ``/generate`` per sample, spread over the engines by
-the client), and single requests through the router. Prints samples/s (median of the repeats) and the ratios.
+the client), and single requests through the router. The engines batch continuously (requests join the running
+batch between decode steps), so single requests arriving one by one share decode steps as a batch does. Prints
+samples/s (median of the repeats) and the ratios, last the one that matters: single requests through the router
+against direct batches (the aim: at least 0.9x).
 """
 
 from __future__ import annotations
@@ -88,10 +91,10 @@ async def main(engines: int, samples: int, repeats: int) -> None:
             rates[name] = samples / await timed(run, repeats)
             print(f"{name:32s} {rates[name]:8.1f} samples/s")
         base = rates["direct single requests"]
-        print(
-            f"router / direct single requests = {rates['single requests via the router'] / base:.2f}x; "
-            f"router / direct batches = {rates['single requests via the router'] / rates['direct batches']:.2f}x"
-        )
+        routed_rate = rates["single requests via the router"]
+        print(f"router / direct single requests = {routed_rate / base:.2f}x")
+        ratio = routed_rate / rates["direct batches"]
+        print(f"router single requests / direct batches (continuous batching) = {ratio:.2f}x")
         for client in (*direct, routed):
             await client.aclose()
         registrar.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import statistics
 import tempfile
 import time
@@ -59,7 +60,8 @@ def p99(samples: list[float]) -> float:
 
 
 async def main(calls: int, concurrency: int) -> None:
-    provider = LocalWorkerProvider(token=TOKEN, run_dir=tempfile.mkdtemp(prefix="miles-bench-"))
+    run_dir = tempfile.mkdtemp(prefix="miles-bench-")
+    provider = LocalWorkerProvider(token=TOKEN, run_dir=run_dir)
     spec = PythonWorkerSpec(name="bench", target="miles_core.testkit.echo_worker:EchoWorker", rpc_groups=ECHO_GROUPS)
     info = await provider.start(spec)
     client = provider.client("bench")
@@ -93,6 +95,7 @@ async def main(calls: int, concurrency: int) -> None:
         await http.aclose()
         await provider.shutdown()
         ray.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)  # the worker's log: nothing to keep
     rpc_median, _, rpc_rate = results["Miles RPC"]
     print(
         f"ratios: RPC/bare HTTP latency {rpc_median / results['bare HTTP'][0]:.2f}x, "

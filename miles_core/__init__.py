@@ -3,9 +3,11 @@
 The public API is this flat namespace: plugins import from ``miles_core``, not from its modules. The contracts a
 third party programs against are here (:class:`TrainingBackend`, :class:`EngineBackend`,
 :class:`WeightTransferProtocol` and its types, :class:`StagingLayout`, :class:`HfWeightIterator`,
-:class:`CausalLM`, the worker specs, an engine's typed ``/generate`` request and answer, :class:`SamplingParams`
-and :class:`GenerateOutput`); those that need torch or pydantic are imported on first use, so that
-``import miles_core`` stays light (every ``miles`` command imports it).
+:class:`CausalLM`, the worker specs, a rollout's :class:`Sample` and :class:`Group` (what a rollout filter sees),
+an engine's typed ``/generate`` request and answer, :class:`SamplingParams` and :class:`GenerateOutput`, a chat
+format for the session server, :class:`ChatFormat` with :class:`ChatMessage`, :class:`ToolCall` and
+:class:`ChatFormatError`); those that need torch or pydantic are imported on first use, so that ``import miles_core``
+stays light (every ``miles`` command imports it).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ if TYPE_CHECKING:
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
     from miles_core.engines.staging_layout import StagingLayout
     from miles_core.models.causal_lm import CausalLM
-    from miles_core.rollout.executor import Sample
+    from miles_core.rollout.executor import Group, Sample
     from miles_core.rollout.prompts import Prompt
+    from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch
     from miles_core.training.weight_iterator import HfWeightIterator
@@ -35,15 +38,20 @@ __version__ = "0.2.0"
 
 _LAZY = {
     "CausalLM": "miles_core.models.causal_lm",
+    "ChatFormat": "miles_core.rollout.sessions.formats",
+    "ChatFormatError": "miles_core.rollout.sessions.formats",
+    "ChatMessage": "miles_core.rollout.sessions.formats",
     "CommandWorkerSpec": "miles_core.workers.specs",
     "EngineBackend": "miles_core.engines.backend",
     "EngineEndpoint": "miles_core.weight_transfer.protocol",
     "GenerateOutput": "miles_core.engines.generate_types",
+    "Group": "miles_core.rollout.executor",
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "Prompt": "miles_core.rollout.prompts",
     "PythonWorkerSpec": "miles_core.workers.specs",
     "Sample": "miles_core.rollout.executor",
     "SamplingParams": "miles_core.engines.generate_types",
+    "ToolCall": "miles_core.rollout.sessions.formats",
     "StagingLayout": "miles_core.engines.staging_layout",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
@@ -69,6 +77,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CausalLM",
+    "ChatFormat",
+    "ChatFormatError",
+    "ChatMessage",
     "CommandWorkerSpec",
     "ConfigError",
     "EngineBackend",
@@ -77,6 +88,7 @@ __all__ = [
     "EngineInfo",
     "EngineWorker",
     "GenerateOutput",
+    "Group",
     "HfWeightIterator",
     "Implementation",
     "MilesError",
@@ -89,6 +101,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "StagingLayout",
+    "ToolCall",
     "TrainBatch",
     "TrainerInfo",
     "TrainingBackend",

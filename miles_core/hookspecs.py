@@ -134,6 +134,46 @@ def provide_tasks() -> list[Implementation] | None:
     """
 
 
+@hookspec
+def provide_rollout_filters() -> list[Implementation] | None:
+    """Group filters (``--rollout-filters NAME,...``; DAPO's dynamic sampling): which finished groups may enter a
+    training batch.
+
+    Called once when the registries are built. Each target is a callable ``keep(group) -> bool`` taking a
+    :class:`miles_core.Group` (its samples scored, with their token ids, rewards and weight versions); a group it
+    refuses is counted in ``rollout/filtered_groups`` and replaced by another, in every schedule. The core provides
+    ``nonzero_reward_std`` (a group whose rewards are all equal has zero advantage: it teaches nothing) and
+    ``no_truncated`` (no sample stopped by ``max_new_tokens``: DAPO's overlong filter).
+    """
+
+
+@hookspec
+def provide_agents() -> list[Implementation] | None:
+    """Agents (``--rollout-agent NAME``; a task's default agent is the one named like the task): the code that plays
+    one rollout sample as a multi-turn conversation with the policy, with tools and an environment of its own.
+
+    Called once when the registries are built. Each target is ``async def agent(*, base_url: str, prompt: str,
+    metadata: dict) -> float | None``: ``base_url`` is its session's OpenAI-compatible endpoint on a session server
+    (any OpenAI client works unchanged), and it returns the sample's reward, or ``None`` to have the run's reward
+    function score its last turn. The core provides ``single_turn`` (one question, one answer) and ``tool_lookup``
+    (the agent of the embedded multi-turn task: a tool the policy must call).
+    """
+
+
+@hookspec
+def provide_chat_formats() -> list[Implementation] | None:
+    """Token-in-token-out chat formats (the session server's ``--chat-format NAME``): how a model family renders a
+    conversation as token ids, appends new messages to the exact ids of the turns so far, and parses tool calls from
+    the model's raw output ids.
+
+    Called once when the registries are built. Each target is a callable ``make(tokenizer) -> ChatFormat`` taking
+    the model directory's tokenizer and returning a :class:`miles_core.ChatFormat` (a class whose
+    constructor takes the tokenizer is such a callable); it raises ``ChatFormatError`` when the tokenizer lacks a
+    token the format needs. The core provides ``default`` (the embedded default's digit tokenizer) and ``qwen3``
+    (Qwen3's chat template and ``<tool_call>`` JSON tool calls).
+    """
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------------------------

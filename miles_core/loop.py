@@ -3,6 +3,9 @@
 ``schedule="sync"`` generates step k with the weights of step k. ``schedule="one_step_off"`` generates step k+1
 while step k trains (with weights one version old; the PPO importance ratio against the rollout logprobs corrects
 for it). Step k's data depends only on k, so a resumed run continues with the same data order.
+``schedule="fully_async"`` never stops generating: a :class:`RolloutStream` fills a buffer that each step takes its
+groups from, within ``--rollout-max-staleness`` versions of the trainer; its checkpoints keep which groups were
+used, so a resumed run neither repeats nor skips one.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from miles_core.events import TrainerInfo
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
+from miles_core.rollout.agents import agent_for_task, close_session_clients, session_chat_format
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
+from miles_core.rollout.filters import load_filters
+from miles_core.rollout.sessions.pool import SessionServers
+from miles_core.rollout.stream import RolloutStream, StreamState
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
 from miles_core.training.backend import TrainingBackend, missing_members
@@ -113,39 +120,81 @@ async def _run_with_trainer(
         backend=backend,
         model_path=str(setup.model_path),
     )
-    executor = RolloutExecutor(
-        config=config,
-        tokenizer=setup.tokenizer,
-        train_prompts=setup.train_prompts,
-        eval_prompts=setup.eval_prompts,
-        reward_fn=setup.reward_fn,
-        reward_name=setup.reward_name,
-        controller=controller,
-    )
+    agent = agent_for_task(config.rollout.task, config.rollout.agent, registries.agents)
     reporter = RunReporter(
         setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step, enabled=progress
     )
+    sessions: SessionServers | None = None
     try:
         await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
+        if agent is not None:
+            sessions = await _start_session_servers(config, provider, controller, setup)
+        executor = RolloutExecutor(
+            config=config,
+            tokenizer=setup.tokenizer,
+            train_prompts=setup.train_prompts,
+            eval_prompts=setup.eval_prompts,
+            reward_fn=setup.reward_fn,
+            reward_name=setup.reward_name,
+            controller=controller,
+            filters=load_filters(config.rollout.filters, registries.rollout_filters),
+            initial_version=setup.start_step,
+            agent=agent,
+            sessions=sessions,
+        )
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
     finally:
         reporter.close()
+        if sessions is not None:
+            await sessions.stop()
+            await close_session_clients()
         await controller.stop()
     return reporter
+
+
+async def _start_session_servers(config: Any, provider: Any, controller: InferenceController, setup: RunSetup):
+    """The session servers of an agent run, in front of the router or the first engine (each session names its
+    engine: the rollout spreads them)."""
+    default_engine = controller.router_client or controller.engine_clients()[0]
+    return await SessionServers.start(
+        config,
+        provider,
+        engine_url=default_engine.url,
+        model_path=str(setup.model_path),
+        chat_format=session_chat_format(config),
+    )
 
 
 async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:
     """Steps ``start_step + 1 .. num_steps``. Step N (as in the terminal, metrics.jsonl, the checkpoint
     ``step_N`` and the dashboard) trains on rollout ``N - 1`` and publishes weight version N; step 0 is the eval
     before training."""
-    bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     if setup.start_step == 0:
         reporter.eval(0, await _evaluate(manager, controller, executor, 0))
+    stream = None
+    if config.run.schedule == "fully_async":
+        default_low = setup.start_step * config.rollout.batch_size  # where a sync run's checkpoint left off
+        state = StreamState.load(setup.model_path, default_low=default_low) if setup.start_step else StreamState()
+        stream = RolloutStream(executor, controller, config, state=state)
+        stream.start()
+    try:
+        await _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream)
+    finally:
+        if stream is not None:
+            await stream.stop()
+
+
+async def _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream) -> None:
+    bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     next_rollout = None
     for rollout_id in range(setup.start_step, config.run.num_steps):
         step = rollout_id + 1
         phases = _Phases(manager, rollout_id=rollout_id, step=step)
-        rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, rollout_id))
+        if stream is not None:
+            manager.hook.prepare_rollout(rollout_id=rollout_id, controller=controller)
+            rollout = await phases.run("rollout", stream.take(rollout_id))
+        else:
+            rollout = await phases.run("rollout", next_rollout or _rollout(manager, controller, executor, rollout_id))
         if config.run.schedule == "one_step_off" and step < config.run.num_steps:
             next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
@@ -163,19 +212,23 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
         if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
             metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, step)))
         if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
-            await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step))
+            state = stream.state if stream is not None else None
+            await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step, state))
         metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
         reporter.step(step, metrics)
 
 
-def save_checkpoint(trainer: Any, setup: RunSetup, step: int) -> Path:
+def save_checkpoint(trainer: Any, setup: RunSetup, step: int, stream_state: StreamState | None = None) -> Path:
     """``checkpoints/step_{step:06d}``, written by the trainer; a trainer that wrote no tokenizer (a third-party
-    backend) gets the run model's tokenizer files added, so every checkpoint is a ``--model`` directory."""
+    backend) gets the run model's tokenizer files added, so every checkpoint is a ``--model`` directory. A
+    fully_async run's checkpoint also keeps which groups were used (:class:`StreamState`)."""
     directory = setup.run_dir / CHECKPOINTS / f"step_{step:06d}"
     trainer.save_checkpoint(directory)
     if not tokenizer_files(directory):
         copy_tokenizer_files(setup.initial_model_path, directory)
+    if stream_state is not None:
+        stream_state.save(directory)
     return directory
 
 

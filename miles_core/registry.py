@@ -24,6 +24,9 @@ REGISTRY_HOOKS: dict[str, str] = {
     "model_implementations": "provide_model_implementations",
     "reward_functions": "provide_reward_functions",
     "tasks": "provide_tasks",
+    "rollout_filters": "provide_rollout_filters",
+    "chat_formats": "provide_chat_formats",
+    "agents": "provide_agents",
 }
 """Registry name -> the hook that fills it."""
 
@@ -146,6 +149,9 @@ class Registries:
     model_implementations: Registry
     reward_functions: Registry
     tasks: Registry
+    rollout_filters: Registry
+    chat_formats: Registry
+    agents: Registry
 
     def __init__(self, registries: Mapping[str, Registry]) -> None:
         if set(registries) != set(REGISTRY_HOOKS):

@@ -24,7 +24,7 @@ from miles_core.models.hf_checkpoint import (
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
-from miles_core.targets import describe_callable, import_target, is_target
+from miles_core.targets import describe_callable, registered_or_target
 
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
@@ -291,16 +291,7 @@ def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., floa
                 f"like it (registered: {', '.join(registries.reward_functions) or 'none'})"
             )
         return registries.reward_functions[task].load(), task
-    entry = registries.reward_functions.get(name)
-    if entry is not None:
-        reward = entry.load()
-    elif is_target(name):
-        reward = import_target(name, what=f"--reward {name!r}")
-    else:
-        raise ConfigError(
-            f"--reward {name!r} is neither a registered reward function (registered: "
-            f"{', '.join(registries.reward_functions) or 'none'}) nor module:function"
-        )
+    reward = registered_or_target(name, registries.reward_functions, flag="--reward", kind="reward function")
     if not callable(reward):
         raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
     described = describe_callable(reward)

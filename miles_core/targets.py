@@ -62,6 +62,20 @@ def import_target(target: str, *, what: str) -> Any:
     return obj
 
 
+def registered_or_target(name: str, registry: Any, *, flag: str, kind: str) -> Any:
+    """``name`` from ``registry`` (loaded), else the ``module:function`` it names; anything else is a
+    :class:`ConfigError` saying ``flag`` takes a registered ``kind`` (listing them) or module:function."""
+    entry = registry.get(name)
+    if entry is not None:
+        return entry.load()
+    if is_target(name):
+        return import_target(name, what=f"{flag} {name!r}")
+    raise ConfigError(
+        f"{flag} {name!r} is neither a registered {kind} (registered: {', '.join(registry) or 'none'}) nor "
+        "module:function"
+    )
+
+
 def describe_callable(fn: Any) -> str:
     """``module:qualname`` of a function (or its ``repr`` when it has none), for messages."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)

@@ -368,6 +368,8 @@ OTHER_PROGRAMS = {
     "--prometheus-host": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to the sglang-router
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
+    "--split": "benchmarks/schedules.py",
+    "--sessions": "benchmarks/session_server.py",
 }
 """Flags the READMEs name in prose that belong to another program, and the file that uses each."""
 
@@ -378,11 +380,11 @@ def _miles_flags() -> set[str]:
         result = miles(*command)
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
-    engine = subprocess.run(
-        [sys.executable, "-m", "miles_core.engines.local_server", "--help"], capture_output=True, text=True, timeout=120
-    )
-    assert engine.returncode == 0, engine.stderr  # the README documents the local engine's own flags too
-    flags.update(re.findall(r"--[a-z][a-z0-9-]*", engine.stdout))
+    for server in ("miles_core.engines.local_server", "miles_core.rollout.sessions.server"):
+        # the README documents the flags of the local engine and of the session server too
+        answer = subprocess.run([sys.executable, "-m", server, "--help"], capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0, answer.stderr
+        flags.update(re.findall(r"--[a-z][a-z0-9-]*", answer.stdout))
     return flags
 
 

@@ -244,7 +244,7 @@ def test_a_slow_call_and_a_pipelined_request_behind_it_are_not_cut_off(short_dea
                 answers += chunk
         finally:
             writer.close()
-        assert b'"result": 3' in answers and b'"ok":true' in answers
+        assert b'"state":"done","result":3' in answers and b'"ok":true' in answers
 
     run_rpc(scenario)
 

@@ -90,6 +90,7 @@ def validate_config(config: Any, registries: Registries) -> None:
             registry.get_or_raise(name)
         except RegistryError as exc:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
+    check_agent_settings(config, registries)
     if config.rollout.reward is not None and ":" not in config.rollout.reward:
         try:
             registries.reward_functions.get_or_raise(config.rollout.reward)
@@ -97,6 +98,23 @@ def validate_config(config: Any, registries: Registries) -> None:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
             ) from exc
+
+
+def check_agent_settings(config: Any, registries: Registries) -> None:
+    """``--rollout-agent`` (a registered agent or module:function) and ``--rollout-chat-format``, checked before any
+    engine starts."""
+    from miles_core.rollout.agents import agent_for_task, session_chat_format  # deferred: rollout code
+
+    agent = agent_for_task(config.rollout.task, config.rollout.agent, registries.agents)
+    if agent is None:
+        if config.rollout.chat_format is not None:
+            raise ConfigError("rollout.chat_format (--rollout-chat-format) is for agent runs: give --rollout-agent too")
+        return
+    name = session_chat_format(config)
+    try:
+        registries.chat_formats.get_or_raise(name)
+    except RegistryError as exc:
+        raise ConfigError(f"rollout.chat_format (--rollout-chat-format) = {name!r}: {exc}") from exc
 
 
 def check_output_dir(output_dir: str, *, setting: str = "run.output_dir (--output-dir)") -> None:
@@ -176,9 +194,65 @@ def provide_engine_backends() -> list[Implementation]:
 
 @hookimpl
 def provide_reward_functions() -> list[Implementation]:
-    return [Implementation("echo_last", "miles_core.default.task:echo_last_reward", "the default task's reward")]
+    return [
+        Implementation("echo_last", "miles_core.default.task:echo_last_reward", "the default task's reward"),
+        Implementation(
+            "tool_lookup", "miles_core.default.tool_task:tool_lookup_reward", "the answer's score of tool_lookup"
+        ),
+    ]
 
 
 @hookimpl
 def provide_tasks() -> list[Implementation]:
-    return [Implementation("echo_last", "miles_core.default.task:echo_last_prompts", "repeat the last digit")]
+    return [
+        Implementation("echo_last", "miles_core.default.task:echo_last_prompts", "repeat the last digit"),
+        Implementation(
+            "tool_lookup",
+            "miles_core.default.tool_task:tool_lookup_prompts",
+            "multi-turn: call the lookup tool, answer with its secret digit (its agent: tool_lookup)",
+        ),
+    ]
+
+
+@hookimpl
+def provide_rollout_filters() -> list[Implementation]:
+    return [
+        Implementation(
+            "nonzero_reward_std",
+            "miles_core.rollout.filters:nonzero_reward_std",
+            "drop a group whose rewards are all equal (zero advantage)",
+        ),
+        Implementation(
+            "no_truncated",
+            "miles_core.rollout.filters:no_truncated",
+            "drop a group with a sample cut at max_new_tokens",
+        ),
+    ]
+
+
+@hookimpl
+def provide_agents() -> list[Implementation]:
+    return [
+        Implementation("single_turn", "miles_core.rollout.agents:single_turn", "one question, one answer"),
+        Implementation(
+            "tool_lookup",
+            "miles_core.default.tool_task:tool_lookup_agent",
+            "the tool_lookup task's agent: offers the lookup tool, answers its calls, scores the answer",
+        ),
+    ]
+
+
+@hookimpl
+def provide_chat_formats() -> list[Implementation]:
+    return [
+        Implementation(
+            "default",
+            "miles_core.rollout.sessions.formats:DigitChatFormat",
+            "the embedded default's digit tokenizer: <bos>ROLE: content <eos>, tool calls as :TOOL:ARGUMENT",
+        ),
+        Implementation(
+            "qwen3",
+            "miles_core.rollout.sessions.formats:Qwen3ChatFormat",
+            "Qwen3: <|im_start|>role ... <|im_end|>, <tool_call> JSON tool calls",
+        ),
+    ]

@@ -18,8 +18,11 @@ class RunSection(Section):
     seed: int = pydantic.Field(default=1234, ge=0, description="Seed of every random generator of the run.")
     output_dir: str = pydantic.Field(default="runs/latest", min_length=1, description="Directory of the run.")
     num_steps: int = pydantic.Field(default=200, gt=0, description="RL steps to run.")
-    schedule: Literal["sync", "one_step_off"] = pydantic.Field(
-        default="sync", description="sync: generate, train, update; one_step_off: generate step k+1 while training k."
+    schedule: Literal["sync", "one_step_off", "fully_async"] = pydantic.Field(
+        default="sync",
+        description="sync: generate, train, update; one_step_off: generate step k+1 while training k; fully_async: "
+        "generation never stops, the trainer takes finished groups from a buffer (--rollout-max-staleness bounds how "
+        "old they may be).",
     )
     eval_every: int = pydantic.Field(default=25, ge=0, description="Evaluate every N steps (0: only at start/end).")
     checkpoint_every: int = pydantic.Field(default=50, ge=0, description="Checkpoint every N steps (0: at end).")
@@ -60,12 +63,77 @@ class RolloutSection(Section):
     reward: str | None = pydantic.Field(
         default=None, description="Reward function: a registry name or module:function; None: the task's own."
     )
+    filters: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Group filters (`miles plugins` lists them, e.g. nonzero_reward_std), applied before a group "
+        "enters a batch, in every schedule; comma-separated on the command line.",
+    )
+    over_sampling: int = pydantic.Field(
+        default=0,
+        ge=0,
+        description="Extra groups generated beyond the batch (fully_async: kept in flight), so that filtered-out "
+        "groups leave no batch short.",
+    )
+    max_staleness: int = pydantic.Field(
+        default=2,
+        ge=0,
+        description="fully_async: the most weight versions a group may lag the trainer when it is trained on.",
+    )
+    stale_groups: Literal["drop", "retry"] = pydantic.Field(
+        default="drop", description="fully_async: a group beyond max_staleness is dropped, or generated again."
+    )
+    partial: bool = pydantic.Field(
+        default=False,
+        description="A request cut by a weight update (fully_async, one_step_off) continues under the new weights, "
+        "keeping the tokens (and logprobs) generated before it; false: fully_async generates it again from the start, "
+        "one_step_off holds it until the update is done.",
+    )
+    mask_off_policy: bool = pydantic.Field(
+        default=False,
+        description="With partial: the tokens of a sample generated under an older weight version than its last "
+        "ones are masked off the loss.",
+    )
+
+    agent: str | None = pydantic.Field(
+        default=None,
+        description="Agent playing each sample as a multi-turn conversation through session servers (`miles plugins` "
+        "lists them; or module:function); None: the task's agent if it registers one, else batched single-turn "
+        "generation.",
+    )
+    session_servers: int = pydantic.Field(
+        default=1, ge=1, le=64, description="Session servers an agent run starts (sessions go to them in turn)."
+    )
+    chat_format: str | None = pydantic.Field(
+        default=None,
+        description="Token-in-token-out chat format of the session servers (`miles plugins` lists them); None: "
+        "'default' for the embedded default model, required with --model.",
+    )
+
+    @pydantic.field_validator("filters", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        """``--rollout-filters a,b`` as well as a YAML list."""
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _mask_needs_partial(self) -> RolloutSection:
+        if self.mask_off_policy and not self.partial:
+            raise ValueError("mask_off_policy (--rollout-mask-off-policy) needs partial (--rollout-partial true)")
+        return self
 
 
 class TrainSection(Section):
     """The policy update."""
 
     backend: str = pydantic.Field(default="torch", description="Training backend (`miles plugins`).")
+    cpu_threads: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        description="torch CPU threads of the torch trainer (None: torch's default, one per core); on a small "
+        "machine, split the cores between trainer and engines for fully_async.",
+    )
     optimizer: Literal["adamw", "sgd"] = pydantic.Field(default="adamw", description="Optimizer of every trainer.")
     lr: float = pydantic.Field(default=3e-3, gt=0, description="Learning rate.")
     weight_decay: float = pydantic.Field(default=0.0, ge=0)
@@ -74,6 +142,12 @@ class TrainSection(Section):
     clip_eps: float = pydantic.Field(default=0.2, gt=0, description="PPO clip range.")
     clip_eps_high: float | None = pydantic.Field(
         default=None, gt=0, description="Upper clip range (default: clip_eps)."
+    )
+    tis_clip: float | None = pydantic.Field(
+        default=None,
+        gt=0,
+        description="Truncated importance sampling: each token's loss weighted by min(exp(trainer logprob - "
+        "rollout logprob), TIS_CLIP), the PPO ratio against the trainer's pre-step logprobs (default: off).",
     )
     kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
@@ -86,6 +160,9 @@ class EngineSection(Section):
     backend: str = pydantic.Field(default="local", description="Engine backend (`miles plugins`).")
     num_engines: int = pydantic.Field(default=1, ge=1, description="Engines (cells) to run.")
     max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
+    cpu_threads: int | None = pydantic.Field(
+        default=None, ge=1, description="torch CPU threads of each local engine (None: torch's default)."
+    )
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)
     health_check_timeout_s: float = pydantic.Field(

@@ -27,13 +27,18 @@ def echo_last_prompts(
     *, seed: int = 0, train_size: int = 512, eval_size: int = 64
 ) -> tuple[list[Prompt], list[Prompt]]:
     """Disjoint train and eval prompt sets."""
-    rng = random.Random(seed)
+    strings = distinct_digit_strings(random.Random(seed), train_size + eval_size)
+    prompts = [Prompt(text=f"{digits}:", label=digits[-1], metadata={}) for digits in strings]
+    return prompts[:train_size], prompts[train_size:]
+
+
+def distinct_digit_strings(rng: random.Random, count: int, length: int = PROMPT_DIGITS) -> list[str]:
+    """``count`` different strings of ``length`` random digits, in the order ``rng`` draws them."""
     strings: list[str] = []
     seen: set[str] = set()
-    while len(strings) < train_size + eval_size:
-        digits = "".join(rng.choice("0123456789") for _ in range(PROMPT_DIGITS))
+    while len(strings) < count:
+        digits = "".join(rng.choice("0123456789") for _ in range(length))
         if digits not in seen:
             seen.add(digits)
             strings.append(digits)
-    prompts = [Prompt(text=f"{digits}:", label=digits[-1], metadata={}) for digits in strings]
-    return prompts[:train_size], prompts[train_size:]
+    return strings

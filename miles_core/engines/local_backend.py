@@ -34,6 +34,7 @@ def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandW
         str(config.engine.max_batch_size),
         "--random-seed",
         str(config.run.seed),
+        *(["--cpu-threads", str(config.engine.cpu_threads)] if config.engine.cpu_threads else []),
     ]
     return CommandWorkerSpec(
         name=cell_id,

@@ -1,30 +1,35 @@
-"""``LocalEngine``: a transformers model behind a request batcher, with SGLang's weight-update semantics.
+"""``LocalEngine``: a transformers model behind a continuous batcher, with SGLang's weight-update semantics.
 
-Concurrent generate requests are gathered into batches (up to ``max_batch_size``) and sampled together on one
-thread. Weight updates take the same lock as a batch, so they happen between batches and an engine never serves a
-mix of versions: an update is checked in full before anything is copied.
+Concurrent generate requests join and leave one running batch between decode steps (up to ``max_batch_size``
+rows, see :mod:`miles_core.engines.running_batch`), stepped on one worker thread: a short request's answer comes
+as soon as it ends, whatever else runs. Weight updates wait for a step boundary at which nothing is being stepped
+(the engine paused or idle) and hold back new requests meanwhile, so an update never lands inside a step and a
+request is never served a mix of versions; an update is checked in full before anything is copied.
 
 Every request is admitted (checked against the model's vocabulary and context length) before it is queued, so a
 bad request is refused alone and never fails the batch it would have joined; a request whose caller went away
-(its task cancelled) leaves its batch at the next step.
+(its task cancelled) leaves the batch at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import dataclasses
+import logging
 import re
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, generate_batch
+from miles_core.engines.running_batch import RunningBatch, result_of
+from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, _Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import (
@@ -48,10 +53,13 @@ from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import load_causal_lm
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+ABORT_MESSAGE = "aborted by pause_generation"
+CANCELLED = {"type": "abort", "message": "cancelled: the client went away"}
 MAX_STAGING_FILES = 4  # a trainer double-buffers; more would be stale mappings
 MAX_WEIGHT_VERSION_CHARS = 128
 _WEIGHT_VERSION = re.compile(r"[!-~](?:[ -~]*[!-~])?")  # printable ASCII, no space at either end
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+logger = logging.getLogger(__name__)
 
 
 class RequestError(MilesError):
@@ -71,10 +79,14 @@ def check_weight_version(value: object, *, field: str = "weight_version") -> str
     return value
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Pending:
+    """A request from admission to its result: queued, a row of the running batch, retracted or held."""
+
     request: GenerationRequest
     future: asyncio.Future
+    sampler: _Sampler | None = None  # made when it first joins the batch; kept when it leaves it and comes back
+    solo: bool = False  # it was in a step that failed: it runs alone, so that a fault fails only its own request
 
 
 @dataclasses.dataclass
@@ -112,25 +124,32 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.seed = seed
         self._weight_version = "default"
-        self.lock = threading.Lock()  # one batch or one weight update at a time
+        self.lock = threading.Lock()  # a decode step or a weight update (or read) at a time, never one inside the other
         self.groups: dict[str, Any] = {}
         self.weight_update_open = False  # SGLang's weight-update session (begin/end_weight_update)
-        self.generated_tokens = 0
-        self._queue: asyncio.Queue[_Pending] | None = None
-        self._running = asyncio.Event()
-        self._running.set()
-        self._abort_message: str | None = None
-        self._batches = 0
+        self._state = threading.Condition()  # guards what follows; the decode thread takes it at step boundaries
+        self._waiting: collections.deque[_Pending] = collections.deque()  # queued; retracted ones go to the front
+        self._batch = RunningBatch(self.model, pad_token_id=self.pad_token_id)  # the decode thread's alone
+        self._mode: str | None = None  # the pause mode; None while serving
+        self._abort: str | None = None  # a pause("abort") that the decode thread has yet to apply to the batch
+        self._busy = False  # the decode thread steps requests: weights wait until it stops (paused or idle)
+        self._updates_waiting = 0  # weight updates (or reads) waiting: nothing joins the batch, so that it drains
+        self._loading = False  # a weight update (or read) holds the weights: nothing is stepped
+        self._stale = False  # the weights changed under the batch's KV cache: its requests are prefilled again
+        self._boundary_waiters: list[asyncio.Future] = []  # pause() calls waiting for the next step boundary
+        self._requests = 0  # requests that joined the batch: the default seeds of those without a sampling_seed
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._held: _Pending | None = None  # taken from the queue, waiting for the engine to resume
         self._staging: dict[tuple[str, int], torch.Tensor] = {}  # mapped shared-memory staging files
 
     # -- generation -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the batching loop in the running event loop."""
-        self._queue = asyncio.Queue()
-        self._loop_task = asyncio.create_task(self._batch_loop(), name="local-engine-batches")
+        """Start the decode loop in the running event loop."""
+        self._event_loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._batch_loop(), name="local-engine-decode")
 
     @property
     def weight_version(self) -> str:
@@ -179,17 +198,19 @@ class LocalEngine:
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Admit requests (all or none), queue them and wait for their results (they may be batched with other
         callers' requests). Cancelling the caller cancels its requests, running or queued."""
-        assert self._queue is not None, "call start() first"
+        assert self._event_loop is not None, "call start() first"
         admitted = [self.admit(request) for request in requests]
         loop = asyncio.get_running_loop()
         pending = [_Pending(request, loop.create_future()) for request in admitted]
-        for item in pending:
-            self._queue.put_nowait(item)
+        with self._state:
+            self._waiting.extend(pending)
+        self._kick()
         try:
             return list(await asyncio.gather(*(item.future for item in pending)))
         except asyncio.CancelledError:
-            for item in pending:  # queued ones are skipped (their futures are cancelled), running ones stop
+            for item in pending:  # queued ones are skipped (their futures are cancelled), running ones leave
                 item.request.cancel.set()
+            self._kick()
             raise
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenUpdate | GenerationResult]:
@@ -225,98 +246,248 @@ class LocalEngine:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def _batch_loop(self) -> None:
-        assert self._queue is not None
-        while True:
-            first = self._held = await self._queue.get()
-            await self._running.wait()
-            self._held = None
-            if first.future.done():  # aborted while held
-                continue
-            batch = [first]
-            while len(batch) < self.max_batch_size and not self._queue.empty():
-                item = self._queue.get_nowait()
-                if not item.future.done():  # cancelled while queued
-                    batch.append(item)
-            await self._serve(batch)
-
-    async def _serve(self, batch: list[_Pending]) -> None:
-        """Run a batch; if it fails, run its requests one by one, so a fault fails only the request it is in."""
-        try:
-            results = await asyncio.to_thread(self._run_batch, [item.request for item in batch])
-        except Exception as exc:
-            if len(batch) > 1:
-                for item in batch:
-                    await self._serve([item])
-            elif not batch[0].future.done():
-                batch[0].future.set_exception(exc)
-            return
-        for item, result in zip(batch, results, strict=True):
-            if not item.future.done():
-                item.future.set_result(result)
-
-    def _run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        with self.lock:
-            self._batches += 1
-            results = generate_batch(
-                self.model,
-                requests,
-                eos_token_ids=self.eos_token_ids,
-                pad_token_id=self.pad_token_id,
-                default_seed=self.seed * 1_000_003 + self._batches * 4099,
-                should_abort=lambda: self._abort_message,
-                decode=self.decode if self.tokenizer is not None else None,
-            )
-        self.generated_tokens += sum(len(r.output_ids) for r in results)
-        return results
+    @property
+    def generated_tokens(self) -> int:
+        return self._batch.generated_tokens
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() if self._queue is not None else 0
+        return len(self._waiting)
+
+    # -- the decode loop ----------------------------------------------------------------------------------------
+
+    async def _batch_loop(self) -> None:
+        """Run the decode thread whenever there may be something to do (it returns once nothing is left to step)."""
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await asyncio.to_thread(self._decode_loop)
+            except Exception as exc:  # a fault of the loop's own: what it ran fails, the engine serves on
+                logger.exception("the decode loop failed")
+                for item in self._batch.clear():
+                    self._settle(item, error=exc)
+                with self._state:
+                    self._busy = False
+                    self._state.notify_all()
+
+    def _kick(self) -> None:
+        """Have the decode thread look at the queue and the flags (callable from any thread)."""
+        if self._event_loop is not None and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nothing is left to serve
+                self._event_loop.call_soon_threadsafe(self._wake.set)
+
+    def _decode_loop(self) -> None:
+        """The decode thread: at each step boundary, apply pauses, aborts, cancellations and weight updates and take
+        the queued requests that join; then prefill those, or else step the batch. A prefill takes every request
+        queued (arrivals in a burst share one forward), and never two in a row while the batch has rows to step:
+        however fast requests arrive, running ones keep going. Returns when nothing is left to step."""
+        prefilled = False
+        while True:
+            with self._state:
+                joining = self._boundary(admit=not prefilled or not self._batch.rows)
+                if not self._busy:
+                    return
+            with self.lock:
+                if joining:
+                    self._join(joining)
+                else:
+                    self._step()
+            prefilled = bool(joining)
+
+    def _boundary(self, *, admit: bool = True) -> list[_Pending]:
+        """Under ``_state``, between two steps: what pauses, aborts, cancellations and weight updates do to the
+        batch, and the queued requests that join it now (if ``admit``; none while paused or while weights wait or
+        load)."""
+        batch = self._batch
+        if self._stale:  # its KV cache was computed under other weights: prefilled again under the new ones
+            self._retract()
+            self._stale = False
+        if self._abort is not None:
+            for item in batch.clear():
+                self._settle(item, result=self._result(item, {"type": "abort", "message": self._abort}))
+            self._abort = None
+        elif self._mode == "retract":
+            self._retract()
+        for item in batch.remove([item for item in batch.rows if item.request.cancel.is_set()]):
+            self._settle(item, result=self._result(item, CANCELLED))
+        serving = self._mode is None and not self._loading
+        joining = self._take_joining() if admit and serving and not self._updates_waiting else []
+        self._busy = serving and bool(joining or batch.rows)
+        for waiter in self._boundary_waiters:
+            waiter.get_loop().call_soon_threadsafe(_resolve, waiter)
+        self._boundary_waiters.clear()
+        self._state.notify_all()
+        return joining
+
+    def _retract(self) -> None:
+        """Every running request back to the front of the queue, in order, keeping its tokens and generator."""
+        self._waiting.extendleft(reversed(self._batch.clear()))
+
+    def _take_joining(self) -> list[_Pending]:
+        """The queued requests that join the batch now, up to ``max_batch_size`` rows; a ``solo`` one only joins
+        an empty batch, and nothing joins it after."""
+        if any(item.solo for item in self._batch.rows):
+            return []
+        joining: list[_Pending] = []
+        while self._waiting and len(self._batch) + len(joining) < self.max_batch_size:
+            item = self._waiting[0]
+            if item.solo and (joining or self._batch.rows):
+                break
+            self._waiting.popleft()
+            if item.request.cancel.is_set() or item.future.done():  # its caller went away while it was queued
+                self._settle(item, result=self._result(item, CANCELLED))
+                continue
+            if item.sampler is None:
+                default_seed = self.seed * 1_000_003 + self._requests
+                self._requests += 1
+                decode = self.decode if self.tokenizer is not None else None
+                item.sampler = _Sampler(item.request, self.eos_token_ids, default_seed, decode)
+            if item.sampler.finish_reason is not None:  # max_new_tokens 0
+                self._settle(item, result=self._result(item))
+                continue
+            joining.append(item)
+            if item.solo:
+                break
+        return joining
+
+    def _join(self, joining: list[_Pending]) -> None:
+        """Prefill ``joining`` into the batch together; if that fails, one by one, so that a fault fails only the
+        request it is in (the batch is untouched by a failed prefill)."""
+        try:
+            self._batch.prefill(joining)
+        except Exception as exc:
+            if len(joining) == 1:
+                self._settle(joining[0], error=exc)
+            else:
+                for item in joining:
+                    self._join([item])
+            return
+        self._settle_finished()
+
+    def _step(self) -> None:
+        """One decode step of the batch. If it fails, its cache may be half written: every row goes back to the
+        front of the queue as ``solo`` (each is prefilled again and runs alone), so a fault fails only its request."""
+        if not self._batch.rows:
+            return
+        try:
+            self._batch.step()
+        except Exception as exc:
+            rows = self._batch.clear()
+            if len(rows) == 1:
+                self._settle(rows[0], error=exc)
+                return
+            for item in rows:
+                item.solo = True
+            with self._state:
+                self._waiting.extendleft(reversed(rows))
+            return
+        self._settle_finished()
+
+    def _settle_finished(self) -> None:
+        for item in self._batch.finished():
+            self._settle(item, result=self._result(item))
+
+    @staticmethod
+    def _result(item: _Pending, finish_reason: dict | None = None) -> GenerationResult:
+        """``item``'s result: the tokens it has (none if it never ran), ending for ``finish_reason`` if given."""
+        if item.sampler is None:
+            return GenerationResult([], [], finish_reason or {"type": "length", "length": 0})
+        return result_of(item.sampler, finish_reason)
+
+    @staticmethod
+    def _settle(item: _Pending, *, result: GenerationResult | None = None, error: Exception | None = None) -> None:
+        """Resolve ``item``'s future on its event loop (from any thread); a cancelled caller's is left as it is."""
+
+        def settle() -> None:
+            if item.future.done():
+                return
+            if error is not None:
+                item.future.set_exception(error)
+            else:
+                item.future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits for it
+            item.future.get_loop().call_soon_threadsafe(settle)
 
     # -- pause / continue -----------------------------------------------------------------------------------
 
     async def pause(self, mode: str = "abort") -> None:
-        """Stop serving: ``abort`` ends running and queued requests with an abort reason; ``retract`` and
-        ``in_place`` hold queued requests until :meth:`resume` (the running batch finishes)."""
+        """Stop serving, as SGLang's ``/pause_generation``; it returns once the next step boundary applied it.
+
+        ``abort`` ends running and queued requests with an ``abort`` reason, each keeping the tokens it has (a
+        caller may continue a cut request). ``retract`` takes running requests out of the batch to the front of the
+        queue, keeping their tokens: after :meth:`resume` they are prefilled again (prompt plus tokens so far,
+        under the weights then loaded) and continue to their ``max_new_tokens``, seeds continuing. ``in_place``
+        stops stepping running requests, which keep their place and KV cache (see :meth:`_weights_held` for what a
+        weight update does to it). Until :meth:`resume`, new requests queue."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        self._running.clear()
-        if mode == "abort":
-            self._abort_message = "aborted by pause_generation"
-            self._abort_queued()
-            await asyncio.to_thread(self._wait_idle)
-            self._abort_message = None
+        assert self._event_loop is not None, "call start() first"
+        boundary = asyncio.get_running_loop().create_future()
+        with self._state:
+            self._mode = mode
+            if mode == "abort":
+                self._abort = ABORT_MESSAGE
+                while self._waiting:
+                    item = self._waiting.popleft()
+                    self._settle(item, result=self._result(item, {"type": "abort", "message": ABORT_MESSAGE}))
+            self._boundary_waiters.append(boundary)
+        self._kick()
+        await boundary
 
     def resume(self) -> None:
-        self._running.set()
+        """Serve again: held and retracted requests continue, queued ones join."""
+        with self._state:
+            self._mode = None
+        self._kick()
 
     @property
     def paused(self) -> bool:
-        return not self._running.is_set()
-
-    def _abort_queued(self) -> None:
-        assert self._queue is not None
-        held = [self._held] if self._held is not None else []
-        while not self._queue.empty():
-            held.append(self._queue.get_nowait())
-        for item in held:
-            if not item.future.done():
-                result = GenerationResult([], [], {"type": "abort", "message": "aborted by pause_generation"})
-                item.future.set_result(result)
+        return self._mode is not None
 
     def _wait_idle(self) -> None:
-        with self.lock:
-            pass
+        """Block until no request is being stepped (the engine is idle or paused)."""
+        with self._state:
+            self._state.wait_for(lambda: not self._busy)
+
+    @contextlib.contextmanager
+    def _weights_held(self, *, change: bool = True) -> Iterator[None]:
+        """Hold the weights (to update them, or with ``change=False`` to read them), never inside a decode step.
+
+        It waits for a step boundary at which no request is being stepped: the engine is paused or idle. Meanwhile
+        no request joins the batch, so a busy engine drains. Requests held by ``pause("in_place")`` keep their tokens
+        and place across an update, but not their KV cache: computed under the old weights, it would mix two
+        versions in one answer, so the next boundary after the update retracts them and, once resumed, they are
+        prefilled again (prompt plus tokens so far) under the new weights and continue, seeds continuing. (SGLang
+        refuses an update over in-place requests unless their cache is flushed; this engine recomputes it.)"""
+        with self._state:
+            self._updates_waiting += 1
+            try:
+                self._state.wait_for(lambda: not self._busy and not self._loading)
+                self._loading = True
+            finally:
+                self._updates_waiting -= 1
+        changed = False
+        try:
+            with self.lock:
+                yield
+            changed = change
+        finally:
+            with self._state:
+                self._loading = False
+                self._stale = self._stale or changed
+                self._state.notify_all()
+            self._kick()
 
     # -- weights ----------------------------------------------------------------------------------------------
 
     def _load(self, tensors: dict[str, torch.Tensor], weight_version: str | None) -> int:
         version = None if weight_version is None else check_weight_version(weight_version)  # before any copy
-        with self.lock:
+        with self._weights_held():
             loaded = load_named_tensors(self.model, tensors)
-            if version is not None:
-                self.weight_version = version
+            self._publish(version)
         return loaded
 
     def update_from_disk(self, model_path: str, weight_version: str | None) -> int:
@@ -368,11 +539,20 @@ class LocalEngine:
             self._staging[key] = buffer
         if not swap:
             return self._load(views, version)
-        with self.lock:
+        with self._weights_held():
             loaded = swap_in_named_tensors(self.model, views)
-            if version is not None:
-                self.weight_version = version
+            self._publish(version)
         return loaded
+
+    def _publish(self, version: str | None) -> None:
+        """After new weights were loaded (inside :meth:`_weights_held`): every request that holds tokens notes where
+        the old version's end (SGLang's ``weight_versions`` spans), then ``version`` becomes the engine's."""
+        held = [*(row.sampler for row in self._batch.rows), *(item.sampler for item in self._waiting)]
+        for sampler in held:
+            if sampler is not None and sampler.output_ids:
+                sampler.version_events.append((self.weight_version, len(sampler.output_ids)))
+        if version is not None:
+            self.weight_version = version
 
     def init_group(
         self, *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
@@ -424,7 +604,7 @@ class LocalEngine:
 
     def weights_checksum(self) -> str:
         """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
-        with self.lock:
+        with self._weights_held(change=False):
             return checksum(unique_named_tensors(self.model.state_dict().items()))
 
     def begin_weight_update(self) -> None:
@@ -441,6 +621,11 @@ class LocalEngine:
     def destroy_group(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:
             raise MilesError(f"no weight update group {group_name!r}")
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def load_model(model_path: str | Path) -> transformers.PreTrainedModel:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pydantic
+import torch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -44,7 +45,13 @@ from starlette.routing import Route
 
 from miles_core import __version__
 from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
-from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, SamplingParams
+from miles_core.engines.sampling import (
+    MAX_TOP_LOGPROBS,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    weight_version_spans,
+)
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.engines.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.errors import MilesError
@@ -333,6 +340,10 @@ class LocalEngineServer:
             "cached_tokens": 0,
             "weight_version": self.engine.weight_version,
         }
+        if result.version_events:  # a weight update came while it held tokens: where each version's tokens are
+            meta["weight_versions"] = weight_version_spans(
+                result.version_events, self.engine.weight_version, len(result.output_ids)
+            )
         if logprobs.enabled:
             text = self._token_text if logprobs.with_text else _no_text
             meta["output_token_logprobs"] = [
@@ -749,7 +760,12 @@ def main(argv: list[str] | None = None) -> None:
     for flag in ("--tp-size", "--dp-size", "--ep-size"):  # SGLang's parallel flags: the local engine is one process
         parser.add_argument(flag, type=int, default=1, choices=[1], help="SGLang's flag; only 1 (one process)")
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--cpu-threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     args = parser.parse_args(argv)
+    if args.cpu_threads is not None:
+        if args.cpu_threads < 1:
+            parser.error(f"--cpu-threads must be at least 1, got {args.cpu_threads}")
+        torch.set_num_threads(args.cpu_threads)
     try:
         health_check_timeout_s()  # a bad value stops the start, not a health check later
         engine = LocalEngine(

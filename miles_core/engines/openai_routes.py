@@ -48,6 +48,7 @@ from miles_core.engines.local_server import (
     unless_client_leaves,
     visible_text,
 )
+from miles_core.engines.openai_errors import ERROR_TYPES, OpenAIError, error_response, validated_body
 from miles_core.engines.sampling import (
     MAX_SEED,
     MAX_STOP_STRINGS,
@@ -61,35 +62,8 @@ from miles_core.http import HttpError, check_browser_request, parse_json_object,
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and SGLang's) ``max_tokens`` of a completion that names none."""
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    421: "invalid_request_error",
-    503: "service_unavailable",
-}
 
 log = logging.getLogger(__name__)
-
-
-class OpenAIError(Exception):
-    """A refusal in OpenAI's error shape: status, message, and the field it is about (``param``)."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(safe_message(message))
-        self.status, self.param, self.code = status, param, code
-
-
-def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
-    """``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
-    error = {
-        "message": safe_message(message),
-        "type": ERROR_TYPES.get(status, "internal_error"),
-        "param": param,
-        "code": code or str(status),
-    }
-    return JSONResponse({"error": error}, status_code=status)
 
 
 # -- request bodies ---------------------------------------------------------------------------------------------
@@ -165,23 +139,8 @@ class ChatCompletionRequest(_Common):
 
 
 def _validated(model: type[_Body], body: dict) -> Any:
-    """``body`` as ``model``; the first problem as an OpenAI 400 naming its field."""
-    try:
-        return model.model_validate(body)
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(part) for part in error["loc"]) or None
-        if error["type"] == "extra_forbidden":
-            known = ", ".join(sorted(model.model_fields)) if len(error["loc"]) == 1 else "see the OpenAI API"
-            raise OpenAIError(
-                400,
-                f"unknown field {param!r:.120}: the local engine does not implement it (fields taken: {known})",
-                param=param,
-                code="unknown_field",
-            ) from None
-        raise OpenAIError(
-            400, f"{param or 'body'}: {error['msg']} (got {error.get('input')!r:.100})", param=param
-        ) from None
+    """``body`` as ``model``, or an OpenAI 400 naming the field at fault (:func:`validated_body`)."""
+    return validated_body(model, body, server="the local engine does not implement it")
 
 
 def _refuse_unsupported(body: _Common) -> None:

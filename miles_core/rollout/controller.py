@@ -84,6 +84,9 @@ class InferenceController:
         self.published: NamedTensors = []  # a CPU copy of the last published weights, for restarted engines
         self._updating = False
         self._generation_held = False  # inside _generation_paused: the engines produce nothing until it ends
+        # fully_async (and --rollout-partial): generation runs through every update; the rollout sends cut requests
+        # again itself, so that each token's weight version is known
+        self.pause_mode = "abort" if config.run.schedule == "fully_async" or config.rollout.partial else "retract"
         self._connected: list[EngineEndpoint] = []
         self.clients: dict[str, EngineClient] = {}
         self.reports: list[TransferReport] = []
@@ -270,13 +273,15 @@ class InferenceController:
 
     @contextlib.asynccontextmanager
     async def _generation_paused(self):
-        """Requests in flight wait while the weights change. ``retract`` (not ``in_place``): SGLang refuses a weight
-        update (HTTP 400, "the cache was not flushed") while a request sits paused in place in its running batch,
-        and a router's health-check generation can be one; retracted requests go back to the queue, their KV cache
-        is recomputed with the new weights after ``/continue_generation``. The local engine holds both alike."""
+        """No engine generates while the weights change. ``retract`` (``sync``, ``one_step_off``; not ``in_place``:
+        SGLang refuses a weight update, HTTP 400 "the cache was not flushed", while a request sits paused in place in
+        its running batch, and a router's health-check generation can be one): requests in flight go back to the
+        queue and are recomputed with the new weights after ``/continue_generation``. ``abort`` (``fully_async``, or
+        ``--rollout-partial``): requests in flight end at once with what they generated, and the rollout sends them
+        again (continued with ``--rollout-partial``), so each token's weight version is known."""
         clients = self.engine_clients()
         self._generation_held = True
-        await asyncio.gather(*(c.pause_generation("retract") for c in clients), return_exceptions=True)
+        await asyncio.gather(*(c.pause_generation(self.pause_mode) for c in clients), return_exceptions=True)
         try:
             yield
         finally:

@@ -12,6 +12,7 @@ worse than a stopped run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import decimal
@@ -20,17 +21,22 @@ import numbers
 import random
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
 import torch
 
-from miles_core.engines.client import EngineClient
-from miles_core.engines.generate_types import GenerateOutput, SamplingParams
+from miles_core.engines.client import EngineClient, EngineError
+from miles_core.engines.generate_types import GenerateOutput, SamplingParams, parse_weight_version
 from miles_core.errors import MilesError
+from miles_core.rollout.agents import Agent, is_session_failure
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.sessions.session import Trajectory, Turn
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import grpo_advantages
+
+if TYPE_CHECKING:
+    from miles_core.rollout.sessions.pool import SessionServers
 
 MAX_ATTEMPTS = 5
 
@@ -44,9 +50,51 @@ class Sample:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     response: str = ""
     finish_reason: str = ""
-    weight_version: int | None = None  # the Miles version that generated it; None: the initial weights
+    weight_version: int | None = None  # the Miles version that generated its last tokens; None: the initial weights
     reward: float = 0.0
     engine: str = ""
+    group: int = -1  # the index of its group in the data order (rollout_id * batch_size + slot); -1: an eval sample
+    seed: int = 0  # its sampling seed: a function of (run seed, rollout_id, index) alone
+    segments: list[tuple[int | None, int]] = dataclasses.field(default_factory=list)
+    """``(weight version, tokens generated under it)`` in order: more than one when a weight update cut the request
+    and it continued under the new weights (``--rollout-partial``)."""
+    loss_mask: list[int] | None = None
+    """An agent's sample: per response token, 1 for the policy's tokens and 0 for the messages its agent added."""
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    """An agent's sample: its assistant turns, as spans of ``response_ids``."""
+    transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """An agent's sample, turn by turn as the dashboard shows it: ``{"source": "policy" | "agent", "text",
+    "tokens"}`` per span of ``response_ids`` (the policy's turns are trained on, the agent's messages masked)."""
+
+    def off_policy_mask(self) -> tuple[float, ...]:
+        """Per response token: 1.0 for the tokens of the last weight version, 0.0 for earlier ones."""
+        last = self.segments[-1][0] if self.segments else None
+        return tuple(float(version == last) for version, count in self.segments for _ in range(count))
+
+    def train_mask(self, *, mask_off_policy: bool) -> tuple[float, ...] | None:
+        """The sample's loss mask: its agent's (the policy's tokens), times the off-policy mask when asked; ``None``
+        when every response token trains."""
+        masks = [tuple(float(m) for m in self.loss_mask)] if self.loss_mask is not None else []
+        if mask_off_policy:
+            masks.append(self.off_policy_mask())
+        if not masks:
+            return None
+        return tuple(math.prod(values) for values in zip(*masks, strict=True))
+
+
+@dataclasses.dataclass
+class Group:
+    """The ``group_size`` samples of one prompt, generated, scored and (when ``--rollout-filters`` are set) kept."""
+
+    index: int  # the group's place in its data order: rollout_id * batch_size + slot
+    rollout_id: int
+    slot: int
+    samples: list[Sample]
+
+    def versions(self, initial: int) -> list[int]:
+        """Every weight version any of its tokens were generated with (``None``, the initial weights, as
+        ``initial``)."""
+        return sorted({initial if v is None else v for s in self.samples for v, _ in s.segments} or {initial})
 
 
 @dataclasses.dataclass
@@ -55,6 +103,14 @@ class Rollout:
     samples: list[Sample]
     batch: TrainBatch | None
     stats: dict[str, float]
+    groups: list[int] = dataclasses.field(default_factory=list)  # the indices of its groups, in batch order
+
+
+GroupFilter = tuple[str, Callable[[Group], bool]]
+"""A ``--rollout-filters`` entry: its name and ``keep(group) -> bool``."""
+MAX_FILTER_ROUNDS = 8
+MAX_CUTS = 64
+"""Waves in a row that weight updates cut without any sample finishing before a rollout gives up."""
 
 
 class RolloutExecutor:
@@ -68,7 +124,15 @@ class RolloutExecutor:
         reward_fn: Callable[..., float],
         reward_name: str,
         controller: Any,
+        filters: list[GroupFilter] | None = None,
+        initial_version: int = 0,
+        agent: Agent | None = None,
+        sessions: SessionServers | None = None,
     ) -> None:
+        """``agent`` and ``sessions``: an agent run's agent and the session servers it plays samples through (both or
+        neither); without them, samples are generated single-turn, in batches."""
+        if (agent is None) != (sessions is None):
+            raise MilesError("an agent needs session servers, and session servers an agent")
         self.config = config
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
@@ -76,7 +140,11 @@ class RolloutExecutor:
         self.reward_fn = reward_fn
         self.reward_name = reward_name
         self.controller = controller
+        self.filters = list(filters or [])
+        self.initial_version = initial_version  # the version of the weights the engines started with
+        self.agent, self.sessions = agent, sessions
         self._next_engine = 0
+        self._next_session_engine = 0
 
     # -- data order -----------------------------------------------------------------------------------------
 
@@ -92,33 +160,138 @@ class RolloutExecutor:
             chosen.append(order[len(chosen) % len(order)])
         return [self.train_prompts[i] for i in chosen]
 
+    def prompt_of(self, rollout_id: int, slot: int) -> Prompt:
+        """The prompt of a step's group ``slot``: :meth:`prompts_for` for the first ``batch_size`` slots, then (extra
+        groups that replace filtered ones) a seeded draw that depends on the id and slot alone."""
+        size = self.config.rollout.batch_size
+        if slot < size:
+            return self.prompts_for(rollout_id)[slot]
+        draw = random.Random(f"{self.config.run.seed}/{rollout_id}/{slot}")
+        return self.train_prompts[draw.randrange(len(self.train_prompts))]
+
     # -- steps ----------------------------------------------------------------------------------------------
 
     async def get(self, rollout_id: int) -> Rollout:
-        group = self.config.rollout.group_size
-        samples = [
-            Sample(index=i * group + k, prompt=p, prompt_ids=self.encode(p.text))
-            for i, p in enumerate(self.prompts_for(rollout_id))
-            for k in range(group)
-        ]
-        params = self._sampling(temperature=self.config.rollout.temperature)
-        await self._generate(samples, params, seed_base=(self.config.run.seed * 1_000_003 + rollout_id) * 4096)
-        self._score(samples, f"sample {{index}} of rollout {rollout_id} (step {rollout_id + 1})")
-        rewards = torch.tensor([s.reward for s in samples])
-        advantages = grpo_advantages(rewards, group, normalize_std=self.config.train.normalize_advantages)
+        """Step ``rollout_id``'s batch: ``batch_size`` groups (plus ``--rollout-over-sampling`` extra ones) generated
+        together; groups the filters refuse are replaced by further ones, in rounds, until the batch is full."""
+        size, extra = self.config.rollout.batch_size, self.config.rollout.over_sampling
+        kept: list[Group] = []
+        filtered, next_slot = 0, 0
+        for _ in range(MAX_FILTER_ROUNDS):
+            count = size - len(kept) + (extra if self.filters or next_slot == 0 else 0)
+            groups = await self.groups_at([(rollout_id, slot) for slot in range(next_slot, next_slot + count)])
+            next_slot += count
+            for group in groups:
+                if self.keeps(group):
+                    kept.append(group)
+                else:
+                    filtered += 1
+            if len(kept) >= size:
+                return self.rollout_of(rollout_id, kept[:size], {"rollout/filtered_groups": float(filtered)})
+        raise MilesError(
+            f"the rollout filters {', '.join(name for name, _ in self.filters)} refused {filtered} of {next_slot} "
+            f"groups of rollout {rollout_id} in {MAX_FILTER_ROUNDS} rounds: loosen them, or raise "
+            "--rollout-over-sampling"
+        )
+
+    async def group(self, rollout_id: int, slot: int) -> Group:
+        """One group, generated and scored; its seeds depend on ``(run seed, rollout_id, slot)`` alone."""
+        return (await self.groups_at([(rollout_id, slot)]))[0]
+
+    async def groups_at(self, places: list[tuple[int, int]]) -> list[Group]:
+        """The groups at ``(rollout_id, slot)`` places, generated together (one request per engine: every request
+        costs the driver's HTTP client CPU time) and scored."""
+        size, batch_size = self.config.rollout.group_size, self.config.rollout.batch_size
+        groups = []
+        for rollout_id, slot in places:
+            prompt = self.prompt_of(rollout_id, slot)
+            ids = self.encode(prompt.text)
+            index, seed_base = rollout_id * batch_size + slot, (self.config.run.seed * 1_000_003 + rollout_id) * 4096
+            samples = [
+                Sample(
+                    index=slot * size + k,
+                    prompt=prompt,
+                    prompt_ids=list(ids),
+                    group=index,
+                    seed=seed_base + slot * size + k,
+                )
+                for k in range(size)
+            ]
+            groups.append(Group(index, rollout_id, slot, samples))
+        temperature = self.config.rollout.temperature
+        wheres = [f"sample {{index}} of rollout {g.rollout_id} (step {g.rollout_id + 1})" for g in groups]
+        if self.agent is not None:  # every sample at once; an agent's branches join their sample's group
+            played = await asyncio.gather(
+                *(
+                    self._play_all([(s, where) for s in g.samples], temperature)
+                    for g, where in zip(groups, wheres, strict=True)
+                )
+            )
+            for group, samples in zip(groups, played, strict=True):
+                group.samples = samples
+            return groups
+        samples = [sample for group in groups for sample in group.samples]
+        await self._generate(samples, self._sampling(temperature=temperature))
+        for group, where in zip(groups, wheres, strict=True):
+            self._score(group.samples, where)
+        return groups
+
+    def keeps(self, group: Group) -> bool:
+        """Whether every ``--rollout-filters`` filter keeps ``group``; a filter that raises or answers other than a
+        bool stops the run, naming it."""
+        for name, keep in self.filters:
+            try:
+                answer = keep(group)
+            except Exception as exc:
+                raise MilesError(
+                    f"rollout filter {name} raised on group {group.index}: {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(answer, bool):
+                raise MilesError(f"rollout filter {name} returned {answer!r:.60} on group {group.index}, not a bool")
+            if not answer:
+                return False
+        return True
+
+    def rollout_of(self, rollout_id: int, groups: list[Group], stats: dict[str, float] | None = None) -> Rollout:
+        """The training batch of ``groups``: GRPO advantages within each group; with ``--rollout-mask-off-policy``,
+        each sample's tokens from before its last weight version masked off."""
+        samples = [sample for group in groups for sample in group.samples]
+        normalize = self.config.train.normalize_advantages
+        advantages = torch.cat(  # group by group: an agent's branches make a group larger than group_size
+            [
+                grpo_advantages(torch.tensor([s.reward for s in g.samples]), len(g.samples), normalize_std=normalize)
+                for g in groups
+            ]
+        )
+        mask = self.config.rollout.mask_off_policy
         batch = TrainBatch(
             [
-                TrainSample(s.prompt_ids, s.response_ids, s.logprobs, float(a), s.reward)
+                TrainSample(
+                    s.prompt_ids,
+                    s.response_ids,
+                    s.logprobs,
+                    float(a),
+                    s.reward,
+                    s.train_mask(mask_off_policy=mask),
+                )
                 for s, a in zip(samples, advantages.tolist(), strict=True)
             ]
         )
-        return Rollout(rollout_id, samples, batch, self._stats(samples, "rollout"))
+        stats = {**self._stats(samples, "rollout"), **(stats or {})}
+        stats["rollout/continued_samples"] = float(sum(len(s.segments) > 1 for s in samples))
+        return Rollout(rollout_id, samples, batch, stats, [group.index for group in groups])
 
     async def evaluate(self, rollout_id: int) -> Rollout:
         """Greedy answers to the held-out prompts."""
-        samples = [Sample(index=i, prompt=p, prompt_ids=self.encode(p.text)) for i, p in enumerate(self.eval_prompts)]
-        await self._generate(samples, self._sampling(temperature=0.0), seed_base=0)
-        self._score(samples, f"eval sample {{index}} at step {rollout_id}")
+        samples = [
+            Sample(index=i, prompt=p, prompt_ids=self.encode(p.text), seed=i) for i, p in enumerate(self.eval_prompts)
+        ]
+        where = f"eval sample {{index}} at step {rollout_id}"
+        if self.agent is not None:
+            samples = await self._play_all([(sample, where) for sample in samples], 0.0)
+        else:
+            await self._generate(samples, self._sampling(temperature=0.0))
+            self._score(samples, where)
         return Rollout(rollout_id, samples, None, self._stats(samples, "eval"))
 
     def encode(self, text: str) -> list[int]:
@@ -132,27 +305,37 @@ class RolloutExecutor:
 
     # -- generation -----------------------------------------------------------------------------------------
 
-    async def _generate(self, samples: list[Sample], params: SamplingParams, *, seed_base: int) -> None:
-        """Fill every sample's response; one /generate call per engine per wave, failures retried elsewhere."""
+    async def _generate(self, samples: list[Sample], params: SamplingParams) -> None:
+        """Fill every sample's response; one /generate call per engine per wave. A failed wave (an engine died) is
+        sent again once the engines are back, at most :data:`MAX_ATTEMPTS` times; requests cut by a weight update
+        (``abort``) are sent again at once (continued with ``--rollout-partial``, else from the start)."""
         pending = list(samples)
-        for attempt in range(1, MAX_ATTEMPTS + 1):
+        failures = cuts = 0
+        while True:
             clients = self._clients()
             shares = [pending[i :: len(clients)] for i in range(len(clients))]
             results = await asyncio.gather(
                 *(
-                    self._generate_on(client, share, params, seed_base)
+                    self._generate_on(client, share, params)
                     for client, share in zip(clients, shares, strict=True)
                     if share
                 ),
                 return_exceptions=True,
             )
             failed = [exc for exc in results if isinstance(exc, BaseException)]
-            pending = [s for s in pending if not s.finish_reason]
-            if not pending:
+            still = [s for s in pending if not s.finish_reason]
+            if not still:
                 return
-            if attempt == MAX_ATTEMPTS:
-                raise MilesError(f"{len(pending)} samples could not be generated: {failed[:1]}")
-            await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
+            if failed:
+                failures += 1
+                if failures == MAX_ATTEMPTS:
+                    raise MilesError(f"{len(still)} samples could not be generated: {failed[:1]}")
+                await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
+            else:
+                cuts = 0 if len(still) < len(pending) else cuts + 1
+                if cuts == MAX_CUTS:
+                    raise MilesError(f"{len(still)} samples were cut {MAX_CUTS} times in a row without finishing")
+            pending = still
 
     def _clients(self) -> list[EngineClient]:
         if self.controller.router_client is not None:
@@ -163,31 +346,173 @@ class RolloutExecutor:
         self._next_engine = (self._next_engine + 1) % len(clients)
         return clients[self._next_engine :] + clients[: self._next_engine]
 
-    async def _generate_on(
-        self, client: EngineClient, share: list[Sample], params: SamplingParams, seed_base: int
-    ) -> None:
-        per_sample = [dataclasses.replace(params, sampling_seed=seed_base + s.index) for s in share]
+    async def _generate_on(self, client: EngineClient, share: list[Sample], params: SamplingParams) -> None:
+        prompts = [s.prompt_ids + s.response_ids for s in share]  # a cut request continues after its tokens
+        per_sample = [_continued(params, s) for s in share]
         outputs: list[GenerateOutput | BaseException]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
             outputs = await asyncio.gather(
-                *(client.generate_outputs(s.prompt_ids, p) for s, p in zip(share, per_sample, strict=True)),
+                *(client.generate_outputs(ids, p) for ids, p in zip(prompts, per_sample, strict=True)),
                 return_exceptions=True,
             )
         else:
-            outputs = await client.generate_outputs([s.prompt_ids for s in share], per_sample)
+            outputs = await client.generate_outputs(prompts, per_sample)
         for sample, output in zip(share, outputs, strict=True):
-            if isinstance(output, BaseException) or output.aborted:
-                continue  # generated again in the next wave
-            sample.response_ids = output.output_ids
-            sample.logprobs = output.logprobs
-            sample.finish_reason = output.finish_reason
-            sample.weight_version = output.weight_version
-            sample.engine = client.name
-            # the tokenizer's decode, not the engine's text: rewards see exactly what the trainer trains on
-            sample.response = decode_response(self.tokenizer, sample.response_ids)
+            if not isinstance(output, BaseException):
+                self._take(sample, output, client.name)
         failed = [output for output in outputs if isinstance(output, BaseException)]
         if failed:
             raise failed[0]
+
+    def _take(self, sample: Sample, output: GenerateOutput, engine: str) -> None:
+        """Add an answer to its sample. A cut one (``abort``) keeps its tokens with ``--rollout-partial`` (when it
+        carries their logprobs) and is continued; without it, its sample starts again."""
+        if output.aborted:
+            if not output.output_ids:
+                return  # cut before it produced anything: sent again as it was
+            if not (self.config.rollout.partial and len(output.logprobs) == len(output.output_ids)):
+                sample.response_ids, sample.logprobs, sample.segments = [], [], []
+                return
+        if output.output_ids or not sample.segments:
+            sample.segments.extend(_segments(output, engine))
+        sample.response_ids = sample.response_ids + output.output_ids
+        sample.logprobs = sample.logprobs + output.logprobs
+        sample.weight_version = output.weight_version
+        finish = output.finish_reason
+        if output.aborted:
+            if len(sample.response_ids) < self.config.rollout.max_new_tokens:
+                return
+            finish = "length"  # cut after its last token
+        sample.finish_reason = finish
+        sample.engine = engine
+        # the tokenizer's decode, not the engine's text: rewards see exactly what the trainer trains on
+        sample.response = decode_response(self.tokenizer, sample.response_ids)
+
+    # -- agents ---------------------------------------------------------------------------------------------
+
+    async def _play_all(self, samples: list[tuple[Sample, str]], temperature: float) -> list[Sample]:
+        """Play every sample with the agent, all at once (each in a session of its own); the samples, each followed
+        by the samples of its agent's branches."""
+        played = await asyncio.gather(*(self._play(sample, temperature, where) for sample, where in samples))
+        return [sample for branches in played for sample in branches]
+
+    async def _play(self, sample: Sample, temperature: float, where: str) -> list[Sample]:
+        """One sample: a new session, the agent's conversation, its trajectory and reward (and those of the branches
+        the agent forked: samples of their own, sharing the index). A failure to reach the policy plays it again in
+        a new session once the engines are back (at most :data:`MAX_ATTEMPTS` times); an agent's own error stops the
+        run. The sample takes nothing from a session its agent did not finish."""
+        assert self.agent is not None and self.sessions is not None
+        failure: BaseException | None = None
+        for _ in range(MAX_ATTEMPTS):
+            if failure is not None:
+                await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
+            server = self.sessions.pick()
+            try:
+                session_id, base_url = await self.sessions.create(
+                    server,
+                    sampling=self._session_sampling(sample, temperature),
+                    metadata={},
+                    engine_url=self._engine_url(),
+                )
+            except Exception as exc:
+                if not is_session_failure(exc):
+                    raise
+                failure = exc
+                continue
+            try:
+                result = await self.agent.run(
+                    base_url=base_url, prompt=sample.prompt.text, metadata=copy.deepcopy(sample.prompt.metadata)
+                )
+            except Exception as exc:
+                with contextlib.suppress(Exception):  # end the session; a server that died took it with it
+                    await self.sessions.finish(server, session_id)
+                if not is_session_failure(exc):
+                    raise MilesError(
+                        f"agent {self.agent.name} raised on {_describe(sample, where)}: {type(exc).__name__}: {exc}"
+                    ) from exc
+                failure = exc
+                continue
+            try:
+                trajectories = await self.sessions.finish(server, session_id)
+            except Exception as exc:
+                if not is_session_failure(exc):
+                    raise
+                failure = exc
+                continue
+            return self._branch_samples(sample, trajectories, result, where)
+        raise MilesError(
+            f"agent {self.agent.name} could not play {_describe(sample, where)} in {MAX_ATTEMPTS} sessions: "
+            f"{type(failure).__name__}: {failure}"
+        )
+
+    def _engine_url(self) -> str:
+        """The engine the next session generates with (in turn), or the router."""
+        if self.controller.router_client is not None:
+            return self.controller.router_client.url
+        clients = self.controller.engine_clients()
+        if not clients:
+            raise MilesError("no engine is running")
+        self._next_session_engine = (self._next_session_engine + 1) % len(clients)
+        return clients[self._next_session_engine].url
+
+    def _session_sampling(self, sample: Sample, temperature: float) -> dict[str, Any]:
+        rollout = self.config.rollout
+        return {
+            "max_tokens": rollout.max_new_tokens,
+            "temperature": temperature,
+            "top_p": rollout.top_p,
+            "top_k": rollout.top_k,
+            "seed": sample.seed % (1 << 62),
+        }
+
+    def _branch_samples(self, sample: Sample, trajectories: list[Trajectory], result: Any, where: str) -> list[Sample]:
+        """The samples of a played session and its branches (those in which the policy said something), each with
+        its reward: one per session when the agent returned a list, else the same for all."""
+        if isinstance(result, list | tuple):
+            if len(result) != len(trajectories):
+                raise MilesError(
+                    f"agent {self.agent.name} returned {len(result)} rewards for {_describe(sample, where)}, which "
+                    f"has {len(trajectories)} sessions (itself and {len(trajectories) - 1} branches): one each"
+                )
+            rewards = list(result)
+        else:
+            rewards = [result] * len(trajectories)
+        played = [(t, r) for t, r in zip(trajectories, rewards, strict=True) if t.turns]
+        if not played:
+            raise MilesError(
+                f"agent {self.agent.name} finished {_describe(sample, where)} without asking the policy anything"
+            )
+        samples = [sample] + [copy.deepcopy(sample) for _ in played[1:]]
+        for branch, (trajectory, reward) in zip(samples, played, strict=True):
+            self._take_trajectory(branch, trajectory)
+            self._agent_reward(branch, reward, where)
+        return samples
+
+    def _take_trajectory(self, sample: Sample, trajectory: Trajectory) -> None:
+        """The session's exact tokens as the sample's: the policy's turns with loss mask 1, the agent's messages 0."""
+        sample.prompt_ids = list(trajectory.prompt_ids)
+        sample.response_ids = list(trajectory.response_ids)
+        sample.logprobs = list(trajectory.logprobs)
+        sample.loss_mask = list(trajectory.loss_mask)
+        sample.turns = list(trajectory.turns)
+        sample.segments = _turn_segments(trajectory)
+        sample.transcript = _transcript(self.tokenizer, trajectory)
+        last = trajectory.turns[-1]
+        sample.weight_version, sample.finish_reason, sample.engine = last.weight_version, last.finish_reason, "session"
+        sample.response = decode_response(self.tokenizer, trajectory.response_ids[last.start : last.end])
+
+    def _agent_reward(self, sample: Sample, result: Any, where: str) -> None:
+        """The agent's reward, checked; ``None``: the run's reward function scores the last turn."""
+        if result is None:
+            self._score([sample], where)
+            return
+        try:
+            sample.reward = checked_reward(result)
+        except ValueError as exc:
+            raise MilesError(
+                f"agent {self.agent.name} {exc} on {_describe(sample, where)}: an agent returns the sample's reward "
+                "(a finite int or float) or None (the run's reward function scores its last turn)"
+            ) from None
 
     # -- rewards --------------------------------------------------------------------------------------------
 
@@ -227,6 +552,73 @@ class RolloutExecutor:
             f"{prefix}/response_length": statistics.fmean(lengths),
             f"{prefix}/samples": float(len(samples)),
         }
+
+
+def _segments(output: GenerateOutput, engine: str) -> list[tuple[int | None, int]]:
+    """``(weight version, tokens)`` of an answer: from SGLang's ``meta_info.weight_versions`` spans when an update
+    came while the request was held (``retract``), else all of it under ``output.weight_version``."""
+    spans = output.meta.get("weight_versions")
+    if not isinstance(spans, list) or not spans:
+        return [(output.weight_version, len(output.output_ids))]
+    try:
+        segments = [
+            (parse_weight_version(span["version"], engine=engine), span["end"] - span["start"]) for span in spans
+        ]
+    except (KeyError, TypeError) as exc:
+        raise EngineError(f"engine {engine} sent malformed meta_info.weight_versions {spans!r:.200}: {exc}") from None
+    if sum(count for _, count in segments) != len(output.output_ids) or any(count < 0 for _, count in segments):
+        raise EngineError(
+            f"engine {engine}'s weight_versions {spans!r:.200} do not cover its {len(output.output_ids)} tokens"
+        )
+    return [segment for segment in segments if segment[1] > 0] or [(output.weight_version, 0)]
+
+
+def _turn_segments(trajectory: Trajectory) -> list[tuple[int | None, int]]:
+    """``(weight version, tokens)`` of a trajectory's response: each turn's tokens under its version, the messages
+    appended before a turn under the version of the turn before them (what the policy had seen)."""
+    segments: list[tuple[int | None, int]] = []
+    end = 0
+    for turn in trajectory.turns:
+        if turn.start > end:  # messages appended after the previous turn
+            segments.append((segments[-1][0] if segments else turn.weight_version, turn.start - end))
+        segments.append((turn.weight_version, turn.end - turn.start))
+        end = turn.end
+    return segments
+
+
+def _transcript(tokenizer: Any, trajectory: Trajectory) -> list[dict[str, Any]]:
+    """The trajectory's response as spans of the policy's turns and of the agent's messages, each decoded token by
+    token with its special tokens (a role marker is part of what the policy read)."""
+    spans, end = [], 0
+    ids = trajectory.response_ids
+    for turn in trajectory.turns:
+        if turn.start > end:
+            spans.append(("agent", ids[end : turn.start]))
+        spans.append(("policy", ids[turn.start : turn.end]))
+        end = turn.end
+    return [
+        {"source": source, "text": "".join(_token_text(tokenizer, token) for token in span), "tokens": len(span)}
+        for source, span in spans
+    ]
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    try:
+        return tokenizer.decode([token], skip_special_tokens=False)
+    except TypeError:  # a tokenizer without the keyword
+        return tokenizer.decode([token])
+
+
+def _continued(params: SamplingParams, sample: Sample) -> SamplingParams:
+    """A sample's request: its own seed, and (a continued one) the tokens it still may generate and a seed of its
+    own for the rest."""
+    seed = sample.seed
+    done = len(sample.response_ids)
+    if not done:
+        return dataclasses.replace(params, sampling_seed=seed)
+    return dataclasses.replace(
+        params, max_new_tokens=params.max_new_tokens - done, sampling_seed=(seed * 1009 + done) % (1 << 62)
+    )
 
 
 def decode_response(tokenizer: Any, ids: list[int]) -> str:

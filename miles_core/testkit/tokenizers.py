@@ -32,3 +32,27 @@ def save_char_tokenizer(
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return tokenizer
+
+
+QWEN3_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN3_ADDED_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def qwen3_like_tokenizer(
+    merges: tuple[tuple[str, str], ...] = (("1", "2"), ("a", "r")),
+) -> transformers.PreTrainedTokenizerFast:
+    """A small BPE tokenizer with Qwen3's special and added tokens (``<|im_start|>``, ``<|im_end|>``,
+    ``<tool_call>``, ...), over printable ASCII and newlines, with ``merges`` (by default ``"1" "2"`` -> ``"12"``,
+    so decoding two generated tokens and encoding the text again gives one: retokenization drift). Built offline:
+    no model hub."""
+    alphabet = [chr(code) for code in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, **{char: index + 1 for index, char in enumerate(alphabet)}}
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    core = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=list(merges), unk_token="<unk>"))
+    core.decoder = tokenizers.decoders.Fuse()
+    core.add_special_tokens(list(QWEN3_SPECIAL_TOKENS))
+    core.add_tokens(list(QWEN3_ADDED_TOKENS))
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
+    )

@@ -3,17 +3,55 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
+
+from miles_core.errors import MilesError
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSample:
+    """One sample: its tokens, the rollout's logprob of each response token, its advantage and reward.
+
+    ``loss_mask`` has one entry per response token, between 0 and 1: 1 trains on the token, 0 masks it off (a token
+    generated under older weights, for example); ``None`` trains on every response token."""
+
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]
     advantage: float
     reward: float
+    loss_mask: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is None:
+            return
+        mask = tuple(self.loss_mask)
+        if len(mask) != len(self.response_ids):
+            raise ValueError(
+                f"{self.describe()}: loss_mask has {len(mask)} entries; it needs one per response token "
+                f"({len(self.response_ids)}), or None to train on every one"
+            )
+        bad = [value for value in mask if not (isinstance(value, int | float) and math.isfinite(value))]
+        bad = bad or [value for value in mask if not 0 <= value <= 1]
+        if bad:
+            raise ValueError(f"{self.describe()}: loss_mask entries must be numbers from 0 to 1, got {bad[0]!r}")
+        object.__setattr__(self, "loss_mask", tuple(float(value) for value in mask))  # a list given becomes a tuple
+
+    def describe(self) -> str:
+        """The sample as an error message names it: its lengths and the start of its prompt."""
+        head = ", ".join(str(token) for token in self.prompt_ids[:8])
+        more = ", ..." if len(self.prompt_ids) > 8 else ""
+        return (
+            f"the sample with prompt [{head}{more}] ({len(self.prompt_ids)} prompt tokens, "
+            f"{len(self.response_ids)} response tokens)"
+        )
+
+    @property
+    def trained_tokens(self) -> float:
+        """How many response tokens the loss counts: all of them, less those ``loss_mask`` masks off."""
+        return float(len(self.response_ids)) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +66,8 @@ class TrainBatch:
 
     def tensors(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded ``input_ids [B, L]`` and, aligned with the next-token targets ``input_ids[:, 1:]``:
-        ``response_mask``, ``rollout_logprobs`` (both ``[B, L-1]``), plus ``advantages [B]``."""
+        ``response_mask`` (1 on response tokens, times each sample's ``loss_mask``), ``rollout_logprobs`` (both
+        ``[B, L-1]``), plus ``advantages [B]``."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
         batch = len(self.samples)
         input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
@@ -38,7 +77,22 @@ class TrainBatch:
             sequence = sample.prompt_ids + sample.response_ids
             input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
             start = len(sample.prompt_ids) - 1  # target position of the first response token
-            mask[row, start : start + len(sample.response_ids)] = 1
-            old[row, start : start + len(sample.response_ids)] = torch.tensor(sample.rollout_logprobs)
+            end = start + len(sample.response_ids)
+            mask[row, start:end] = 1 if sample.loss_mask is None else torch.tensor(sample.loss_mask)
+            old[row, start:end] = torch.tensor(sample.rollout_logprobs)
         advantages = torch.tensor([s.advantage for s in self.samples], dtype=torch.float32)
         return {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
+
+
+def trained_tokens(batch: TrainBatch) -> float:
+    """The response tokens the loss of ``batch`` counts (what each micro-batch's share of the step divides by); a
+    batch with none is a :class:`MilesError`."""
+    if not any(sample.response_ids for sample in batch.samples):
+        raise MilesError("the batch has no response tokens to train on")
+    total = sum(sample.trained_tokens for sample in batch.samples)
+    if total <= 0:
+        raise MilesError(
+            f"every response token of the batch's {len(batch)} samples is masked off by their loss_mask: nothing to "
+            "train on (a loss_mask needs a 1 somewhere in the batch)"
+        )
+    return total

@@ -1,4 +1,5 @@
-"""Policy-gradient pieces shared by every trainer: advantages, token logprobs, PPO-clip loss, KL and entropy."""
+"""Policy-gradient pieces shared by every trainer: advantages, token logprobs, PPO-clip loss with truncated
+importance sampling, KL and entropy."""
 
 from __future__ import annotations
 
@@ -40,18 +41,24 @@ def ppo_clip_loss(
     *,
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate with the importance ratio against the rollout logprobs, averaged over response tokens.
+    """PPO-clip surrogate with the importance ratio against ``old_logprobs``, averaged over response tokens.
 
-    ``advantages`` is per sample ``[B]`` or per token ``[B, T]``. Returns the loss and diagnostics (clip fraction,
-    approximate KL to the rollout policy).
+    ``old_logprobs`` are the rollout's (or, with TIS, the trainer's own: :func:`policy_loss`). ``advantages`` is
+    per sample ``[B]`` or per token ``[B, T]``; ``token_weights`` ``[B, T]`` (no gradient) multiply each token's
+    surrogate. Returns the loss and diagnostics (clip fraction, approximate KL to ``old_logprobs``).
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
-    log_ratio = logprobs - old_logprobs
+    # A masked-off token's ratio is set to 1 rather than multiplied by 0 afterwards: a stale token can be far from
+    # the policy, and exp() of a large gap is inf, whose product with a zero mask (and its gradient) is NaN.
+    log_ratio = torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+    if token_weights is not None:
+        surrogate = surrogate * token_weights.detach()
     loss = -masked_mean(surrogate, mask)
     with torch.no_grad():
         stats = {
@@ -59,6 +66,70 @@ def ppo_clip_loss(
             "approx_kl_rollout": masked_mean(0.5 * log_ratio.pow(2), mask),
         }
     return loss, stats
+
+
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, *, clip: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance sampling (TIS) weights ``min(exp(old - rollout), clip)`` per token, without gradient.
+
+    The rollout's logprobs come from the inference engine, whose kernels (and, with asynchronous training, whose
+    weights) differ from the trainer's: the weight corrects the policy gradient for sampling from the engine's
+    distribution instead of the trainer's, and truncating it at ``clip`` bounds its variance (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training"). Masked-off tokens get weight 0.
+    Returns the weights and their diagnostics: ``tis_weight_mean`` (of the truncated weights) and
+    ``tis_clip_fraction`` (the share of tokens whose weight was truncated).
+    """
+    with torch.no_grad():
+        log_ratio = torch.where(mask > 0, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))
+        raw = log_ratio.exp()  # may be inf for a far-off token: min() makes it ``clip``
+        weights = torch.where(mask > 0, raw.clamp(max=clip), torch.zeros_like(raw))
+        stats = {
+            "tis_weight_mean": masked_mean(weights, mask),
+            "tis_clip_fraction": masked_mean((raw > clip).float(), mask),
+        }
+    return weights, stats
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    tis_clip: float | None = None,
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy-gradient loss of every trainer (``train`` section settings as keywords).
+
+    Without ``tis_clip``: :func:`ppo_clip_loss` with the ratio against the rollout logprobs. With it: the ratio is
+    against ``old_logprobs``, the trainer's own logprobs of the batch computed without gradient before the step's
+    optimizer step, and each token's surrogate is multiplied by its :func:`truncated_importance_weights`; the
+    diagnostics add ``tis_weight_mean`` and ``tis_clip_fraction``, and ``approx_kl_rollout`` stays the KL to the
+    rollout's logprobs.
+    """
+    if tis_clip is None:
+        return ppo_clip_loss(
+            logprobs, rollout_logprobs, advantages, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high
+        )
+    if old_logprobs is None:
+        raise ValueError("tis_clip needs old_logprobs: the trainer's own logprobs of the batch before the step")
+    weights, tis_stats = truncated_importance_weights(old_logprobs, rollout_logprobs, mask, clip=tis_clip)
+    loss, stats = ppo_clip_loss(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        token_weights=weights,
+    )
+    with torch.no_grad():
+        to_rollout = torch.where(mask > 0, logprobs - rollout_logprobs, torch.zeros_like(logprobs))
+        stats["approx_kl_rollout"] = masked_mean(0.5 * to_rollout.pow(2), mask)
+    return loss, {**stats, **tis_stats}
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

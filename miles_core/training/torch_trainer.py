@@ -26,8 +26,8 @@ from miles_core.models.hf_checkpoint import (
 from miles_core.models.selection import model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.batch import TrainBatch
-from miles_core.training.losses import entropy, kl_k3, masked_mean, ppo_clip_loss, token_logprobs
+from miles_core.training.batch import TrainBatch, trained_tokens
+from miles_core.training.losses import entropy, kl_k3, masked_mean, policy_loss, token_logprobs
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.user_files import parse_json_text, read_text
@@ -80,6 +80,8 @@ class TorchTrainer:
         """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
         ``model_path`` is a checkpoint to resume from."""
+        if config.train.cpu_threads is not None:
+            torch.set_num_threads(config.train.cpu_threads)
         hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)
         name, entry = model_implementation_for(
             config.model.implementations,
@@ -109,16 +111,19 @@ class TorchTrainer:
         return ["driver"]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics."""
+        """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics. With
+        ``tis_clip``, the model's logprobs of every micro-batch are taken first, without gradient, as the old
+        policy of the PPO ratio and of the TIS weights."""
+        total_tokens = trained_tokens(batch)
+        micro_batches = batch.micro_batches(self.settings.micro_batch_size)
+        micros = [micro.tensors(pad_token_id=self.pad_token_id) for micro in micro_batches]
+        weights = [float(tensors["response_mask"].sum()) / total_tokens for tensors in micros]
+        old = [self._old_logprobs(t) if self.settings.tis_clip is not None else None for t in micros]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = sum(len(s.response_ids) for s in batch.samples)
-        if total_tokens == 0:
-            raise MilesError("the batch has no response tokens to train on")
         sums: dict[str, float] = {}
-        for micro in batch.micro_batches(self.settings.micro_batch_size):
-            weight = sum(len(s.response_ids) for s in micro.samples) / total_tokens
-            metrics = self._accumulate(micro, weight)
+        for tensors, weight, old_logprobs in zip(micros, weights, old, strict=True):
+            metrics = self._accumulate(tensors, weight, old_logprobs)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
@@ -126,19 +131,30 @@ class TorchTrainer:
         self.step += 1
         return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
 
-    def _accumulate(self, micro: TrainBatch, weight: float) -> dict[str, float]:
-        tensors = micro.tensors(pad_token_id=self.pad_token_id)
+    def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The model's logprobs of the targets before this step, without gradient, in eval mode (no dropout: the
+        engines sample without it, and the TIS weight compares with them)."""
+        self.model.eval()
+        with torch.no_grad():
+            input_ids = tensors["input_ids"]
+            return token_logprobs(self.model(input_ids)[:, :-1], input_ids[:, 1:])
+
+    def _accumulate(
+        self, tensors: dict[str, torch.Tensor], weight: float, old_logprobs: torch.Tensor | None
+    ) -> dict[str, float]:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         logits = self.model(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets)
-        loss, stats = ppo_clip_loss(
+        loss, stats = policy_loss(
             logprobs,
             tensors["rollout_logprobs"],
             tensors["advantages"],
             mask,
             clip_eps=self.settings.clip_eps,
             clip_eps_high=self.settings.clip_eps_high,
+            tis_clip=self.settings.tis_clip,
+            old_logprobs=old_logprobs,
         )
         token_entropy = masked_mean(entropy(logits), mask)
         kl = torch.zeros(())

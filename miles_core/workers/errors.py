@@ -47,6 +47,11 @@ class CallLostError(WorkerError):
     was evicted): the call's outcome is unknown."""
 
 
+class RpcProtocolError(_OutcomeUnknownError):
+    """The worker answered with something that is not a call record (another program on its port, or a worker of
+    another version): the message names the field that does not fit."""
+
+
 class RpcDeadlineError(_OutcomeUnknownError):
     """A call did not finish before its deadline."""
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from miles_core.config.sections import TrainSection
 from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
-from miles_core.training.batch import TrainBatch
-from miles_core.training.losses import kl_k3, masked_mean, ppo_clip_loss
+from miles_core.training.batch import TrainBatch, trained_tokens
+from miles_core.training.losses import kl_k3, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
 from miles_core.workers.rpc.server import rpc_method
 
@@ -139,22 +139,27 @@ class MegatronRank:
     @rpc_method(group="train")
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the whole batch: this rank's data-parallel share of its samples in
-        micro-batches, gradients summed over data-parallel ranks, clipped by the global norm. The batch arrives as
-        a ``TrainBatch``: the RPC rebuilds it from this hint."""
+        micro-batches, gradients summed over data-parallel ranks, clipped by the global norm. With ``tis_clip``,
+        the shard's logprobs of every micro-batch are taken first, without gradient, as the old policy of the PPO
+        ratio and of the TIS weights. The batch arrives as a ``TrainBatch``: the RPC rebuilds it from this hint."""
         from megatron.core import parallel_state
 
-        total_tokens = sum(len(s.response_ids) for s in batch.samples)
-        if total_tokens == 0:
-            raise MilesError("the batch has no response tokens to train on")
+        total_tokens = trained_tokens(batch)
         share = _data_parallel_share(
             batch, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         )
+        pad = self.hf_config.pad_token_id or 0
+        micros = [
+            {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=pad).items()}
+            for micro in (share.micro_batches(self.train.micro_batch_size) if share.samples else [])
+        ]
+        old = [self._old_logprobs(t) if self.train.tis_clip is not None else None for t in micros]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for micro in share.micro_batches(self.train.micro_batch_size) if share.samples else []:
-            weight = sum(len(s.response_ids) for s in micro.samples) / total_tokens
-            for key, value in self._accumulate(micro, weight).items():
+        for tensors, old_logprobs in zip(micros, old, strict=True):
+            weight = float(tensors["response_mask"].sum()) / total_tokens
+            for key, value in self._accumulate(tensors, weight, old_logprobs).items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         metrics = self._reduce_metrics(sums)
         grad_norm = self._finish_gradients()
@@ -170,24 +175,38 @@ class MegatronRank:
         positions = torch.arange(length, device=self.device).expand(input_ids.shape[0], -1)
         return model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length).to(self.device))
 
-    def _accumulate(self, micro: TrainBatch, weight: float) -> dict[str, float]:
+    def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The shard's logprobs of the targets before this step, without gradient, in eval mode (as the torch
+        trainer takes them)."""
         from miles_plugins_megatron.parallel_losses import vocab_parallel_logprobs_and_entropy
 
-        tensors = {
-            k: v.to(self.device) for k, v in micro.tensors(pad_token_id=self.hf_config.pad_token_id or 0).items()
-        }
+        self.model.eval()
+        with torch.no_grad():
+            input_ids = tensors["input_ids"]
+            logprobs, _ = vocab_parallel_logprobs_and_entropy(
+                self._forward(self.model, input_ids)[:, :-1], input_ids[:, 1:]
+            )
+        return logprobs
+
+    def _accumulate(
+        self, tensors: dict[str, torch.Tensor], weight: float, old_logprobs: torch.Tensor | None
+    ) -> dict[str, float]:
+        from miles_plugins_megatron.parallel_losses import vocab_parallel_logprobs_and_entropy
+
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         targets = input_ids[:, 1:]
         logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
             self._forward(self.model, input_ids)[:, :-1], targets
         )
-        loss, stats = ppo_clip_loss(
+        loss, stats = policy_loss(
             logprobs,
             tensors["rollout_logprobs"],
             tensors["advantages"],
             mask,
             clip_eps=self.train.clip_eps,
             clip_eps_high=self.train.clip_eps_high,
+            tis_clip=self.train.tis_clip,
+            old_logprobs=old_logprobs,
         )
         mean_entropy = masked_mean(token_entropy, mask)
         kl = torch.zeros((), device=self.device)
@@ -212,6 +231,8 @@ class MegatronRank:
         from megatron.core import parallel_state
 
         keys = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl_rollout")
+        if self.train.tis_clip is not None:  # every rank knows the keys from the settings, also one with no samples
+            keys += ("tis_weight_mean", "tis_clip_fraction")
         values = torch.tensor([sums.get(key, 0.0) for key in keys], dtype=torch.float64, device=self.device)
         if parallel_state.get_data_parallel_world_size() > 1:
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())

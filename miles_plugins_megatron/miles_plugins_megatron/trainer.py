@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import save_hf_checkpoint
-from miles_core.training.batch import TrainBatch
+from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.process import free_ports
@@ -132,6 +132,7 @@ class MegatronTrainer:
         """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
         if not batch.samples:
             raise MilesError("the batch has no samples to train on")
+        trained_tokens(batch)  # a batch with nothing to train on is refused here, before any rank works on it
         metrics = self.ranks.call("train_step", batch)[0]
         self.step += 1
         self._export()

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -380,12 +381,28 @@ class RdtProtocol(HttpEngineProtocol):
     async def _drop_receiver(self, name: str) -> None:
         """Stop an engine's receivers; the first removes the staging files (ray.kill alone would leave them in
         /dev/shm)."""
-        _, lanes = self.receivers.pop(name)
-        self.staging_paths.pop(name, None)
-        with contextlib.suppress(Exception):  # a dead receiver has nothing left to close
-            await asyncio.wait_for(asyncio.gather(*(_awaitable(lane.close.remote()) for lane in lanes)), timeout=10)
+        endpoint, lanes = self.receivers.pop(name)
+        paths = self.staging_paths.pop(name, None)
+        # Every lane's close is awaited, even after one fails (a lane killed mid-transfer fails at once): a kill
+        # before the first lane's close has run would leave its files.
+        closes = asyncio.gather(*(_awaitable(lane.close.remote()) for lane in lanes), return_exceptions=True)
+        try:
+            results = await asyncio.wait_for(closes, timeout=10)
+        except TimeoutError:  # busy in a receive that does not end
+            results = [TimeoutError()]
+        closed = not isinstance(results[0], BaseException)  # the first lane owns the files
         for lane in lanes:
             ray.kill(lane, no_restart=True)
+        if not closed and paths:
+            await self._remove_files_on_node(endpoint, paths)
+
+    async def _remove_files_on_node(self, endpoint: EngineEndpoint, paths: list[str]) -> None:
+        """Remove staging files that their killed receiver left, by a task on the engine's node (the engine may
+        still map one: its pages live until it lets go). A node that is gone took its files with it."""
+        with contextlib.suppress(Exception):
+            strategy = NodeAffinitySchedulingStrategy(node_id=_node_of(endpoint.url), soft=False)
+            task = _remove_files.options(scheduling_strategy=strategy).remote(paths)
+            await asyncio.wait_for(_awaitable(task), timeout=self.timeout_s)
 
     def _drop_gloo_group(self) -> None:
         if self.group is not None:
@@ -436,6 +453,13 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, TimeoutError):
         return "timed out"
     return f"{type(error).__name__}: {error}"
+
+
+@ray.remote(num_cpus=0)
+def _remove_files(paths: list[str]) -> None:
+    """Unlink ``paths`` on the node this task runs on."""
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
 
 
 def _node_of(url: str) -> str:

@@ -14,8 +14,10 @@ large wave in their own process.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,9 @@ from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import map_staging_file
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
+
+ENGINE_CHECKS = 10
+"""Looks at the engine's process tree, 0.5 s apart, before :meth:`StagingReceiver.check_engine` refuses it."""
 
 
 @ray.remote(num_cpus=0, max_restarts=0, enable_tensor_transport=True)
@@ -76,7 +81,16 @@ class StagingReceiver:
         return [str(path) for path in self.paths]
 
     def check_engine(self) -> dict[str, Any]:
-        """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it."""
+        """The engine's pid and the Ray actor process that hosts it; an error when no Ray actor hosts it. Looked at
+        again for a few seconds before that error: one CI run saw a Ray-hosted engine's ancestors without a
+        ``ray::`` title once (a process tree in transition), which later looks found."""
+        for _ in range(ENGINE_CHECKS - 1):
+            with contextlib.suppress(RuntimeError):
+                return self._engine_host()
+            time.sleep(0.5)
+        return self._engine_host()
+
+    def _engine_host(self) -> dict[str, Any]:
         port = urlparse(self.engine_url).port
         listening = [
             c.pid

@@ -9,6 +9,8 @@ import httpx
 import pytest
 
 from miles_core.dashboard.store import DashboardStore
+from miles_core.rollout.executor import Sample
+from miles_core.rollout.prompts import Prompt
 from tests.conftest import REPO
 from tests.dashboard.browser import browser_page, wait_for_view
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun
@@ -83,3 +85,27 @@ def test_dashboard_of_a_finished_run_in_chromium(finished_run: FinishedRun, serv
         assert page.inner_text("#samples-empty") == "Step 0 has no samples yet."
         assert page.locator("#error").count() == 0
     assert (ARTIFACTS / "dashboard-overview.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_agents_sample_shows_turn_by_turn_which_tokens_the_policy_wrote(serve, tmp_path: Path) -> None:
+    """The transcript of a multi-turn sample: the policy's turns (trained) apart from its agent's messages (masked)."""
+    transcript = [
+        {"source": "policy", "text": ":0:5<eos>", "tokens": 5},
+        {"source": "agent", "text": "<bos>3:7<eos><bos>2:", "tokens": 7},
+        {"source": "policy", "text": "7777<eos>", "tokens": 5},
+    ]
+    sample = Sample(index=3, prompt=Prompt("73915", "7", {"secret": "7"}), prompt_ids=[2, 4], transcript=transcript)
+    store = DashboardStore(tmp_path)
+    store.run_started(run_dir=str(tmp_path), start_step=0, num_steps=1, config={})
+    store.add_samples(step=1, samples=[sample])
+    store.close()
+    with browser_page() as page:
+        page.goto(f"{serve(tmp_path)}samples/1/3/0")
+        wait_for_view(page, "sample")
+        turns = page.locator("#transcript .turn")
+        assert turns.count() == 3
+        assert [turns.nth(i).get_attribute("data-source") for i in range(3)] == ["policy", "agent", "policy"]
+        assert [turns.nth(i).locator("pre").inner_text() for i in range(3)] == [span["text"] for span in transcript]
+        assert turns.nth(1).locator("small").inner_text() == "agent (masked), 7 token(s)"
+        assert page.inner_text("#transcript h3") == "Turns (2 by the policy)"
+        page.screenshot(path=str(ARTIFACTS / "dashboard-agent-sample.png"), full_page=True)

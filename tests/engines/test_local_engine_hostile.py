@@ -838,7 +838,8 @@ def test_a_fault_inside_a_batch_fails_only_its_request(model_dir: Path, tmp_path
         good = [asyncio.create_task(engine.generate([GenerationRequest([3 + i], params)])) for i in range(3)]
         await asyncio.sleep(0)
         bad = _Pending(GenerationRequest([VOCAB + 100], params), asyncio.get_running_loop().create_future())
-        engine._queue.put_nowait(bad)
+        with engine._state:  # past admission, as a bug there would let it in
+            engine._waiting.append(bad)
         engine.resume()
         results = await asyncio.gather(*good)
         assert all(len(result[0].output_ids) == 3 for result in results)

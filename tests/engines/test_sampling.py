@@ -10,14 +10,8 @@ import pytest
 import torch
 import transformers
 
-from miles_core.engines.sampling import (
-    MIN_TEMPERATURE,
-    GenerationRequest,
-    SamplingParams,
-    _choose,
-    _Sampler,
-    generate_batch,
-)
+from miles_core.engines.running_batch import generate_batch
+from miles_core.engines.sampling import MIN_TEMPERATURE, GenerationRequest, SamplingParams, _choose, _Sampler
 from miles_core.testkit.tiny_models import tiny_llama_config
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))

@@ -13,6 +13,7 @@ from miles_core.run_setup import load_tokenizer
 from tests.conftest import run_miles
 
 pytestmark = pytest.mark.slow
+CHECKPOINTS = ("step_000002", "step_000004")
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -57,7 +58,11 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
 
 
 def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Under the fully_async schedule (the trainer's ranks train while the stream generates): the checkpoint keeps
+    which groups were used, and the resumed run continues at step 3."""
     quick = [
+        "--run-schedule",
+        "fully_async",
         "--rollout-batch-size",
         "4",
         "--rollout-group-size",
@@ -76,7 +81,10 @@ def test_megatron_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3, 4]
     state = json.loads((tmp_path / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["tensor_parallel"] == 2
-    for checkpoint in ("step_000002", "step_000004"):  # each is a model directory: its tokenizer is in it
+    streams = [json.loads((tmp_path / "checkpoints" / c / "rollout_stream.json").read_text()) for c in CHECKPOINTS]
+    settled = [stream["low"] + len(stream["above"]) for stream in streams]
+    assert settled == [2 * 4, 4 * 4]  # the groups trained on (4 a step; none dropped or filtered at this pace)
+    for checkpoint in CHECKPOINTS:  # each is a model directory: its tokenizer is in it
         tokenizer = load_tokenizer(tmp_path / "checkpoints" / checkpoint)
         assert tokenizer.encode("73915:") == DigitTokenizer().encode("73915:")
 

@@ -4,6 +4,7 @@ and DP=2, with ranks running as local worker processes; and bad input refused be
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -137,6 +138,28 @@ def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, mode
         step_metrics = trainer.train_step(training_batch())
         assert_same_step(step_metrics, hf_weights(trainer), metrics, weights, exported)
         assert step_metrics["export_gb_per_s"] > 0
+
+
+def test_a_tis_step_with_masked_tokens_equals_the_torch_trainer(reference_step, tmp_path: Path) -> None:
+    """``--train-tis-clip`` and ``loss_mask`` on the ranks: old logprobs from each rank's shard before the step,
+    the TIS metrics reduced over data-parallel ranks, and the same SGD step as the torch trainer's."""
+    path, _, _ = reference_step
+    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "tis_clip": 1.5})
+    samples = training_batch().samples
+    for index, masked in ((1, [1]), (2, range(len(samples[2].response_ids)))):  # a token of one, all of another
+        kept = samples[index]
+        loss_mask = tuple(0.0 if token in masked else 1.0 for token in range(len(kept.response_ids)))
+        samples[index] = TrainSample(*dataclasses.astuple(kept)[:5], loss_mask=loss_mask)
+    batch = TrainBatch(samples)
+    torch_trainer = TorchTrainer.from_pretrained(path, settings)
+    metrics = torch_trainer.train_step(batch)
+    assert 0 < metrics["tis_clip_fraction"] < 1  # rollout logprobs in [-6, -2] against the model's: both sides
+    initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    with launch(path, tmp_path, train=settings, data_parallel=2) as trainer:
+        step_metrics = trainer.train_step(batch)
+        assert_same_step(step_metrics, hf_weights(trainer), metrics, hf_weights(torch_trainer), initial)
+    for key in ("tis_weight_mean", "tis_clip_fraction", "approx_kl_rollout"):
+        assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.parametrize(

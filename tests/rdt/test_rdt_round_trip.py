@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import miles_plugins_rdt.protocol as protocol_module
 import pytest
@@ -156,10 +157,12 @@ def test_an_engine_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch)
     assert served(ray_engines, loop, 2) == [("43", checksum(retried))] * 2
 
 
-def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch) -> None:
+@pytest.mark.parametrize("lane", [0, 1], ids=["owner-of-the-files", "second-lane"])
+def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeypatch, lane: int) -> None:
     """A read that fails means no engine is asked to switch (the trainer asks only once every read is in), so no
-    engine serves anything new; the engine's receivers are dropped, a transfer before connect() again is refused,
-    and after it the next transfer reaches every engine exactly."""
+    engine serves anything new; the engine's receivers are dropped with their staging files (whichever lane died:
+    the owner of the files cannot remove them, the other lanes fail before the owner has closed), a transfer before
+    connect() again is refused, and after it the next transfer reaches every engine exactly."""
     monkeypatch.setattr(protocol_module, "WAVE_BYTES", 1)
     monkeypatch.setattr(protocol_module, "MIN_LANE_SHARE", 1)  # both lanes read from every wave
     trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
@@ -167,16 +170,18 @@ def test_a_receive_lane_killed_mid_transfer(ray_engines, protocol, loop, monkeyp
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
     before = served(ray_engines, loop, 2)
     victim = ray_engines.endpoints()[0].name
+    victims_files = [Path(path) for path in protocol.staging_paths[victim]]
     sent = [(name, tensor - 0.125) for name, tensor in weights]
 
     def buckets_with_a_kill():
         yield sent[:4]
-        ray.kill(protocol.receivers[victim][1][1], no_restart=True)  # the engine's second lane dies mid-transfer
+        ray.kill(protocol.receivers[victim][1][lane], no_restart=True)  # one of the engine's lanes dies mid-transfer
         yield sent[4:]
 
     with pytest.raises(RdtTransferError, match=rf"the new version was not published: engine {victim}: "):
         loop.run_until_complete(protocol.transfer(buckets_with_a_kill(), version=44))
     assert served(ray_engines, loop, 2) == before  # neither engine switched, not even the one whose reads succeeded
+    assert not [path for path in victims_files if path.exists()], "the dropped receivers left their staging files"
     with pytest.raises(MilesError, match=rf"engines {victim} lost their receivers"):
         loop.run_until_complete(protocol.transfer(iter([sent]), version=44))
     loop.run_until_complete(protocol.connect(ray_engines.endpoints()))

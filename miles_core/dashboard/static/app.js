@@ -137,10 +137,21 @@ const VIEWS = {
     return h("div", { id: "sample-detail" },
       h("p", {}, h("a", { href: `/samples/${s.step}`, "data-link": "" }, `← all samples of step ${s.step}`)),
       h("h2", {}, `Step ${s.step}, sample ${s.sample_index} (occurrence ${s.occurrence})`),
+      transcriptView(s.data && s.data.transcript),
       h("dl", { class: "fields" }, Object.entries(fields).flatMap(([k, v]) =>
         [h("dt", {}, k), h("dd", { dataset: { field: k } }, typeof v === "object" && v !== null ? JSON.stringify(v) : fmt(v, 4))])));
   },
 };
+
+// An agent's sample turn by turn: the policy's turns (trained on) and the messages its agent added (masked off).
+function transcriptView(transcript) {
+  if (!Array.isArray(transcript) || transcript.length === 0) return null;
+  const label = { policy: "policy (trained)", agent: "agent (masked)" };
+  return h("div", { id: "transcript" }, h("h3", {}, `Turns (${transcript.filter((t) => t.source === "policy").length} by the policy)`),
+    transcript.map((span, i) => h("div", { class: `turn turn-${span.source}`, dataset: { turn: i, source: span.source } },
+      h("small", {}, `${label[span.source] || span.source}, ${span.tokens} token(s)`),
+      h("pre", {}, span.text))));
+}
 
 function topologyView(topology) {
   const engines = topology.engines.map((e) => h("div", { class: `node state-${e.state}`, dataset: { cell: e.cell_id } },

@@ -14,14 +14,15 @@ MAX_FORGOTTEN_IDS = 100_000  # about 10 MB of remembered ids
 
 
 @dataclasses.dataclass
-class CallRecord:
-    """One call: its request fingerprint, state, and (once finished) the JSON text of its record."""
+class StoredCall:
+    """One call: its request fingerprint, state, and (once finished) its call record as JSON
+    (:class:`~miles_core.workers.rpc.wire.CallRecord`), encoded once and sent as it is to every poll."""
 
     call_id: str
     fingerprint: str
     method: str
     state: str = RUNNING
-    body: str = ""  # the JSON record sent to clients once the call finished
+    body: bytes = b""
     finished_at: float | None = None
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
@@ -47,7 +48,7 @@ class CallStore:
         self.ttl_s = ttl_s
         self.max_calls = max_calls
         self.max_result_bytes = max_result_bytes
-        self._records: collections.OrderedDict[str, CallRecord] = collections.OrderedDict()
+        self._records: collections.OrderedDict[str, StoredCall] = collections.OrderedDict()
         self._finished: collections.OrderedDict[str, None] = collections.OrderedDict()  # in order of finishing
         self._result_bytes = 0
         self._forgotten: collections.OrderedDict[str, str] = collections.OrderedDict()  # call id -> why
@@ -62,14 +63,14 @@ class CallStore:
         """Bytes of finished records held."""
         return self._result_bytes
 
-    def get(self, call_id: str) -> CallRecord | None:
+    def get(self, call_id: str) -> StoredCall | None:
         return self._records.get(call_id)
 
     def forgotten_reason(self, call_id: str) -> str | None:
         """Why a call id is no longer held ("expired" or "evicted"), or None if it was never seen."""
         return self._forgotten.get(call_id)
 
-    def add(self, record: CallRecord) -> None:
+    def add(self, record: StoredCall) -> None:
         """Hold a new running call, evicting old finished records if needed."""
         self.expire()
         while len(self._records) >= self.max_calls and self._finished:
@@ -78,7 +79,7 @@ class CallStore:
             raise StoreFullError(f"{len(self._records)} calls are running; the limit is {self.max_calls}")
         self._records[record.call_id] = record
 
-    def finish(self, record: CallRecord, *, state: str, body: str) -> None:
+    def finish(self, record: StoredCall, *, state: str, body: bytes) -> None:
         """Record a call's outcome and wake its pollers."""
         record.state, record.body, record.finished_at = state, body, time.monotonic()
         self._finished[record.call_id] = None

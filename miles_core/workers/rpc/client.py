@@ -28,10 +28,25 @@ from miles_core.workers.errors import (
     CallLostError,
     RemoteError,
     RpcDeadlineError,
+    RpcProtocolError,
     RpcRequestError,
     WorkerDiedError,
 )
-from miles_core.workers.rpc.wire import DONE, GONE, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc.wire import (
+    DONE,
+    GONE,
+    MAX_WAIT_S,
+    POLL_PATH,
+    RUNNING,
+    SUBMIT_PATH,
+    CallRecord,
+    ErrorBody,
+    PollRequest,
+    SubmitRequest,
+    WireError,
+    validate,
+    validate_json,
+)
 
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 """Transport failures before a connection existed: the request was never written."""
@@ -90,19 +105,18 @@ class RpcClient:
         rebuilds them from the method's type hints). Arguments that are not strict JSON even so (NaN, infinity, other
         objects) are a ``ValueError``, and nothing is sent."""
         call = _Call(self, method, call_id or uuid.uuid4().hex, time.monotonic() + (timeout_s or self.timeout_s))
-        payload = _json_payload(call, {"call_id": call.call_id, "method": method, "args": list(args), "kwargs": kwargs})
-        record = await call.request("POST", SUBMIT_PATH, payload=payload)
-        while record["state"] == RUNNING:
-            record = await call.request("GET", POLL_PATH, params={"call_id": call.call_id})
-        if record["state"] == DONE:
-            return record.get("result")
-        error = record["error"]
+        record = await call.request(SUBMIT_PATH, _submit_request(call, list(args), kwargs))
+        while record.state == RUNNING:
+            record = await call.request(POLL_PATH, PollRequest(call_id=call.call_id))
+        if record.state == DONE:
+            return record.result
+        assert record.error is not None  # a failed record has one (CallRecord checks)
         raise RemoteError(
             worker=self.worker,
             method=method,
-            error_type=error["type"],
-            message=error["message"],
-            traceback=error["traceback"],
+            error_type=record.error.type,
+            message=record.error.message,
+            traceback=record.error.traceback,
         )
 
     async def health(self, *, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -138,7 +152,9 @@ class _Call:
             return f"it may have run: submit call id {self.call_id!r} again to learn its outcome"
         return "the worker never accepted it, so it did not run"
 
-    async def request(self, verb: str, path: str, *, payload: dict | None = None, params: dict | None = None) -> dict:
+    async def request(self, path: str, request: SubmitRequest | PollRequest) -> CallRecord:
+        """Send ``request`` (its ``wait_s`` set for each attempt) until an answer comes, resending what is safe to
+        resend; the answer as a call record, or the error it is."""
         while True:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
@@ -149,7 +165,7 @@ class _Call:
                 )
             wait_s = max(0.0, min(self.client.long_poll_s, remaining - 0.25))
             try:
-                response = await self._send(verb, path, payload, params, wait_s, remaining)
+                response = await self._send(path, request.model_copy(update={"wait_s": wait_s}), remaining)
             except NEVER_SENT as exc:
                 await self._before_resend(exc, path, maybe_reached=False)
                 continue
@@ -162,33 +178,42 @@ class _Call:
                 continue
             return self._record(response)
 
-    async def _send(
-        self, verb: str, path: str, payload: dict | None, params: dict | None, wait_s: float, remaining: float
-    ) -> httpx.Response:
+    async def _send(self, path: str, request: SubmitRequest | PollRequest, remaining: float) -> httpx.Response:
         url = f"{self.client.url}{path}"
-        timeout = httpx.Timeout(min(remaining, wait_s + 10.0), connect=min(remaining, 5.0))
-        if verb == "POST":
-            return await self.client._client().post(url, json={**(payload or {}), "wait_s": wait_s}, timeout=timeout)
-        return await self.client._client().get(url, params={**(params or {}), "wait_s": wait_s}, timeout=timeout)
+        timeout = httpx.Timeout(min(remaining, request.wait_s + 10.0), connect=min(remaining, 5.0))
+        if isinstance(request, SubmitRequest):
+            return await self.client._client().post(url, content=_json(request), headers=_JSON, timeout=timeout)
+        return await self.client._client().get(url, params=request.model_dump(), timeout=timeout)
 
-    def _record(self, response: httpx.Response) -> dict:
-        try:
-            body = response.json()
-        except json.JSONDecodeError:
-            body = {"error": response.text[:500]}
+    def _record(self, response: httpx.Response) -> CallRecord:
         lost = response.status_code == GONE or (response.status_code == 404 and self.accepted)
         if lost and self.may_have_run:
             raise CallLostError(
-                f"{self.describe()} is no longer known to the worker ({body.get('error')}); it restarted or the "
-                "result expired, so the call's outcome is unknown"
+                f"{self.describe()} is no longer known to the worker ({_error_message(response)}); it restarted or "
+                "the result expired, so the call's outcome is unknown"
             )
         if response.status_code != 200:
             raise RpcRequestError(
-                f"{self.describe()} refused with HTTP {response.status_code}: {body.get('error')}",
+                f"{self.describe()} refused with HTTP {response.status_code}: {_error_message(response)}",
                 status=response.status_code,
             )
-        self.accepted = self.may_have_run = True
-        return body
+        self.may_have_run = True  # something at the worker's address took the request and answered it
+        try:
+            record = validate_json(CallRecord, response.content)
+        except WireError as exc:
+            raise RpcProtocolError(
+                f"{self.describe()}: the worker's answer is not a call record ({exc}); is {self.client.url} a Miles "
+                "worker of this version? The call may have run",
+                may_have_run=True,
+            ) from None
+        if record.call_id != self.call_id:
+            raise RpcProtocolError(
+                f"{self.describe()}: the worker answered with the record of call {record.call_id!r}; is "
+                f"{self.client.url} a Miles worker of this version? The call may have run",
+                may_have_run=True,
+            )
+        self.accepted = True
+        return record
 
     async def _before_resend(self, exc: BaseException, path: str, *, maybe_reached: bool) -> None:
         """Note whether the failed request may have arrived; fail fast if the worker is dead; otherwise back off a
@@ -221,14 +246,41 @@ def encode_value(value: Any) -> Any:
     return pydantic_core.to_jsonable_python(value)
 
 
-def _json_payload(call: _Call, payload: dict[str, Any]) -> dict[str, Any]:
-    """The payload in JSON form; one that is not strict JSON is refused before anything is sent (the worker would
-    refuse it)."""
+def _submit_request(call: _Call, args: list[Any], kwargs: dict[str, Any]) -> SubmitRequest:
+    """The call's submit, its arguments in JSON form; arguments that are not strict JSON, or a call id or method
+    that the worker would refuse, are a ``ValueError`` before anything is sent."""
     try:
-        encoded = encode_value(payload)
-        json.dumps(encoded, allow_nan=False)
-        return encoded
+        submit = validate(
+            SubmitRequest,
+            {
+                "call_id": call.call_id,
+                "method": call.method,
+                "args": encode_value(args),
+                "kwargs": encode_value(kwargs),
+            },
+        )
+        _json(submit)
+        return submit
+    except WireError as exc:
+        raise ValueError(f"{call.describe()}: not a valid submit: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"{call.describe()}: the arguments must be JSON (str keys, finite numbers, lists, dicts): {exc}"
         ) from None
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _json(submit: SubmitRequest) -> bytes:
+    """A submit's body: strict JSON (NaN refused), ASCII-escaped as the worker's parser reads any string."""
+    return json.dumps(submit.model_dump(), allow_nan=False).encode()
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of a refusal: the worker's :class:`ErrorBody`, or the start of whatever else answered (a
+    gateway's page)."""
+    try:
+        return validate_json(ErrorBody, response.content).error
+    except WireError:
+        return response.text[:500]

@@ -10,12 +10,12 @@ A call id is executed at most once: resubmitting it returns the same call.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import inspect
 import json
-import math
 import os
 import re
 import threading
@@ -23,7 +23,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import pydantic_core
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,16 +39,30 @@ from miles_core.http import (
 )
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.arguments import ArgumentCheck, ArgumentError, short_repr
-from miles_core.workers.rpc.call_store import DEFAULT_RESULT_TTL_S, CallRecord, CallStore, StoreFullError
-from miles_core.workers.rpc.wire import DONE, FAILED, GONE, HEALTH_PATH, MAX_WAIT_S, POLL_PATH, RUNNING, SUBMIT_PATH
+from miles_core.workers.rpc.call_store import DEFAULT_RESULT_TTL_S, CallStore, StoredCall, StoreFullError
+from miles_core.workers.rpc.wire import (
+    DONE,
+    FAILED,
+    GONE,
+    HEALTH_PATH,
+    POLL_PATH,
+    RUNNING,
+    SUBMIT_PATH,
+    CallFailure,
+    CallRecord,
+    ErrorBody,
+    Model,
+    PollRequest,
+    SubmitRequest,
+    WireError,
+    validate,
+    wire_text,
+)
 
 RPC_MARKER = "__miles_rpc_group__"
 DEFAULT_GROUPS: dict[str, int | None] = {"control": 1, "query": None}
 """Concurrency group -> limit (None: unlimited). Control calls run one at a time; queries run freely."""
 UNLIMITED_THREADS = 64
-MAX_CALL_ID_CHARS = 128
-SUBMIT_FIELDS = frozenset({"call_id", "method", "args", "kwargs", "wait_s"})
-POLL_PARAMS = frozenset({"call_id", "wait_s"})
 
 
 def rpc_method(group: str = "control") -> Callable[[Callable], Callable]:
@@ -259,17 +272,19 @@ class RpcServer:
         return JSONResponse({"ok": True, "name": self.name, "pid": os.getpid(), "calls": len(self.store)})
 
     async def _submit(self, request: Request) -> Response:
-        submit = _Submit.parse(parse_json_object(await read_body(request, limit=self.max_body_bytes)))
+        body = parse_json_object(await read_body(request, limit=self.max_body_bytes))
+        submit = _valid(SubmitRequest, body)
+        fingerprint = _fingerprint(submit)
         record = self.store.get(submit.call_id)
         if record is None:
-            record = self._accept(submit)
-        elif record.fingerprint != submit.fingerprint:
+            record = self._accept(submit, fingerprint)
+        elif record.fingerprint != fingerprint:
             raise HttpError(
                 409, f"call id {submit.call_id!r} was already submitted with a different method or arguments"
             )
         return await self._answer(record, submit.wait_s)
 
-    def _accept(self, submit: _Submit) -> CallRecord:
+    def _accept(self, submit: SubmitRequest, fingerprint: str) -> StoredCall:
         """Start a new call, once every part of it is known to be valid."""
         reason = self.store.forgotten_reason(submit.call_id)
         if reason is not None:
@@ -282,36 +297,35 @@ class RpcServer:
                 404, f"worker {self.name} has no method {short_repr(submit.method)}; methods: {sorted(self._methods)}"
             )
         bound = method.bind(submit.args, submit.kwargs)
-        record = CallRecord(call_id=submit.call_id, fingerprint=submit.fingerprint, method=method.name)
+        record = StoredCall(call_id=submit.call_id, fingerprint=fingerprint, method=method.name)
         self.store.add(record)
         task = asyncio.create_task(self._execute(record, method, bound))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return record
 
-    async def _execute(self, record: CallRecord, method: _Method, bound: inspect.BoundArguments) -> None:
+    async def _execute(self, record: StoredCall, method: _Method, bound: inspect.BoundArguments) -> None:
         try:
             result = await self._groups[method.group].run(method, bound)
-            body = _record_body(record.call_id, DONE, "result", pydantic_core.to_json(result).decode())
+            body = CallRecord(call_id=record.call_id, state=DONE, result=result).to_json()  # the result encoded once
             state = DONE
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # SystemExit too: a call must always end with a record
-            error = {"type": _qualified_name(type(exc)), "message": str(exc), "traceback": traceback.format_exc()}
-            body, state = _record_body(record.call_id, FAILED, "error", json.dumps(error)), FAILED
+            body, state = CallRecord(call_id=record.call_id, state=FAILED, error=_failure(exc)).to_json(), FAILED
         self.store.finish(record, state=state, body=body)
 
     async def _poll(self, request: Request) -> Response:
-        call_id, wait_s = _parse_poll(request)
-        record = self.store.get(call_id)
+        poll = _parse_poll(request)
+        record = self.store.get(poll.call_id)
         if record is None:
-            reason = self.store.forgotten_reason(call_id)
+            reason = self.store.forgotten_reason(poll.call_id)
             if reason is not None:
-                raise HttpError(GONE, f"call {call_id!r} {reason}: its result is no longer held")
-            raise HttpError(404, f"unknown call id {call_id!r} on worker {self.name}")
-        return await self._answer(record, wait_s)
+                raise HttpError(GONE, f"call {poll.call_id!r} {reason}: its result is no longer held")
+            raise HttpError(404, f"unknown call id {poll.call_id!r} on worker {self.name}")
+        return await self._answer(record, poll.wait_s)
 
-    async def _answer(self, record: CallRecord, wait_s: float) -> Response:
+    async def _answer(self, record: StoredCall, wait_s: float) -> Response:
         """The call's record, once it finished or ``wait_s`` (already validated) passed."""
         if wait_s > 0 and not record.done.is_set() and self._stopping is not None:
             waits = [asyncio.ensure_future(event.wait()) for event in (record.done, self._stopping)]
@@ -321,87 +335,51 @@ class RpcServer:
                 for wait in waits:
                     wait.cancel()
         if record.state == RUNNING:
-            return Response(_record_body(record.call_id, RUNNING), media_type="application/json")
+            return Response(CallRecord(call_id=record.call_id, state=RUNNING).to_json(), media_type="application/json")
         return Response(record.body, media_type="application/json")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Submit:
-    """A submit request whose fields were all checked (the method's arguments are checked by :class:`_Method`)."""
-
-    call_id: str
-    method: str
-    args: list[Any]
-    kwargs: dict[str, Any]
-    wait_s: float
-    fingerprint: str
-
-    @classmethod
-    def parse(cls, body: dict[str, Any]) -> _Submit:
-        unknown = sorted(set(body) - SUBMIT_FIELDS)
-        if unknown:
-            raise HttpError(400, f"unknown submit fields {unknown}; a submit has {sorted(SUBMIT_FIELDS)}")
-        method, args, kwargs = body.get("method"), body.get("args", []), body.get("kwargs", {})
-        if not isinstance(method, str) or not method:
-            raise HttpError(400, f"method must be the name of a method (a non-empty string), got {short_repr(method)}")
-        if not isinstance(args, list):
-            raise HttpError(400, f"args must be a JSON list of positional arguments, got {short_repr(args)}")
-        if not isinstance(kwargs, dict):
-            raise HttpError(400, f"kwargs must be a JSON object of keyword arguments, got {short_repr(kwargs)}")
-        fingerprint = hashlib.sha256(json.dumps([method, args, kwargs], sort_keys=True).encode()).hexdigest()
-        return cls(
-            call_id=_call_id(body.get("call_id")),
-            method=method,
-            args=args,
-            kwargs=kwargs,
-            wait_s=_wait_seconds(body.get("wait_s", 0)),
-            fingerprint=fingerprint,
-        )
+def _valid(model: type[Model], data: Any) -> Model:
+    """``data`` as the request ``model``; a misfit is a 400 naming each field, its value and what it allows."""
+    try:
+        return validate(model, data)
+    except WireError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
-def _parse_poll(request: Request) -> tuple[str, float]:
-    """The call id and wait of a poll's query string, each given at most once."""
+def _fingerprint(submit: SubmitRequest) -> str:
+    """What a resubmit of the same call id must repeat: the method and its arguments."""
+    return hashlib.sha256(json.dumps([submit.method, submit.args, submit.kwargs], sort_keys=True).encode()).hexdigest()
+
+
+def _parse_poll(request: Request) -> PollRequest:
+    """A poll's query string, each parameter given at most once and ``wait_s`` written as a plain decimal."""
     params = request.query_params
-    unknown = sorted(set(params) - POLL_PARAMS)
-    if unknown:
-        raise HttpError(400, f"unknown poll parameters {unknown}; a poll has {sorted(POLL_PARAMS)}")
-    for name in POLL_PARAMS:
-        if len(params.getlist(name)) > 1:
-            raise HttpError(400, f"poll parameter {name} is given {len(params.getlist(name))} times; give it once")
+    for name, count in collections.Counter(name for name, _ in params.multi_items()).items():
+        if count > 1:
+            raise HttpError(400, f"poll parameter {short_repr(name)} is given {count} times; give it once")
     wait_s = params.get("wait_s", "0")
     if not _DECIMAL.fullmatch(wait_s):
         raise HttpError(400, f"wait_s must be a number of seconds such as 2.5, got {short_repr(wait_s)}")
-    return _call_id(params.get("call_id")), _wait_seconds(float(wait_s))
+    return _valid(PollRequest, {**params, "wait_s": float(wait_s)})
 
 
 _DECIMAL = re.compile(r"[0-9]{1,20}(\.[0-9]{0,20})?([eE][-+]?[0-9]{1,3})?")
 """A non-negative decimal number as a query parameter (what ``str(float)`` writes; no ``nan``, ``inf`` or sign)."""
 
 
-def _call_id(value: Any) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_CALL_ID_CHARS:
-        allowed = f"a string of 1 to {MAX_CALL_ID_CHARS} characters"
-        raise HttpError(400, f"call_id must be {allowed}, got {short_repr(value)}")
-    return value
-
-
-def _wait_seconds(value: Any) -> float:
-    """How long to hold a request open: a finite number of seconds >= 0, at most :data:`MAX_WAIT_S`."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or (isinstance(value, float) and not math.isfinite(value)) or value < 0:
-        allowed = f"a number of seconds >= 0 (at most {MAX_WAIT_S:g} are used)"
-        raise HttpError(400, f"wait_s must be {allowed}, got {short_repr(value)}")
-    return float(min(value, MAX_WAIT_S))
+def _failure(exc: BaseException) -> CallFailure:
+    """How a call failed, as texts that JSON can carry whatever the exception repeats."""
+    return CallFailure(
+        type=wire_text(_qualified_name(type(exc))),
+        message=wire_text(str(exc)),
+        traceback=wire_text(traceback.format_exc()),
+    )
 
 
 def _error_response(message: str, status: int) -> Response:
-    """``{"error": message}``, ASCII-escaped: a message repeating hostile input (a lone surrogate) still encodes."""
-    return Response(json.dumps({"error": message}), status_code=status, media_type="application/json")
-
-
-def _record_body(call_id: str, state: str, key: str | None = None, raw_json: str | None = None) -> str:
-    head = f'{{"call_id": {json.dumps(call_id)}, "state": "{state}"'
-    return head + (f', "{key}": {raw_json}}}' if key else "}")
+    """``{"error": message}`` (:class:`ErrorBody`; a message repeating hostile input still encodes)."""
+    return Response(ErrorBody.of(message).to_json(), status_code=status, media_type="application/json")
 
 
 def _qualified_name(cls: type) -> str:

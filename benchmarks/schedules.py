@@ -1,0 +1,90 @@
+"""The three run schedules on the same config, in one run: ``sync`` (the baseline), ``one_step_off`` and
+``fully_async``, each a short embedded-default ``miles train``. For each: steps/s, samples/s and how much of a step
+the trainer and the engines sit idle; and the limit of overlapping, measured in the ``sync`` run: generation alone
+(its rollout phase) and training alone (its train and weight-update phases) per step.
+
+Usage: ``python benchmarks/schedules.py [--steps 40] [--split 1,1] [other miles train flags]``. ``--split T,E`` gives
+the overlapping schedules T torch threads in the trainer and E in each engine (``--train-cpu-threads``,
+``--engine-cpu-threads``): on a 2-core machine two processes of two threads each would fight over the cores. ``sync``
+keeps torch's default (every core to whichever phase runs). The last lines print ``fully_async / sync throughput``
+and ``fully_async step / limit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SCHEDULES = ("sync", "one_step_off", "fully_async")
+
+
+def run(schedule: str, steps: int, extra: list[str], threads: list[str]) -> list[dict]:
+    """One run's per-step metrics, without the first two steps (warm-up) and the last (eval, checkpoint)."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"miles-bench-{schedule}-"))
+    argv = [sys.executable, "-m", "miles_core.cli.main", "train", "--no-progress", "--output-dir", str(run_dir)]
+    argv += ["--num-steps", str(steps), "--run-eval-every", "0", "--run-checkpoint-every", "0"]
+    argv += ["--run-schedule", schedule, *threads, *extra]
+    started = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{schedule} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    print(f"  {schedule}: {steps} steps in {time.perf_counter() - started:.1f} s (with start-up)", flush=True)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return [row for row in rows if "time/step" in row][2:-1]
+
+
+def total(rows: list[dict], key: str) -> float:
+    return sum(row.get(key, 0.0) for row in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--split", default="1,1", help="trainer,engine torch threads of the overlapping schedules")
+    args, extra = parser.parse_known_args()
+    trainer_threads, engine_threads = (int(n) for n in args.split.split(","))
+    split = ["--train-cpu-threads", str(trainer_threads), "--engine-cpu-threads", str(engine_threads)]
+    print(
+        f"schedules over {args.steps} steps each; overlapping ones with {trainer_threads} trainer / "
+        f"{engine_threads} engine thread(s)",
+        flush=True,
+    )
+    results = {s: run(s, args.steps, extra, [] if s == "sync" else split) for s in SCHEDULES}
+    samples_per_step = results["sync"][0]["rollout/samples"]
+    sync = results["sync"]
+    generation = statistics.median(row["time/rollout"] for row in sync)
+    training = statistics.median(row["time/train"] + row["time/weight_update"] for row in sync)
+    limit = max(generation, training)
+    print(
+        f"\nlimit (from sync): generation alone {generation * 1000:.0f} ms/step, training alone "
+        f"{training * 1000:.0f} ms/step -> {limit * 1000:.0f} ms/step"
+    )
+    print(f"{'schedule':<14}{'step ms':>9}{'steps/s':>9}{'samples/s':>11}{'trainer idle':>14}{'engine idle':>13}")
+    step_of = {}
+    for schedule, rows in results.items():
+        step_time = total(rows, "time/step") / len(rows)
+        step_of[schedule] = step_time
+        trainer_idle = 1 - total(rows, "time/train") / total(rows, "time/step")
+        if schedule == "fully_async":  # measured: no group generating
+            engine_idle = total(rows, "rollout/generation_idle_s") / total(rows, "time/step")
+        else:  # the engines work for about as long as generation alone takes
+            engine_idle = max(0.0, 1 - generation / step_time)
+        print(
+            f"{schedule:<14}{step_time * 1000:>9.0f}{1 / step_time:>9.2f}{samples_per_step / step_time:>11.0f}"
+            f"{trainer_idle:>14.0%}{engine_idle:>13.0%}"
+        )
+    print(f"one_step_off / sync throughput: {step_of['sync'] / step_of['one_step_off']:.2f}x")
+    print(f"fully_async / sync throughput: {step_of['sync'] / step_of['fully_async']:.2f}x")
+    print(f"fully_async step / limit: {step_of['fully_async'] / limit:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

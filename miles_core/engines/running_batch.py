@@ -1,0 +1,237 @@
+"""A running batch of requests that share one KV cache, which requests join and leave between decode steps.
+
+:class:`RunningBatch` is the step API of continuous batching: :meth:`~RunningBatch.prefill` runs new requests'
+prompts (together, left-padded), samples each one's next token and merges their KV cache into the batch;
+:meth:`~RunningBatch.step` samples one more token for every row; :meth:`~RunningBatch.remove` drops rows (finished,
+cancelled, retracted), and leading cache columns that are padding for every row left go with them. A request's
+tokens depend on its own seed alone (each :class:`~miles_core.engines.sampling._Sampler` has its own generator),
+whatever it is batched with and whenever it joins. :func:`generate_batch` runs a fixed batch to completion with it.
+
+A row that leaves keeps its sampler (tokens, logprobs, generator): prefilled again later (its prompt plus the tokens
+so far), it continues where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from miles_core.engines.sampling import GenerationRequest, GenerationResult, _choose, _Sampler
+from miles_core.errors import MilesError
+
+
+class Row(Protocol):
+    """What the batch needs of a request: the request itself and its sampler (its state across steps)."""
+
+    request: GenerationRequest
+    sampler: _Sampler
+
+
+class RunningBatch:
+    """The rows being decoded together: their KV cache ``[rows, heads, columns, dim]`` per layer, left-padded to a
+    common length, the attention mask over those columns, and each row's last sampled token and its position (the
+    next step's input)."""
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.rows: list[Row] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.next_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.next_positions = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.generated_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.inference_mode()
+    def prefill(self, rows: Sequence[Row]) -> None:
+        """Run ``rows``' prompts plus the tokens they have so far in one left-padded forward, sample each one's next
+        token and merge their cache into the batch. On an exception the batch is as before (samplers may have
+        recorded a token)."""
+        inputs = [row.request.input_ids + row.sampler.output_ids for row in rows]
+        width = max(len(ids) for ids in inputs)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for index, ids in enumerate(inputs):
+            input_ids[index, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[index, width - len(ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            cache=None,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens = self._sample(rows, out.logits[:, -1])
+        lengths = torch.tensor([len(ids) for ids in inputs], dtype=torch.long, device=self.device)
+        self._merge(rows, out.cache, mask, torch.tensor(tokens, dtype=torch.long, device=self.device), lengths)
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Sample one token for every row (rows that finished must have been removed)."""
+        if not self.rows:
+            return
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        out = self.model(
+            input_ids=self.next_ids.unsqueeze(1),
+            attention_mask=self.mask,
+            position_ids=self.next_positions.unsqueeze(1),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.cache = out.cache
+        tokens = self._sample(self.rows, out.logits[:, -1])
+        self.next_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self.next_positions = self.next_positions + 1
+
+    def finished(self) -> list[Row]:
+        """The rows whose request ended (a stop token or string, its length), removed from the batch."""
+        return self.remove([row for row in self.rows if row.sampler.finish_reason is not None])
+
+    def remove(self, rows: Sequence[Row]) -> list[Row]:
+        """Drop ``rows`` (and their cache); trim leading columns that are padding for every row left."""
+        gone = {id(row) for row in rows}
+        keep = [index for index, row in enumerate(self.rows) if id(row) not in gone]
+        if len(keep) == len(self.rows):
+            return []
+        removed = [row for row in self.rows if id(row) in gone]
+        self.rows = [self.rows[index] for index in keep]
+        if not self.rows:
+            self.clear()
+            return removed
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.mask = self.mask.index_select(0, index)
+        lead = int(self.mask.any(0).long().argmax())  # the first column some row attends to
+        self.mask = self.mask[:, lead:]
+        for layer in self._layers(self.cache):
+            layer.keys = layer.keys.index_select(0, index)[:, :, lead:]
+            layer.values = layer.values.index_select(0, index)[:, :, lead:]
+        self.next_ids = self.next_ids.index_select(0, index)
+        self.next_positions = self.next_positions.index_select(0, index)
+        return removed
+
+    def clear(self) -> list[Row]:
+        """Drop every row and the whole cache."""
+        removed, self.rows, self.cache = self.rows, [], None
+        self.mask = self.mask.new_zeros((0, 0))
+        self.next_ids = self.next_ids.new_zeros(0)
+        self.next_positions = self.next_positions.new_zeros(0)
+        return removed
+
+    def _sample(self, rows: Sequence[Row], logits: torch.Tensor) -> list[int]:
+        """Sample and record one token per row. Every row records its token even if one's recording fails (a
+        streaming callback, a stop string's decode): the first such error is raised after, every row consistent."""
+        samplers = [row.sampler for row in rows]
+        tokens, logprobs = _choose(samplers, list(range(len(rows))), logits.cpu())
+        self.generated_tokens += len(tokens)
+        errors = []
+        for sampler, token, logprob in zip(samplers, tokens, logprobs, strict=True):
+            try:
+                sampler.record(token, logprob)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return tokens
+
+    def _merge(
+        self, rows: Sequence[Row], cache: DynamicCache, mask: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
+    ) -> None:
+        """Append ``rows`` (their cache, mask, next inputs) to the batch, left-padding the shorter side's columns."""
+        layers = self._layers(cache)
+        if self.cache is None:
+            self.cache, self.mask, self.next_ids, self.next_positions = cache, mask, tokens, lengths
+            self.rows = list(rows)
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        for old, new in zip(self._layers(self.cache), layers, strict=True):
+            old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+            old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+        old_mask, new_mask = F.pad(self.mask, (width - self.mask.shape[1], 0)), F.pad(mask, (width - mask.shape[1], 0))
+        self.mask = torch.cat([old_mask, new_mask])
+        self.next_ids = torch.cat([self.next_ids, tokens])
+        self.next_positions = torch.cat([self.next_positions, lengths])
+        self.rows.extend(rows)
+
+    @staticmethod
+    def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:  # a sliding window or an indexer keeps columns we cannot pad
+                raise MilesError(
+                    f"continuous batching needs a full-attention KV cache (DynamicLayer); this model's cache has "
+                    f"{type(layer).__name__}"
+                )
+        return list(cache.layers)
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, heads, columns, dim]`` with zero columns added in front up to ``width`` (masked out)."""
+    return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
+
+
+class _Fixed:
+    """A row of :func:`generate_batch`."""
+
+    def __init__(self, request: GenerationRequest, sampler: _Sampler) -> None:
+        self.request, self.sampler = request, sampler
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    requests: Sequence[GenerationRequest],
+    *,
+    eos_token_ids: set[int] | frozenset[int] = frozenset(),
+    pad_token_id: int = 0,
+    default_seed: int = 0,
+    should_abort: Callable[[], str | None] = lambda: None,
+    decode: Callable[[list[int]], str] | None = None,
+) -> list[GenerationResult]:
+    """Sample every request to completion in one batch (prefilled together, then stepped; finished rows leave).
+
+    ``should_abort`` is asked before every step; a message ends the unfinished requests with an ``abort`` reason.
+    A request whose ``cancel`` is set ends the same way, alone. ``decode`` (token ids to text) is what stop strings
+    are looked for in; without it a request may not have any.
+    """
+    if decode is None and any(r.params.stop for r in requests):
+        raise ValueError("stop strings need a tokenizer to decode the output: pass decode")
+    rows = [_Fixed(r, _Sampler(r, set(eos_token_ids), default_seed + i, decode)) for i, r in enumerate(requests)]
+    batch = RunningBatch(model, pad_token_id=pad_token_id)
+    waiting = [row for row in rows if row.sampler.finish_reason is None]
+    while waiting or batch.rows:
+        message = should_abort()
+        for row in [*waiting, *batch.rows]:
+            if message is not None:
+                row.sampler.finish_reason = {"type": "abort", "message": message}
+            elif row.request.cancel.is_set():  # its client went away: stop sampling it
+                row.sampler.finish_reason = {"type": "abort", "message": "cancelled: the client went away"}
+        waiting = [row for row in waiting if row.sampler.finish_reason is None]
+        batch.finished()
+        if waiting:
+            batch.prefill(waiting)
+            waiting = []
+        else:
+            batch.step()
+        batch.finished()
+    return [result_of(row.sampler) for row in rows]
+
+
+def result_of(sampler: _Sampler, finish_reason: dict | None = None) -> GenerationResult:
+    """What a request's sampler holds, as its result (``finish_reason`` overriding the sampler's own)."""
+    reason = finish_reason or sampler.finish_reason or {"type": "length", "length": len(sampler.output_ids)}
+    return GenerationResult(
+        list(sampler.output_ids),
+        list(sampler.logprobs),
+        reason,
+        list(sampler.top_logprobs),
+        list(sampler.version_events),
+    )

@@ -1,0 +1,142 @@
+"""Agents (``--rollout-agent NAME|module:function``, registered through ``provide_agents``): the code that plays one
+rollout sample as a conversation with the policy.
+
+An agent is ``async def agent(*, base_url: str, prompt: str, metadata: dict) -> float | list[float] | None``.
+``base_url`` is its session's OpenAI-compatible endpoint on a session server (``openai.AsyncOpenAI(base_url=...,
+api_key=...)``, any key: the session id in the URL is the secret; :func:`session_client` makes one cheaply);
+``prompt`` and ``metadata`` are the prompt's (a copy). It talks to the policy as many turns as it likes, playing the
+tools and the environment itself, and returns the sample's reward, or ``None`` to have the run's reward function
+score the last assistant turn. An agent that branches (:func:`fork_session`) returns one reward per session (or one
+for all). What is trained on is what the session server recorded: the exact ids of every turn, the policy's tokens
+with loss mask 1, everything the agent added with 0.
+
+A failure to reach the policy (an OpenAI API error, an HTTP error: an engine died mid-session) makes the rollout play
+the sample again in a new session once the engines are back; any other exception is the agent's defect and stops
+the run, naming the agent and the sample. A sample is trained on only when its agent returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from miles_core.errors import ConfigError
+from miles_core.targets import describe_callable, registered_or_target
+
+AgentFn = Callable[..., Awaitable[Any]]
+SESSION_API_KEY = "miles-session"
+"""The API key agents give their OpenAI client (the session server asks for none on its chat route)."""
+POLICY_MODEL = "policy"
+"""The model name agents ask for (the session server serves the run's policy under any name)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Agent:
+    """A loaded agent: its name in errors and metrics, and the coroutine function."""
+
+    name: str
+    run: AgentFn
+
+
+def load_agent(name: str, registry: Any) -> Agent:
+    """The agent ``name``: a registered one, else a ``module:function`` target; checked to be an async function
+    taking ``base_url``, ``prompt`` and ``metadata`` by keyword, now rather than at the first sample."""
+    function = registered_or_target(name, registry, flag="--rollout-agent", kind="agent")
+    label = name if describe_callable(function) == name else f"{name} ({describe_callable(function)})"
+    if not inspect.iscoroutinefunction(function):
+        raise ConfigError(f"--rollout-agent {label} is {function!r:.80}, not an async function (async def agent(...))")
+    try:
+        inspect.signature(function).bind(base_url="", prompt="", metadata={})
+    except TypeError as exc:
+        raise ConfigError(
+            f"--rollout-agent {label} cannot be called as agent(*, base_url, prompt, metadata): {exc}"
+        ) from None
+    return Agent(label, function)
+
+
+def agent_for_task(task: str, agent: str | None, registry: Any) -> Agent | None:
+    """``--rollout-agent`` when given, else the agent registered under the task's name (a multi-turn task names its
+    agent as it names its reward), else ``None``: the batched single-turn generation."""
+    if agent is not None:
+        return load_agent(agent, registry)
+    if task in registry:
+        return load_agent(task, registry)
+    return None
+
+
+def session_chat_format(config: Any) -> str:
+    """``--rollout-chat-format``, else ``default`` for the embedded default model; a ``--model`` needs one."""
+    if config.rollout.chat_format is not None:
+        return config.rollout.chat_format
+    if config.model.path is None:
+        return "default"
+    raise ConfigError(
+        "an agent run with --model needs --rollout-chat-format NAME (`miles plugins` lists the chat formats, e.g. "
+        "qwen3): the session servers render the model's conversations as its chat template does"
+    )
+
+
+def is_session_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says the policy could not be reached (worth playing the sample again), not an agent defect."""
+    import httpx  # deferred, as openai below: only agent runs need them
+
+    from miles_core.engines.client import EngineError
+    from miles_core.rollout.sessions.pool import SessionError
+
+    kinds: tuple[type[BaseException], ...] = (httpx.HTTPError, EngineError, SessionError, OSError, TimeoutError)
+    try:
+        import openai
+
+        kinds += (openai.APIError,)
+    except ImportError:
+        pass
+    return isinstance(exc, kinds)
+
+
+_shared_http: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+
+
+def session_client(base_url: str) -> Any:
+    """An ``openai.AsyncOpenAI`` client of a session at ``base_url``, over one HTTP client shared by every agent of
+    this event loop (making an HTTP client costs about 45 ms of CPU on these machines, its TLS context: a client per
+    sample cost more than the generation). Not to be closed by the agent; :func:`close_session_clients` closes them."""
+    import httpx  # deferred, as openai: only agent runs import them
+    import openai
+
+    loop = asyncio.get_running_loop()
+    http = _shared_http.get(loop)
+    if http is None or http.is_closed:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        http = _shared_http[loop] = httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False)
+    return openai.AsyncOpenAI(base_url=base_url, api_key=SESSION_API_KEY, http_client=http)
+
+
+async def fork_session(base_url: str) -> str:
+    """Branch the session at ``base_url`` as it is now; the branch's ``base_url``. Each branch becomes a sample of
+    its own (sharing the sample's index, told apart by ``occurrence``); the agent then returns one reward per session,
+    the first session's first and then its branches' in the order they were made (or one reward for all)."""
+    import httpx  # deferred, as in session_client
+
+    session_client(base_url)  # makes the shared HTTP client of this loop if there is none yet
+    http: httpx.AsyncClient = _shared_http[asyncio.get_running_loop()]
+    answer = await http.post(f"{base_url}/fork")
+    answer.raise_for_status()
+    return answer.json()["base_url"]
+
+
+async def close_session_clients() -> None:
+    """Close this event loop's shared HTTP client of :func:`session_client` (the run calls it when it ends)."""
+    http = _shared_http.pop(asyncio.get_running_loop(), None)
+    if http is not None:
+        await http.aclose()
+
+
+async def single_turn(*, base_url: str, prompt: str, metadata: dict[str, Any]) -> None:
+    """The simplest agent: one user message, one answer, scored by the run's reward function."""
+    client = session_client(base_url)
+    await client.chat.completions.create(model=POLICY_MODEL, messages=[{"role": "user", "content": prompt}])
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -266,18 +267,36 @@ def test_a_group_backend_the_engine_cannot_use_is_refused_and_leaves_no_group(en
 
 
 def test_pause_abort_ends_running_requests_and_continue_resumes(engine) -> None:
+    """A request seen running (its first streamed token arrived) is ended by ``abort`` with the tokens it has; a
+    request sent while paused waits until continue. The engine is continued whatever happens, so that a failure
+    here cannot leave it paused under the module's later tests (their requests would wait forever)."""
+
+    async def stream_until_aborted(client: httpx.AsyncClient, running: asyncio.Event) -> dict:
+        body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "stream": True}
+        last: dict = {}
+        async with client.stream("POST", f"{engine.url}/generate", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    last = json.loads(line.removeprefix("data: "))
+                    running.set()
+        return last
+
     async def scenario() -> None:
-        async with EngineClient(engine.url, admin_key=ADMIN) as client:
-            long = asyncio.create_task(client.generate([3], {"max_new_tokens": 400, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
-            await client.pause_generation("abort")
-            aborted = await long
-            assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
-            held = asyncio.create_task(client.generate([3], {"max_new_tokens": 2, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
-            assert not held.done()  # paused: requests wait
-            await client.continue_generation()
-            assert len((await held)["output_ids"]) == 2
+        async with EngineClient(engine.url, admin_key=ADMIN) as client, httpx.AsyncClient(timeout=60) as http:
+            try:
+                running = asyncio.Event()
+                long = asyncio.create_task(stream_until_aborted(http, running))
+                await asyncio.wait_for(running.wait(), timeout=60)
+                await client.pause_generation("abort")
+                aborted = await asyncio.wait_for(long, timeout=60)
+                assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+                assert 0 < len(aborted["output_ids"]) < 500
+                held = asyncio.create_task(client.generate([3], {"max_new_tokens": 2, "ignore_eos": True}))
+                await asyncio.sleep(0.3)
+                assert not held.done()  # paused: requests wait
+            finally:
+                await client.continue_generation()
+            assert len((await asyncio.wait_for(held, timeout=60))["output_ids"]) == 2
             assert await client.health_generate()
 
     run(scenario())

@@ -212,7 +212,7 @@ async def _step_loop(config, manager, setup, trainer, controller, executor, repo
         if (config.run.eval_every and step % config.run.eval_every == 0) or step == config.run.num_steps:
             metrics.update(await phases.run("eval", _evaluate(manager, controller, executor, step)))
         if (config.run.checkpoint_every and step % config.run.checkpoint_every == 0) or step == config.run.num_steps:
-            state = stream.state if stream is not None else None
+            state = stream.state.copy() if stream is not None else None  # the producer settles groups meanwhile
             await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step, state))
         metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)

@@ -50,6 +50,10 @@ class StreamState:
     def settled(self, index: int) -> bool:
         return index < self.low or index in self.above
 
+    def copy(self) -> StreamState:
+        """A snapshot, for a checkpoint written in another thread while the stream goes on settling groups."""
+        return StreamState(low=self.low, above=set(self.above))
+
     def save(self, directory: Path) -> Path:
         path = directory / STATE_FILE
         path.write_text(json.dumps({"low": self.low, "above": sorted(self.above)}) + "\n")

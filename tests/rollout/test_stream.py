@@ -269,6 +269,18 @@ def test_stream_state_round_trips_through_a_checkpoint(tmp_path) -> None:
         StreamState.load(tmp_path, default_low=0)
 
 
+def test_a_checkpoints_snapshot_does_not_change_as_the_stream_settles_more() -> None:
+    """The loop writes a checkpoint in a thread while the producer settles filtered groups: it saves a copy."""
+    state = StreamState()
+    for index in (0, 5):
+        state.settle(index)
+    snapshot = state.copy()
+    for index in (1, 2, 3, 4, 9):
+        state.settle(index)
+    assert (snapshot.low, snapshot.above) == (1, {5})
+    assert (state.low, state.above) == (6, {9})
+
+
 def test_an_answer_held_across_an_update_is_split_by_its_weight_versions_spans() -> None:
     """SGLang (and the local engine) report where each version's tokens are when a request waited out an update
     (``retract``): the sample takes those spans as its segments."""

@@ -122,12 +122,24 @@ async def local_engine_server(run_dir: Path, model: Path) -> AsyncIterator:
         await provider.shutdown()
 
 
-async def in_flight(client: EngineClient) -> asyncio.Task:
-    """A long greedy request, running on the server once this returns."""
+async def in_flight(client: EngineClient, server: str) -> asyncio.Task:
+    """A long greedy request, running on the server once this returns. The local engine is seen running it (its
+    count of generated tokens moves; it generates the tiny model's ``LONG`` tokens in about a second, so a fixed wait
+    could see it finished); SGLang's CPU engine takes many seconds for them, so a second's wait finds it running."""
+    before = await generated_tokens(client) if server == "local" else 0
     task = asyncio.create_task(client.generate(PROMPT, GREEDY))
-    await asyncio.sleep(1.0)
+    if server == "local":
+        while await generated_tokens(client) == before and not task.done():
+            await asyncio.sleep(0.005)
+    else:
+        await asyncio.sleep(1.0)
     assert not task.done(), "the long request ended before the pause: make LONG larger"
     return task
+
+
+async def generated_tokens(client: EngineClient) -> int:
+    """The local engine's count of tokens generated so far (``/server_info``), which grows at every decode step."""
+    return (await client.server_info())["internal_states"][0]["generated_tokens"]
 
 
 async def finished_within(task: asyncio.Task, seconds: float) -> bool:
@@ -139,7 +151,7 @@ async def finished_within(task: asyncio.Task, seconds: float) -> bool:
 @pytest.mark.parametrize("server", SERVERS)
 def test_pause_abort_ends_in_flight_requests(server: str, served: ServerLoop) -> None:
     async def scenario(client: EngineClient) -> None:
-        running = await in_flight(client)
+        running = await in_flight(client, server)
         await client.pause_generation("abort")
         aborted = await asyncio.wait_for(running, 60)
         assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
@@ -155,7 +167,7 @@ def test_pause_abort_ends_in_flight_requests(server: str, served: ServerLoop) ->
 @pytest.mark.parametrize("server", SERVERS)
 def test_pause_retract_and_in_place_hold_requests_until_continue(server: str, mode: str, served: ServerLoop) -> None:
     async def scenario(client: EngineClient) -> None:
-        running = await in_flight(client)
+        running = await in_flight(client, server)
         await client.pause_generation(mode)
         queued = asyncio.create_task(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 4}))
         assert not await finished_within(queued, HELD_S)  # a new request waits for continue
@@ -183,7 +195,7 @@ def test_a_weight_update_while_paused_then_continue(server: str, mode: str, serv
     async def scenario(client: EngineClient) -> None:
         before = await client.weight_version()  # the module's server: earlier tests may have updated it
         version = f"paused-{mode}"
-        running = await in_flight(client)
+        running = await in_flight(client, server)
         await client.pause_generation(mode)
         answer = await update_from_disk(client, models[1], version)
         await client.continue_generation()

@@ -152,6 +152,11 @@ class TrainSection(Section):
     kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
     normalize_advantages: bool = pydantic.Field(default=True, description="Divide GRPO advantages by the group std.")
+    reset_optimizer_states: bool = pydantic.Field(
+        default=False,
+        description="Reset the optimizer's moments (Adam's averages and step count, SGD's momentum) after each "
+        "rollout's optimizer step, so the next rollout's step starts as a fresh optimizer's first step.",
+    )
 
 
 class EngineSection(Section):

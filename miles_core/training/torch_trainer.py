@@ -1,7 +1,8 @@
 """``TorchTrainer``: the built-in training backend. A model implementation of the checkpoint's family (by default
 ``FAMILY/transformers``; ``--model-impl FAMILY=NAME`` chooses another) trained in this process with the PPO-clip
 loss on GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and
-an entropy bonus; micro-batches, AdamW or SGD and gradient clipping; checkpoints in HF format plus optimizer state."""
+an entropy bonus; micro-batches, AdamW or SGD (optionally reset after every step) and gradient clipping; checkpoints
+in HF format plus optimizer state."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import entropy, kl_k3, masked_mean, policy_loss, token_logprobs
 from miles_core.training.optimizer import build_optimizer
+from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.user_files import parse_json_text, read_text
 
@@ -113,7 +115,9 @@ class TorchTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics. With
         ``tis_clip``, the model's logprobs of every micro-batch are taken first, without gradient, as the old
-        policy of the PPO ratio and of the TIS weights."""
+        policy of the PPO ratio and of the TIS weights. With ``reset_optimizer_states``, the optimizer's moments
+        are reset right after the step, so the next rollout's step is a fresh optimizer's first step (and a
+        checkpoint written after this step holds the reset state)."""
         total_tokens = trained_tokens(batch)
         micro_batches = batch.micro_batches(self.settings.micro_batch_size)
         micros = [micro.tensors(pad_token_id=self.pad_token_id) for micro in micro_batches]
@@ -128,6 +132,8 @@ class TorchTrainer:
                 sums[key] = sums.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
         self.optimizer.step()
+        if self.settings.reset_optimizer_states:
+            reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
 

@@ -22,6 +22,7 @@ from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import kl_k3, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
+from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.workers.rpc.server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"
@@ -141,7 +142,9 @@ class MegatronRank:
         """One optimizer step over the whole batch: this rank's data-parallel share of its samples in
         micro-batches, gradients summed over data-parallel ranks, clipped by the global norm. With ``tis_clip``,
         the shard's logprobs of every micro-batch are taken first, without gradient, as the old policy of the PPO
-        ratio and of the TIS weights. The batch arrives as a ``TrainBatch``: the RPC rebuilds it from this hint."""
+        ratio and of the TIS weights. With ``reset_optimizer_states``, the shard's optimizer moments are reset right
+        after the step, as the torch trainer's. The batch arrives as a ``TrainBatch``: the RPC rebuilds it from this
+        hint."""
         from megatron.core import parallel_state
 
         total_tokens = trained_tokens(batch)
@@ -164,6 +167,8 @@ class MegatronRank:
         metrics = self._reduce_metrics(sums)
         grad_norm = self._finish_gradients()
         self.optimizer.step()
+        if self.train.reset_optimizer_states:
+            reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
 

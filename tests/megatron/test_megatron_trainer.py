@@ -142,9 +142,11 @@ def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, mode
 
 def test_a_tis_step_with_masked_tokens_equals_the_torch_trainer(reference_step, tmp_path: Path) -> None:
     """``--train-tis-clip`` and ``loss_mask`` on the ranks: old logprobs from each rank's shard before the step,
-    the TIS metrics reduced over data-parallel ranks, and the same SGD step as the torch trainer's."""
+    the TIS metrics reduced over data-parallel ranks, and the same SGD step as the torch trainer's. Both trainers
+    take ``--train-logits-dtype model``, the float32 path for these float32 models, through every logprob (old,
+    current, KL reference)."""
     path, _, _ = reference_step
-    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "tis_clip": 1.5})
+    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "tis_clip": 1.5, "logits_dtype": "model"})
     samples = training_batch().samples
     for index, masked in ((1, [1]), (2, range(len(samples[2].response_ids)))):  # a token of one, all of another
         kept = samples[index]

@@ -41,7 +41,8 @@ class OptimizerResetError(MilesError):
 def reset_optimizer_states(optimizer: Any) -> int:
     """Reset the moment estimates of every leaf optimizer under ``optimizer``; returns how many leaves were reset.
 
-    Every leaf's class is checked before any leaf is reset, so an unknown optimizer changes nothing.
+    Every leaf's class is checked before any leaf is reset, so an unknown optimizer class changes nothing (a known
+    class whose state holds a key its handler does not reset is refused when its turn comes).
     """
     leaves = list(leaf_optimizers(optimizer))
     for leaf in leaves:

@@ -34,6 +34,11 @@ def test_defaults_then_file_then_flags(tmp_path: Path) -> None:
     assert both["rollout"]["batch_size"] == 2 and both["rollout"]["temperature"] == 0.5 and both["run"]["seed"] == 9
 
 
+def test_train_settings_from_flags() -> None:
+    train = config_json("--train-reset-optimizer-states", "true")["train"]
+    assert train["reset_optimizer_states"] is True and config_json()["train"]["reset_optimizer_states"] is False
+
+
 def test_yaml_output_round_trips(tmp_path: Path) -> None:
     result = run_miles("config", "show", "--rollout-top-k", "5")
     assert result.returncode == 0, result.stderr
@@ -89,6 +94,7 @@ def test_unknown_flag_suggests_the_closest() -> None:
         (["--rollout-group-size", "1"], "rollout.group_size = '1': Input should be greater than or equal to 2"),
         (["--rollout-temperature", "-0.1"], "rollout.temperature = '-0.1': Input should be greater than or equal"),
         (["--model-implementations", "[a, b]"], "model.implementations = ['a', 'b']: Input should be a valid dict"),
+        (["--train-reset-optimizer-states", "maybe"], "train.reset_optimizer_states = 'maybe': Input should be"),
     ],
 )
 def test_wrong_types_and_out_of_range_values(args: list[str], expected: str) -> None:

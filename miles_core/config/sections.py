@@ -152,6 +152,16 @@ class TrainSection(Section):
     kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
     normalize_advantages: bool = pydantic.Field(default=True, description="Divide GRPO advantages by the group std.")
+    reset_optimizer_states: bool = pydantic.Field(
+        default=False,
+        description="Reset the optimizer's moments (Adam's averages and step count, SGD's momentum) after each "
+        "rollout's optimizer step, so the next rollout's step starts as a fresh optimizer's first step.",
+    )
+    logits_dtype: Literal["float32", "model"] = pydantic.Field(
+        default="float32",
+        description="Dtype of the policy logprob and entropy math: float32 (the logits upcast) or model (the "
+        "model's own dtype: less memory with a bfloat16 model, bf16 rounding in the loss).",
+    )
 
 
 class EngineSection(Section):

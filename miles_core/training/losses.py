@@ -17,15 +17,45 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bo
     return centered.view(-1)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """``log p(target)`` per position, from logits ``[B, T, V]`` and targets ``[B, T]`` (float32 math)."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+LOGITS_DTYPES: dict[str, torch.dtype | None] = {"float32": torch.float32, "model": None}
+"""``train.logits_dtype`` as the ``dtype`` keyword of :func:`token_logprobs` and :func:`entropy`: ``None`` keeps the
+logits' own dtype (the model's)."""
+
+
+def logits_dtype(setting: str) -> torch.dtype | None:
+    """The ``dtype`` keyword for a ``train.logits_dtype`` setting (``float32`` or ``model``)."""
+    if setting not in LOGITS_DTYPES:
+        raise ValueError(f"train.logits_dtype = {setting!r}: allowed are {sorted(LOGITS_DTYPES)}")
+    return LOGITS_DTYPES[setting]
+
+
+def _log_softmax(logits: torch.Tensor, *, temperature: float, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None:
+        logits = logits.to(dtype)
+    if temperature != 1.0:  # x / 1.0 == x exactly: skipping it saves a copy of the [B, T, V] logits
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    dtype: torch.dtype | None = torch.float32,
+) -> torch.Tensor:
+    """``log p(target)`` per position, from logits ``[B, T, V]`` and targets ``[B, T]``, computed in ``dtype``
+    (float32 by default: the logits upcast; ``None``: the logits' own dtype, which with a bfloat16 model halves the
+    ``[B, T, V]`` intermediates and rounds each logprob to bf16)."""
+    logprobs = _log_softmax(logits, temperature=temperature, dtype=dtype)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the token distribution per position."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+def entropy(
+    logits: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype | None = torch.float32
+) -> torch.Tensor:
+    """Entropy of the token distribution per position, computed in ``dtype`` (as :func:`token_logprobs`)."""
+    logprobs = _log_softmax(logits, temperature=temperature, dtype=dtype)
     return -(logprobs.exp() * logprobs).sum(-1)
 
 

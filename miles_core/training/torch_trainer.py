@@ -1,7 +1,8 @@
 """``TorchTrainer``: the built-in training backend. A model implementation of the checkpoint's family (by default
 ``FAMILY/transformers``; ``--model-impl FAMILY=NAME`` chooses another) trained in this process with the PPO-clip
 loss on GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and
-an entropy bonus; micro-batches, AdamW or SGD and gradient clipping; checkpoints in HF format plus optimizer state."""
+an entropy bonus; micro-batches, AdamW or SGD (optionally reset after every step) and gradient clipping; checkpoints
+in HF format plus optimizer state."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from miles_core.models.selection import model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.losses import entropy, kl_k3, masked_mean, policy_loss, token_logprobs
+from miles_core.training.losses import entropy, kl_k3, logits_dtype, masked_mean, policy_loss, token_logprobs
 from miles_core.training.optimizer import build_optimizer
+from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.user_files import parse_json_text, read_text
 
@@ -65,6 +67,7 @@ class TorchTrainer:
         self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
         self.optimizer = build_optimizer(model.parameters(), settings)
+        self.logits_dtype = logits_dtype(settings.logits_dtype)
         self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
         self.step = 0
         self.implementation = f"{getattr(hf_config, 'model_type', 'model')}/{type(model).__name__}"  # for_run names it
@@ -113,7 +116,9 @@ class TorchTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics. With
         ``tis_clip``, the model's logprobs of every micro-batch are taken first, without gradient, as the old
-        policy of the PPO ratio and of the TIS weights."""
+        policy of the PPO ratio and of the TIS weights. With ``reset_optimizer_states``, the optimizer's moments
+        are reset right after the step, so the next rollout's step is a fresh optimizer's first step (and a
+        checkpoint written after this step holds the reset state)."""
         total_tokens = trained_tokens(batch)
         micro_batches = batch.micro_batches(self.settings.micro_batch_size)
         micros = [micro.tensors(pad_token_id=self.pad_token_id) for micro in micro_batches]
@@ -128,6 +133,8 @@ class TorchTrainer:
                 sums[key] = sums.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
         self.optimizer.step()
+        if self.settings.reset_optimizer_states:
+            reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
 
@@ -137,7 +144,7 @@ class TorchTrainer:
         self.model.eval()
         with torch.no_grad():
             input_ids = tensors["input_ids"]
-            return token_logprobs(self.model(input_ids)[:, :-1], input_ids[:, 1:])
+            return token_logprobs(self.model(input_ids)[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype)
 
     def _accumulate(
         self, tensors: dict[str, torch.Tensor], weight: float, old_logprobs: torch.Tensor | None
@@ -145,7 +152,7 @@ class TorchTrainer:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         logits = self.model(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
-        logprobs = token_logprobs(logits, targets)
+        logprobs = token_logprobs(logits, targets, dtype=self.logits_dtype)
         loss, stats = policy_loss(
             logprobs,
             tensors["rollout_logprobs"],
@@ -156,11 +163,11 @@ class TorchTrainer:
             tis_clip=self.settings.tis_clip,
             old_logprobs=old_logprobs,
         )
-        token_entropy = masked_mean(entropy(logits), mask)
+        token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad():
-                ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets)
+                ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets, dtype=self.logits_dtype)
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy
         (total * weight).backward()

@@ -16,12 +16,20 @@ from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_para
 
 
 def vocab_parallel_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    dtype: torch.dtype | None = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``log p(target)`` and the entropy per position, from this rank's logits ``[B, T, V/tp]`` and the targets
     ``[B, T]`` (global token ids). Equal to :func:`miles_core.training.losses.token_logprobs` and
-    :func:`~miles_core.training.losses.entropy` on the gathered logits; float32 math."""
-    logits = logits.float() / temperature
+    :func:`~miles_core.training.losses.entropy` on the gathered logits; the math in ``dtype`` (float32 by default;
+    ``None``: the logits' own dtype, whose all-reduces then carry that dtype's rounding too)."""
+    if dtype is not None:
+        logits = logits.to(dtype)
+    if temperature != 1.0:
+        logits = logits / temperature
     local_vocab = logits.shape[-1]
     first_token = parallel_state.get_tensor_model_parallel_rank() * local_vocab
     with torch.no_grad():  # the shift only keeps exp() finite; it cancels out of every result

@@ -20,8 +20,9 @@ from miles_core.config.sections import TrainSection
 from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.losses import kl_k3, masked_mean, policy_loss
+from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
+from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.workers.rpc.server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"
@@ -51,6 +52,7 @@ class MegatronRank:
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
         self.train = TrainSection.model_validate(train)  # the driver's train section, checked again here
+        self.logits_dtype = logits_dtype(self.train.logits_dtype)
         self.threads = threads
         self.reference_path = reference_path
         self.model: torch.nn.Module | None = None
@@ -141,7 +143,9 @@ class MegatronRank:
         """One optimizer step over the whole batch: this rank's data-parallel share of its samples in
         micro-batches, gradients summed over data-parallel ranks, clipped by the global norm. With ``tis_clip``,
         the shard's logprobs of every micro-batch are taken first, without gradient, as the old policy of the PPO
-        ratio and of the TIS weights. The batch arrives as a ``TrainBatch``: the RPC rebuilds it from this hint."""
+        ratio and of the TIS weights. With ``reset_optimizer_states``, the shard's optimizer moments are reset right
+        after the step, as the torch trainer's. The batch arrives as a ``TrainBatch``: the RPC rebuilds it from this
+        hint."""
         from megatron.core import parallel_state
 
         total_tokens = trained_tokens(batch)
@@ -164,6 +168,8 @@ class MegatronRank:
         metrics = self._reduce_metrics(sums)
         grad_norm = self._finish_gradients()
         self.optimizer.step()
+        if self.train.reset_optimizer_states:
+            reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
 
@@ -184,7 +190,7 @@ class MegatronRank:
         with torch.no_grad():
             input_ids = tensors["input_ids"]
             logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                self._forward(self.model, input_ids)[:, :-1], input_ids[:, 1:]
+                self._forward(self.model, input_ids)[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype
             )
         return logprobs
 
@@ -196,7 +202,7 @@ class MegatronRank:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         targets = input_ids[:, 1:]
         logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
-            self._forward(self.model, input_ids)[:, :-1], targets
+            self._forward(self.model, input_ids)[:, :-1], targets, dtype=self.logits_dtype
         )
         loss, stats = policy_loss(
             logprobs,
@@ -213,7 +219,7 @@ class MegatronRank:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                    self._forward(self.reference, input_ids)[:, :-1], targets
+                    self._forward(self.reference, input_ids)[:, :-1], targets, dtype=self.logits_dtype
                 )
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.train.kl_coef * kl - self.train.entropy_coef * mean_entropy

@@ -142,9 +142,11 @@ def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, mode
 
 def test_a_tis_step_with_masked_tokens_equals_the_torch_trainer(reference_step, tmp_path: Path) -> None:
     """``--train-tis-clip`` and ``loss_mask`` on the ranks: old logprobs from each rank's shard before the step,
-    the TIS metrics reduced over data-parallel ranks, and the same SGD step as the torch trainer's."""
+    the TIS metrics reduced over data-parallel ranks, and the same SGD step as the torch trainer's. Both trainers
+    take ``--train-logits-dtype model``, the float32 path for these float32 models, through every logprob (old,
+    current, KL reference)."""
     path, _, _ = reference_step
-    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "tis_clip": 1.5})
+    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "tis_clip": 1.5, "logits_dtype": "model"})
     samples = training_batch().samples
     for index, masked in ((1, [1]), (2, range(len(samples[2].response_ids)))):  # a token of one, all of another
         kept = samples[index]
@@ -202,6 +204,24 @@ def test_checkpoint_resume_continues_identically(reference_step, tmp_path: Path)
         again = resumed.train_step(training_batch())
         assert again["loss"] == expected["loss"] and again["grad_norm"] == expected["grad_norm"]
         assert all(torch.equal(t, expected_weights[n]) for n, t in hf_weights(resumed).items())
+
+
+def test_reset_optimizer_states_leaves_each_rank_a_fresh_optimizer(reference_step, tmp_path: Path) -> None:
+    """``--train-reset-optimizer-states`` on the ranks: after every step the rank's AdamW state (as its checkpoint
+    holds it) is a fresh optimizer's, zero moments and step 0, so the second step is again a first AdamW step."""
+    path, _, _ = reference_step
+    settings = TrainSection(**{**SETTINGS.model_dump(), "reset_optimizer_states": True})
+    with launch(path, tmp_path, train=settings, tensor_parallel=1) as trainer:
+        trainer.train_step(training_batch())
+        after_first = hf_weights(trainer)
+        trainer.train_step(training_batch())
+        assert_within_first_adam_step(after_first, hf_weights(trainer), lr=settings.lr)
+        saved = trainer.save_checkpoint(tmp_path / "step_2")
+    optimizer = torch.load(saved / "optimizer_rank000.pt", weights_only=True)["optimizer"]
+    state = optimizer["state"]
+    assert sorted(state) == sorted(index for group in optimizer["param_groups"] for index in group["params"])
+    for moments in state.values():
+        assert moments["step"].item() == 0 and not moments["exp_avg"].any() and not moments["exp_avg_sq"].any()
 
 
 def test_a_killed_rank_fails_the_step_quickly_and_stops_the_others(reference_step, tmp_path: Path) -> None:

@@ -1,0 +1,169 @@
+"""Qwen3-MoE in the Megatron backend on CPU: megatron-core's MoE layers give transformers' logits, the HF export
+round-trips every expert exactly at TP=1, EP=2 and TP=2, and layouts that cannot work are refused up front.
+
+Tolerance of the logit comparisons, 1e-5: both sides compute in float32 (unit roundoff 6e-8) with different
+summation orders (fused QKV and gate/up matmuls, experts weighted by their router probability inside the activation
+rather than after the down projection, attention in another kernel). Over two layers of hidden size 64 and logits of
+magnitude about 3, such reorderings move a logit by some tens of roundoffs times its size: measured 5e-7 to 1.5e-6
+here, so 1e-5 leaves room for other BLAS kernels while a routing or layout error (a swapped gate/up, a wrong expert,
+the top-k renormalisation missing) moves the logits by 1e-2 or more.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from miles_core.config.sections import TrainSection
+from miles_core.errors import MilesError
+from miles_core.training.batch import TrainBatch, TrainSample
+from miles_core.workers.local_provider import LocalWorkerProvider
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 96
+TOLERANCE = 1e-5
+SETTINGS = TrainSection(backend="megatron", optimizer="sgd", lr=0.1, micro_batch_size=3, kl_coef=0.0)
+
+
+def moe_config(**overrides) -> transformers.PretrainedConfig:
+    """A tiny Qwen3-MoE: 2 layers, hidden 64, 4 experts of which each token takes 2, expert MLPs of 32."""
+    return transformers.AutoConfig.for_model(
+        "qwen3_moe",
+        **{
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 112,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            **overrides,
+        },
+    )
+
+
+def perturbed_moe(**overrides) -> transformers.PreTrainedModel:
+    """Every weight perturbed (norms and router too), so a swapped gate/up or a misplaced expert cannot hide."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(**overrides), attn_implementation="eager")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.1)
+    return model.eval()
+
+
+def training_batch() -> TrainBatch:
+    """8 samples of uneven lengths, both advantage signs: micro-batches of 3, 3 and 2 (one data-parallel rank of two
+    gets 2 micro-batches of 3 and 1 samples, the other's are longer: expert-parallel ranks must align them)."""
+    generator = torch.Generator().manual_seed(3)
+    samples = []
+    for index in range(8):
+        prompt = torch.randint(0, VOCAB, (2 + index % 3,), generator=generator).tolist()
+        response = torch.randint(0, VOCAB, (3 + index % 2 + 2 * (index >= 4),), generator=generator).tolist()
+        rollout_logprobs = (-torch.rand(len(response), generator=generator) * 4 - 2).tolist()
+        samples.append(TrainSample(prompt, response, rollout_logprobs, float(index % 3 - 1) or 0.5, 0.0))
+    return TrainBatch(samples)
+
+
+def input_ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE written by transformers (per-expert tensor names, as on the Hub)."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    perturbed_moe(norm_topk_prob=True).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    """A one-rank gloo world with megatron-core's parallel state (shared with the other in-process tests)."""
+    from miles_plugins_megatron.causal_lm import ensure_single_rank_parallel_state
+    from miles_plugins_megatron.cpu_compat import causal_mask
+
+    from miles_plugins_megatron import conversion, model
+
+    ensure_single_rank_parallel_state()
+    return conversion, model, causal_mask
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"norm_topk_prob": True}, {"norm_topk_prob": False}, {"norm_topk_prob": True, "mlp_only_layers": [0]}],
+    ids=["renormalised-top-k", "plain-top-k", "dense-first-layer"],
+)
+def test_tp1_logits_equal_transformers_and_the_export_round_trips(megatron, tmp_path: Path, overrides) -> None:
+    conversion, model_builder, causal_mask = megatron
+    reference = perturbed_moe(**overrides)
+    config = reference.config
+    gpt = model_builder.build_gpt_model(config).eval()
+    missing, unexpected = gpt.load_state_dict(conversion.hf_to_megatron(reference.state_dict(), config), strict=False)
+    assert [k for k in missing if not k.endswith("_extra_state")] == [] and unexpected == []
+    ids = input_ids()
+    with torch.no_grad():
+        ours = gpt(input_ids=ids, position_ids=torch.arange(11).expand(2, -1), attention_mask=causal_mask(11))
+        expected = reference(ids).logits
+    assert (ours - expected).abs().max().item() < TOLERANCE
+
+    reference.save_pretrained(tmp_path)  # transformers' own per-expert checkpoint names
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    exported = conversion.megatron_to_hf({k: v for k, v in gpt.state_dict().items() if "_extra_state" not in k}, config)
+    assert sorted(exported) == sorted(on_disk)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in on_disk.items())
+    assert (
+        conversion.hf_to_megatron(on_disk, config).keys()
+        == conversion.hf_to_megatron(reference.state_dict(), config).keys()
+    )
+
+
+def launch(path: Path, tmp_path: Path, train: TrainSection = SETTINGS, **layout):
+    from miles_plugins_megatron.config import MegatronSection
+    from miles_plugins_megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer.launch(
+        path,
+        train=train,
+        layout=MegatronSection(**layout),
+        seed=0,
+        provider_factory=lambda: LocalWorkerProvider(token="t", run_dir=tmp_path),
+    )
+
+
+def exported_names_and_tensors(trainer) -> list[tuple[str, torch.Tensor]]:
+    return [(name, tensor) for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
+    ids=["ep2", "tp2"],
+)
+def test_parallel_logits_equal_transformers_and_every_expert_is_exported_once(
+    checkpoint: Path, tmp_path: Path, layout: dict
+) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = reference(input_ids()).logits
+    on_disk = load_file(str(checkpoint / "model.safetensors"))
+    with launch(checkpoint, tmp_path, **layout) as trainer:
+        logits = trainer.logits(input_ids())
+        exported = exported_names_and_tensors(trainer)
+        if layout.get("tensor_parallel", 1) > 1:
+            with pytest.raises(MilesError, match="needs sequence parallelism"):
+                trainer.train_step(training_batch())  # refused before any rank works on it
+    assert (logits - expected).abs().max().item() < TOLERANCE
+    names = [name for name, _ in exported]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)
+    assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)

@@ -21,13 +21,24 @@ from safetensors.torch import load_file
 from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
+from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.workers.local_provider import LocalWorkerProvider
+from tests.numerics import assert_same_sgd_step
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 96
 TOLERANCE = 1e-5
-SETTINGS = TrainSection(backend="megatron", optimizer="sgd", lr=0.1, micro_batch_size=3, kl_coef=0.0)
+SETTINGS = TrainSection(
+    backend="megatron",
+    optimizer="sgd",
+    lr=0.1,
+    micro_batch_size=3,
+    kl_coef=0.05,
+    entropy_coef=0.01,
+    max_grad_norm=0.5,
+)
+"""As tests/megatron/test_megatron_trainer.py: SGD (a step linear in the gradient), clipping active, KL on."""
 
 
 def moe_config(**overrides) -> transformers.PretrainedConfig:
@@ -167,3 +178,75 @@ def test_parallel_logits_equal_transformers_and_every_expert_is_exported_once(
     names = [name for name, _ in exported]
     assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)
     assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)
+
+
+@pytest.fixture(scope="module")
+def torch_step(checkpoint: Path):
+    """The core torch trainer's step on the checkpoint: its metrics and the updated weights, by checkpoint name
+    (transformers holds the experts fused; the conversion's two directions name them per expert)."""
+    from miles_plugins_megatron.conversion import hf_to_megatron, megatron_to_hf
+
+    trainer = TorchTrainer.from_pretrained(checkpoint, SETTINGS)
+    metrics = trainer.train_step(training_batch())
+    fused = {name: tensor.clone() for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket}
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    return metrics, megatron_to_hf(hf_to_megatron(fused, config), config)
+
+
+@pytest.mark.parametrize("layout", [{}, {"data_parallel": 2, "expert_parallel": 2}], ids=["tp1-ep1", "dp2-ep2"])
+def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_path: Path, layout: dict) -> None:
+    """Loss, KL, entropy and the clipped global gradient norm (each expert counted once) as the torch trainer's;
+    every updated weight, each expert under its HF name, within float32 rounding of its SGD step."""
+    metrics, weights = torch_step
+    initial = load_file(str(checkpoint / "model.safetensors"))
+    with launch(checkpoint, tmp_path, **layout) as trainer:
+        step_metrics = trainer.train_step(training_batch())
+        exported = dict(exported_names_and_tensors(trainer))
+    for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):
+        assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+    assert_same_sgd_step(initial, weights, exported)
+
+
+class _NeverCalled:
+    def __call__(self):
+        raise AssertionError("a rank was about to start")
+
+
+@pytest.mark.parametrize("case", ["experts", "dense-model", "data-parallel"])
+def test_bad_expert_layouts_are_refused_before_any_rank_starts(checkpoint: Path, tmp_path: Path, case: str) -> None:
+    from miles_plugins_megatron.config import MegatronSection
+    from miles_plugins_megatron.trainer import MegatronTrainer
+
+    path, layout = checkpoint, MegatronSection(data_parallel=3, expert_parallel=3)
+    expected = r"expert parallel size 3 must divide the experts \(4\) of this qwen3_moe model"
+    if case == "dense-model":
+        path, layout = tmp_path / "qwen3", MegatronSection(data_parallel=2, expert_parallel=2)
+        dense = transformers.AutoConfig.for_model(
+            "qwen3",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=112,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        transformers.AutoModelForCausalLM.from_config(dense).save_pretrained(path)
+        expected = r"expert parallel size 2: this qwen3 model has no experts to split; use --megatron-expert-parallel 1"
+    elif case == "data-parallel":
+        with pytest.raises(ValueError, match=r"expert_parallel \(--megatron-expert-parallel 2\) must divide data_p"):
+            MegatronSection(data_parallel=3, expert_parallel=2)
+        path, layout = checkpoint, MegatronSection.model_construct(data_parallel=1, expert_parallel=2)
+        expected = r"expert parallel size 2 must divide the data-parallel size \(1\)"
+    with pytest.raises(MilesError, match=expected):
+        MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=_NeverCalled())
+
+
+def test_the_cli_refuses_expert_parallelism_outside_data_parallelism(tmp_path: Path) -> None:
+    from tests.conftest import run_miles
+
+    result = run_miles(
+        "train", "--trainer", "megatron", "--megatron-expert-parallel", "2", "--output-dir", str(tmp_path)
+    )
+    assert result.returncode != 0
+    assert "expert_parallel (--megatron-expert-parallel 2) must divide data_parallel" in result.stderr

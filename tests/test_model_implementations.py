@@ -218,11 +218,11 @@ def test_miles_train_refuses_another_family_before_moving_the_earlier_run(tmp_pa
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
-def test_an_unknown_implementation_lists_transformers_for_that_family(registries) -> None:
+def test_an_unknown_implementation_lists_those_installed_for_that_family(registries) -> None:
     with pytest.raises(ConfigError) as refused:
         check_model_implementation(registries, "qwen3_moe", "nope")
-    assert "no such implementation of model family 'qwen3_moe'; installed for qwen3_moe: transformers;" in str(
-        refused.value
+    assert "no such implementation of model family 'qwen3_moe'; installed for qwen3_moe: megatron, transformers;" in (
+        str(refused.value)
     )
 
 

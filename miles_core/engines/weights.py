@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -25,15 +26,40 @@ class WeightLoadError(MilesError):
     """Weights that do not fit the model; nothing was loaded."""
 
 
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _target(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The model tensor (or the part of one) that the HF tensor ``name`` fills, ``None`` if none: a parameter or
+    buffer of that name, or, for a MoE model whose experts transformers 5 holds fused (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]`` with each expert's ``[gate; up]``, ``mlp.experts.down_proj`` ``[E, H, I]``), the slice of
+    the fused tensor that a per-expert checkpoint name (``mlp.experts.{j}.gate_proj.weight``) stands for."""
+    if name in state:
+        return state[name]
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
+    fused = state.get(f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if part == "down":
+        return fused[expert]
+    gate, up = fused[expert].chunk(2, dim=0)
+    return gate if part == "gate" else up
+
+
 def check_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Every name must be a parameter or buffer of the model, with the same shape; raise before any copy."""
+    """Every name must be a parameter or buffer of the model (or a per-expert part of a fused one), with the same
+    shape; raise before any copy."""
     state = model.state_dict()
     problems = []
     for name, tensor in tensors.items():
-        if name not in state:
+        target = _target(state, name)
+        if target is None:
             problems.append(f"{name}: not a weight of this model")
-        elif tuple(tensor.shape) != tuple(state[name].shape):
-            problems.append(f"{name}: shape {tuple(tensor.shape)}, model has {tuple(state[name].shape)}")
+        elif tuple(tensor.shape) != tuple(target.shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, model has {tuple(target.shape)}")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise WeightLoadError(f"{len(problems)} tensors do not fit the model, none loaded: {shown}")
@@ -45,7 +71,8 @@ def load_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     check_named_tensors(model, tensors)
     state = model.state_dict()
     for name, tensor in tensors.items():
-        state[name].copy_(tensor.to(dtype=state[name].dtype, device=state[name].device))
+        target = _target(state, name)  # a view: a per-expert tensor is copied into its part of the fused one
+        target.copy_(tensor.to(dtype=target.dtype, device=target.device))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 

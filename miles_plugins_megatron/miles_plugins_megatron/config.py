@@ -10,7 +10,9 @@ from miles_core.config.section import Section
 class MegatronSection(Section):
     """Parallel layout of the ``megatron`` training backend (``--megatron-tensor-parallel 2`` and so on).
 
-    The trainer runs ``tensor_parallel * pipeline_parallel * data_parallel`` ranks as workers.
+    The trainer runs ``tensor_parallel * pipeline_parallel * data_parallel`` ranks as workers. Expert parallelism
+    adds no ranks: as in megatron-core, ``expert_parallel`` data-parallel ranks share a MoE layer's experts, each
+    holding ``experts / expert_parallel`` of them.
     """
 
     tensor_parallel: int = pydantic.Field(default=1, ge=1, description="Tensor-parallel size.")
@@ -18,6 +20,12 @@ class MegatronSection(Section):
         default=1, ge=1, le=1, description="Pipeline-parallel size (only 1 in this version: no pipeline schedule)."
     )
     data_parallel: int = pydantic.Field(default=1, ge=1, description="Data-parallel size (batch split, grads summed).")
+    expert_parallel: int = pydantic.Field(
+        default=1,
+        ge=1,
+        description="Expert-parallel size of a MoE model: each group of this many data-parallel ranks splits the "
+        "experts of every MoE layer (must divide data_parallel and the experts).",
+    )
     distributed_backend: str | None = pydantic.Field(
         default=None,
         pattern="^(gloo|nccl)$",
@@ -33,3 +41,13 @@ class MegatronSection(Section):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+    @pydantic.model_validator(mode="after")
+    def _experts_within_data_parallel(self) -> MegatronSection:
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError(
+                f"expert_parallel (--megatron-expert-parallel {self.expert_parallel}) must divide data_parallel "
+                f"(--megatron-data-parallel {self.data_parallel}): megatron-core places the expert-parallel ranks "
+                "inside the data-parallel ones"
+            )
+        return self

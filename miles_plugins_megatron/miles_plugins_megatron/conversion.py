@@ -1,11 +1,19 @@
-"""HF <-> Megatron weight layouts for the Llama, Qwen2 and Qwen3 families, and their tensor-parallel shards.
+"""HF <-> Megatron weight layouts for the Llama, Qwen2, Qwen3 and Qwen3-MoE families, and their parallel shards.
 
 Megatron fuses the attention input projection per query group as ``[q heads of the group; k; v]`` and the MLP input
-projection as ``[gate; up]``; everything else is a rename. Both directions are exact inverses.
+projection as ``[gate; up]`` (each expert's too); everything else is a rename. Both directions are exact inverses.
+
+Qwen3-MoE experts: transformers 5 holds them fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, each
+expert ``[gate; up]``, and ``mlp.experts.down_proj`` ``[E, H, I]``) but writes and reads checkpoints per expert
+(``mlp.experts.{j}.gate_proj.weight`` and so on), the names the inference engines load. Both are read; the export
+uses the per-expert checkpoint names. Megatron names expert ``j`` of an expert-parallel rank ``r`` holding ``L``
+experts ``mlp.experts.local_experts.{j}``: it is global expert ``r * L + j``. A full (unsharded) Megatron state dict
+here names every expert by its global index.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +21,11 @@ import torch
 
 from miles_core.errors import MilesError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 _RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -49,6 +61,47 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
         )
 
 
+def num_experts(hf_config: Any) -> int:
+    """The routed experts per MoE layer (0 for a dense model)."""
+    if hf_config.model_type not in MOE_MODEL_TYPES:
+        return 0
+    return int(getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", 0) or 0)
+
+
+def moe_layer_pattern(hf_config: Any) -> list[bool]:
+    """Per decoder layer, whether its MLP is a mixture of experts: Qwen3-MoE makes layer ``i`` sparse unless it is
+    in ``mlp_only_layers`` or ``(i + 1)`` is not a multiple of ``decoder_sparse_step`` (transformers' rule)."""
+    experts = num_experts(hf_config)
+    dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    return [
+        experts > 0 and layer not in dense_only and (layer + 1) % step == 0
+        for layer in range(hf_config.num_hidden_layers)
+    ]
+
+
+def check_expert_parallel(hf_config: Any, expert_parallel: int, *, data_parallel: int | None = None) -> None:
+    """A :class:`MilesError` unless ``expert_parallel`` divides the experts and (megatron-core's rule: the expert
+    ranks are carved out of the data-parallel ranks) the data-parallel size; a dense model needs 1."""
+    experts = num_experts(hf_config)
+    if expert_parallel < 1 or (expert_parallel > 1 and not any(moe_layer_pattern(hf_config))):
+        raise MilesError(
+            f"expert parallel size {expert_parallel}: this {hf_config.model_type} model has no experts to split; "
+            "use --megatron-expert-parallel 1"
+        )
+    if experts and experts % expert_parallel:
+        raise MilesError(
+            f"expert parallel size {expert_parallel} must divide the experts ({experts}) of this "
+            f"{hf_config.model_type} model (--megatron-expert-parallel)"
+        )
+    if data_parallel is not None and data_parallel % expert_parallel:
+        raise MilesError(
+            f"expert parallel size {expert_parallel} must divide the data-parallel size ({data_parallel}): "
+            "megatron-core places the expert-parallel ranks inside the data-parallel ones "
+            "(--megatron-expert-parallel, --megatron-data-parallel)"
+        )
+
+
 def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
     """Megatron ``GPTModel`` parameters from an HF state dict."""
     heads, groups, head_dim, _ = attention_geometry(hf_config)
@@ -58,6 +111,7 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
     }
     if not hf_config.tie_word_embeddings:
         out["output_layer.weight"] = state["lm_head.weight"]
+    moe = moe_layer_pattern(hf_config)
     for layer in range(hf_config.num_hidden_layers):
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for kind in ("weight", "bias"):
@@ -68,12 +122,34 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
             q = parts[0].reshape(groups, heads // groups * head_dim, *trailing)
             k, v = (t.reshape(groups, head_dim, *trailing) for t in parts[1:])
             out[f"{mg}self_attention.linear_qkv.{kind}"] = torch.cat([q, k, v], dim=1).reshape(-1, *trailing)
-        out[f"{mg}mlp.linear_fc1.weight"] = torch.cat(
-            [state[f"{hf}mlp.gate_proj.weight"], state[f"{hf}mlp.up_proj.weight"]]
-        )
+        if moe[layer]:
+            out.update(_hf_experts_to_megatron(state, hf, mg, num_experts(hf_config)))
+        else:
+            out[f"{mg}mlp.linear_fc1.weight"] = torch.cat(
+                [state[f"{hf}mlp.gate_proj.weight"], state[f"{hf}mlp.up_proj.weight"]]
+            )
         for hf_name, mg_name in _RENAMES.items():
             if f"{hf}{hf_name}" in state:
                 out[f"{mg}{mg_name}"] = state[f"{hf}{hf_name}"]
+    return out
+
+
+def _hf_experts_to_megatron(
+    state: Mapping[str, torch.Tensor], hf: str, mg: str, experts: int
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's router and experts, from transformers' fused in-memory tensors or per-expert checkpoint
+    names (whichever ``state`` holds)."""
+    out = {f"{mg}mlp.router.weight": state[f"{hf}mlp.gate.weight"]}
+    fused_gate_up = state.get(f"{hf}mlp.experts.gate_up_proj")
+    for expert in range(experts):
+        local = f"{mg}mlp.experts.local_experts.{expert}."
+        if fused_gate_up is not None:  # [E, 2I, H]: expert j's [gate; up], already Megatron's fc1 layout
+            out[f"{local}linear_fc1.weight"] = fused_gate_up[expert]
+            out[f"{local}linear_fc2.weight"] = state[f"{hf}mlp.experts.down_proj"][expert]
+            continue
+        names = [f"{hf}mlp.experts.{expert}.{part}_proj.weight" for part in ("gate", "up", "down")]
+        out[f"{local}linear_fc1.weight"] = torch.cat([state[names[0]], state[names[1]]])
+        out[f"{local}linear_fc2.weight"] = state[names[2]]
     return out
 
 
@@ -86,9 +162,9 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
     out = {}
     if "embedding.word_embeddings.weight" in state:
         out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"]
-    for layer in range(hf_config.num_hidden_layers):
-        if f"decoder.layers.{layer}.mlp.linear_fc1.weight" in state:
-            out.update(megatron_layer_to_hf(state, hf_config, layer))
+    layers = {int(match.group(1)) for match in map(_LAYER.match, state) if match}
+    for layer in sorted(layers):
+        out.update(megatron_layer_to_hf(state, hf_config, layer))
     if "decoder.final_layernorm.weight" in state:
         out["model.norm.weight"] = state["decoder.final_layernorm.weight"]
     if not hf_config.tie_word_embeddings and "output_layer.weight" in state:
@@ -97,7 +173,8 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
 
 
 def megatron_layer_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any, layer: int) -> dict[str, torch.Tensor]:
-    """One decoder layer's HF tensors: the fused QKV split per query group, the fused gate/up split, renames."""
+    """One decoder layer's HF tensors: the fused QKV split per query group, the fused gate/up split (per expert in a
+    MoE layer, whose experts ``state`` names by their global index), renames."""
     heads, groups, head_dim, _ = attention_geometry(hf_config)
     q_rows = heads // groups * head_dim
     hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
@@ -111,8 +188,16 @@ def megatron_layer_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any, laye
         q, k, v = per_group.split([q_rows, head_dim, head_dim], dim=1)
         for name, part in zip("qkv", (q, k, v), strict=True):
             out[f"{hf}self_attn.{name}_proj.{kind}"] = part.reshape(-1, *trailing)
-    gate, up = state[f"{mg}mlp.linear_fc1.weight"].chunk(2, dim=0)
-    out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
+    if moe_layer_pattern(hf_config)[layer]:
+        out[f"{hf}mlp.gate.weight"] = state[f"{mg}mlp.router.weight"]
+        for expert in range(num_experts(hf_config)):
+            local, expert_hf = f"{mg}mlp.experts.local_experts.{expert}.", f"{hf}mlp.experts.{expert}."
+            gate, up = state[f"{local}linear_fc1.weight"].chunk(2, dim=0)
+            out[f"{expert_hf}gate_proj.weight"], out[f"{expert_hf}up_proj.weight"] = gate, up
+            out[f"{expert_hf}down_proj.weight"] = state[f"{local}linear_fc2.weight"]
+    else:
+        gate, up = state[f"{mg}mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
     for hf_name, mg_name in _RENAMES.items():
         if f"{mg}{mg_name}" in state:
             out[f"{hf}{hf_name}"] = state[f"{mg}{mg_name}"]
@@ -121,9 +206,9 @@ def megatron_layer_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any, laye
 
 # -- tensor parallelism ----------------------------------------------------------------------------------------
 
-FUSED_GATE_UP_SUFFIX = "mlp.linear_fc1.weight"
-"""Megatron shards ``[gate; up]`` so that each rank holds ``[gate_r; up_r]``: it is not a plain slice of the
-unsharded tensor, so sharding and gathering treat it apart."""
+FUSED_GATE_UP_SUFFIX = "linear_fc1.weight"
+"""Megatron shards ``[gate; up]`` (the dense MLP's and each expert's) so that each rank holds ``[gate_r; up_r]``: it
+is not a plain slice of the unsharded tensor, so sharding and gathering treat it apart."""
 
 
 def shard_for_rank(name: str, full: torch.Tensor, local_shape: torch.Size, rank: int, size: int) -> torch.Tensor:
@@ -152,3 +237,23 @@ def merge_shards(name: str, shards: list[torch.Tensor], partition_dim: int) -> t
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([half[0] for half in halves] + [half[1] for half in halves])
     return torch.cat(shards, dim=partition_dim)
+
+
+# -- expert parallelism ----------------------------------------------------------------------------------------
+
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether ``name`` is a routed expert's parameter (held by one expert-parallel rank only)."""
+    return _LOCAL_EXPERT.match(name) is not None
+
+
+def global_expert_name(name: str, *, expert_rank: int, local_experts: int) -> str:
+    """The unsharded name of expert-parallel rank ``expert_rank``'s parameter ``name``: its local expert ``j`` is
+    global expert ``expert_rank * local_experts + j`` (megatron-core's placement); other names are unchanged."""
+    match = _LOCAL_EXPERT.match(name)
+    if match is None:
+        return name
+    prefix, local, rest = match.groups()
+    return f"{prefix}{expert_rank * local_experts + int(local)}{rest}"

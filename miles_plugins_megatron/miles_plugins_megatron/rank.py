@@ -39,6 +39,7 @@ class MegatronRank:
         world_size: int,
         init_method: str,
         tensor_parallel: int,
+        expert_parallel: int = 1,
         model_path: str,
         train: dict[str, Any],
         seed: int,
@@ -50,6 +51,7 @@ class MegatronRank:
     ) -> None:
         self.rank, self.world_size, self.init_method = rank, world_size, init_method
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
+        self.expert_parallel = expert_parallel
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
         self.train = TrainSection.model_validate(train)  # the driver's train section, checked again here
         self.logits_dtype = logits_dtype(self.train.logits_dtype)
@@ -66,7 +68,6 @@ class MegatronRank:
 
         from miles_plugins_megatron.checkpoint import load_hf_config
         from miles_plugins_megatron.cpu_compat import seed_model_parallel_rng
-        from miles_plugins_megatron.model import build_gpt_model
 
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -79,10 +80,12 @@ class MegatronRank:
         host, port = tcp_init_method_address(self.init_method)
         store = tcp_store(host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tensor_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tensor_parallel, expert_model_parallel_size=self.expert_parallel
+        )
         seed_model_parallel_rng(self.seed)
         self.hf_config = load_hf_config(self.model_path)
-        self.model = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
+        self.model = self._build_model()
         self.model.to(self.device)
         self.load_weights(str(self.model_path))
         self.optimizer = build_optimizer(self.model.parameters(), self.train)
@@ -92,17 +95,26 @@ class MegatronRank:
             "rank": self.rank,
             "tensor_parallel_rank": parallel_state.get_tensor_model_parallel_rank(),
             "data_parallel_rank": parallel_state.get_data_parallel_rank(),
+            "expert_parallel_rank": parallel_state.get_expert_model_parallel_rank(),
             "pid": os.getpid(),
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "device": str(self.device),
         }
 
+    def _build_model(self) -> torch.nn.Module:
+        from miles_plugins_megatron.model import build_gpt_model
+
+        return build_gpt_model(
+            self.hf_config,
+            tensor_parallel=self.tensor_parallel,
+            expert_parallel=self.expert_parallel,
+            dtype=self.dtype,
+        )
+
     def _frozen_reference(self) -> torch.nn.Module:
         """A second shard with the reference weights (the run's initial model, else the current weights) and no
         gradients (megatron modules cannot be deep-copied)."""
-        from miles_plugins_megatron.model import build_gpt_model
-
-        reference = build_gpt_model(self.hf_config, tensor_parallel=self.tensor_parallel, dtype=self.dtype)
+        reference = self._build_model()
         if self.reference_path is not None and Path(self.reference_path) != self.model_path:
             self._load_into(reference, self.reference_path)
         else:
@@ -120,20 +132,33 @@ class MegatronRank:
         from megatron.core import parallel_state
 
         from miles_plugins_megatron.checkpoint import read_hf_state
-        from miles_plugins_megatron.conversion import hf_to_megatron, shard_for_rank
+        from miles_plugins_megatron.conversion import (
+            global_expert_name,
+            hf_to_megatron,
+            is_expert_parameter,
+            num_experts,
+            shard_for_rank,
+        )
 
         full = hf_to_megatron(read_hf_state(path), self.hf_config)
         local = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
-        missing = sorted(set(local) - set(full))
+        ep_rank, local_experts = (
+            parallel_state.get_expert_model_parallel_rank(),
+            num_experts(self.hf_config) // self.expert_parallel,
+        )
+        sources = {name: global_expert_name(name, expert_rank=ep_rank, local_experts=local_experts) for name in local}
+        missing = sorted(source for source in sources.values() if source not in full)
         if missing:
             raise MilesError(f"checkpoint {path!r} lacks Megatron weights {missing[:5]}")
-        tp_rank, tp_size = (
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_world_size(),
+        dense = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size())
+        expert = (
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
         with torch.no_grad():
             for name, tensor in local.items():
-                tensor.copy_(shard_for_rank(name, full[name], tensor.shape, tp_rank, tp_size))
+                tp_rank, tp_size = expert if is_expert_parameter(name) else dense
+                tensor.copy_(shard_for_rank(name, full[sources[name]], tensor.shape, tp_rank, tp_size))
         return len(local)
 
     # -- training ---------------------------------------------------------------------------------------------
@@ -157,6 +182,8 @@ class MegatronRank:
             {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=pad).items()}
             for micro in (share.micro_batches(self.train.micro_batch_size) if share.samples else [])
         ]
+        if self.expert_parallel > 1:
+            micros = self._aligned_micro_batches(micros, pad)
         old = [self._old_logprobs(t) if self.train.tis_clip is not None else None for t in micros]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -172,6 +199,29 @@ class MegatronRank:
             reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
+
+    def _aligned_micro_batches(self, micros: list[dict[str, torch.Tensor]], pad: int) -> list[dict[str, torch.Tensor]]:
+        """Expert-parallel ranks exchange every MoE layer's tokens, forward and backward, in collectives that need as
+        many tokens from each rank: every rank runs as many micro-batches, each padded to the same ``[rows, length]``
+        (the padding trains no token: its response mask is 0, and causal attention keeps it out of real tokens)."""
+        longest = max((micro["input_ids"].shape[1] for micro in micros), default=2)
+        shape = torch.tensor([len(micros), longest], device=self.device)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX)
+        count, length = shape.tolist()
+        rows = self.train.micro_batch_size
+        aligned = []
+        for index in range(count):
+            micro = micros[index] if index < len(micros) else None
+            padded = {
+                "input_ids": torch.full((rows, length), pad, dtype=torch.long, device=self.device),
+                "response_mask": torch.zeros((rows, length - 1), device=self.device),
+                "rollout_logprobs": torch.zeros((rows, length - 1), device=self.device),
+                "advantages": torch.zeros((rows,), device=self.device),
+            }
+            for key, tensor in (micro or {}).items():
+                padded[key][tuple(slice(0, size) for size in tensor.shape)] = tensor
+            aligned.append(padded)
+        return aligned
 
     def _forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary slice of the logits ``[B, T, V/tp]``."""
@@ -245,26 +295,38 @@ class MegatronRank:
         return dict(zip(keys, values.tolist(), strict=True))
 
     def _finish_gradients(self) -> float:
-        """Sum gradients over data-parallel ranks, then clip by the global norm (each tensor-parallel shard counted
-        once, each replicated tensor once); returns the norm before clipping."""
+        """Sum gradients over data-parallel ranks (an expert's over the ranks holding a copy of it), then clip by
+        the global norm (each tensor-parallel shard counted once, each expert once, each replicated tensor once);
+        returns the norm before clipping."""
         from megatron.core import parallel_state
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        from miles_plugins_megatron.conversion import is_expert_parameter
+
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        expert = [is_expert_parameter(name) for name, _ in named]
+        dense_grads = [grad for grad, is_expert in zip(grads, expert, strict=True) if not is_expert]
+        expert_grads = [grad for grad, is_expert in zip(grads, expert, strict=True) if is_expert]
         if parallel_state.get_data_parallel_world_size() > 1:
-            _all_reduce_in_place(grads, parallel_state.get_data_parallel_group())
+            _all_reduce_in_place(dense_grads, parallel_state.get_data_parallel_group())
+        if expert_grads and parallel_state.get_expert_data_parallel_world_size() > 1:
+            _all_reduce_in_place(expert_grads, parallel_state.get_expert_data_parallel_group())
         self._sum_replicated_partial_grads(params, grads)
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for param, grad in zip(params, grads, strict=True):
+        sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(3))
+        for param, grad, is_expert in zip(params, grads, expert, strict=True):
             square = grad.double().pow(2).sum()
-            if getattr(param, "tensor_model_parallel", False):
+            if is_expert:
+                experts += square
+            elif getattr(param, "tensor_model_parallel", False):
                 sharded += square
             else:
                 replicated += square
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
+        if expert_grads and parallel_state.get_expert_tensor_and_model_parallel_world_size() > 1:
+            dist.all_reduce(experts, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        norm = float((sharded + replicated + experts).sqrt())
         scale = min(1.0, self.train.max_grad_norm / (norm + 1e-6))
         for param, grad in zip(params, grads, strict=True):
             param.grad = grad.mul_(scale)
@@ -336,6 +398,7 @@ class MegatronRank:
                 "step": self.step,
                 "world_size": self.world_size,
                 "tensor_parallel": self.tensor_parallel,
+                "expert_parallel": self.expert_parallel,
             },
             path,
         )
@@ -348,11 +411,12 @@ class MegatronRank:
         if not path.is_file():
             raise MilesError(f"{path} is missing: was the checkpoint written by {self.world_size} Megatron ranks?")
         state = torch.load(path, weights_only=True, map_location=self.device)
-        if (state["world_size"], state["tensor_parallel"]) != (self.world_size, self.tensor_parallel):
+        saved = (state["world_size"], state["tensor_parallel"], state.get("expert_parallel", 1))
+        if saved != (self.world_size, self.tensor_parallel, self.expert_parallel):
             raise MilesError(
-                f"checkpoint {directory} was written with world size {state['world_size']} and tensor "
-                f"parallel {state['tensor_parallel']}; this run has {self.world_size} and "
-                f"{self.tensor_parallel}"
+                f"checkpoint {directory} was written with world size {saved[0]}, tensor parallel {saved[1]} and "
+                f"expert parallel {saved[2]}; this run has {self.world_size}, {self.tensor_parallel} and "
+                f"{self.expert_parallel}"
             )
         self.load_weights(directory)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -32,7 +32,7 @@ from miles_core.workers.process import free_ports
 from miles_core.workers.specs import PythonWorkerSpec
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config
 from miles_plugins_megatron.config import MegatronSection
-from miles_plugins_megatron.conversion import check_tensor_parallel
+from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel, moe_layer_pattern
 from miles_plugins_megatron.rank import MegatronRank
 
 STATE_FILE = "trainer_state.json"
@@ -66,6 +66,7 @@ class MegatronTrainer:
     ) -> MegatronTrainer:
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
         provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
+        check_trainable(load_hf_config(model_path), config.megatron)  # before any rank starts
         trainer = cls.launch(
             model_path,
             train=config.train,
@@ -100,6 +101,7 @@ class MegatronTrainer:
         model_path = Path(model_path)
         hf_config = load_hf_config(model_path)
         check_tensor_parallel(hf_config, layout.tensor_parallel)
+        check_expert_parallel(hf_config, layout.expert_parallel, data_parallel=layout.data_parallel)
         check_checkpoint(model_path, hf_config)
         export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=_shared_memory_dir()))
         ranks = _Ranks(provider_factory)
@@ -132,6 +134,7 @@ class MegatronTrainer:
         """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
         if not batch.samples:
             raise MilesError("the batch has no samples to train on")
+        check_trainable(self.hf_config, self.layout)
         trained_tokens(batch)  # a batch with nothing to train on is refused here, before any rank works on it
         metrics = self.ranks.call("train_step", batch)[0]
         self.step += 1
@@ -164,6 +167,7 @@ class MegatronTrainer:
             "step": self.step,
             "tensor_parallel": self.layout.tensor_parallel,
             "data_parallel": self.layout.data_parallel,
+            "expert_parallel": self.layout.expert_parallel,
             **(extra or {}),
         }
         (partial / STATE_FILE).write_text(json.dumps(state))
@@ -210,6 +214,18 @@ class MegatronTrainer:
         self.export_report = {**report, "seconds": seconds, "gb_per_s": report["bytes"] / seconds / 1e9}
 
 
+def check_trainable(hf_config: Any, layout: MegatronSection) -> None:
+    """A :class:`MilesError` for a layout that loads and exports but cannot train: megatron-core refuses to train a
+    MoE layer under tensor parallelism without sequence parallelism, which needs TransformerEngine or Apex."""
+    if layout.tensor_parallel > 1 and any(moe_layer_pattern(hf_config)):
+        raise MilesError(
+            f"training this {hf_config.model_type} model with tensor parallel size {layout.tensor_parallel} needs "
+            "sequence parallelism (megatron-core refuses MoE layers under tensor parallelism without it), which this "
+            "version does not support: split the experts with --megatron-expert-parallel and the batch with "
+            "--megatron-data-parallel, and use --megatron-tensor-parallel 1"
+        )
+
+
 class _ExportedWeights(HfWeightIterator):
     def __init__(self, weights: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> None:
         super().__init__(bucket_bytes=bucket_bytes)
@@ -229,6 +245,7 @@ def _rank_specs(
         world_size=layout.world_size,
         init_method=f"tcp://127.0.0.1:{port}",
         tensor_parallel=layout.tensor_parallel,
+        expert_parallel=layout.expert_parallel,
         model_path=str(model_path),
         train=train.model_dump(),
         seed=seed,

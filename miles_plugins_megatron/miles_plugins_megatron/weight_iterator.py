@@ -1,8 +1,11 @@
-"""``MegatronHfWeightIterator``: a (possibly tensor-parallel) megatron-core ``GPTModel``'s weights as HF buckets.
+"""``MegatronHfWeightIterator``: a (possibly tensor- and expert-parallel) megatron-core ``GPTModel``'s weights as
+HF buckets.
 
-Every rank of the tensor-parallel group iterates together (each gather is a collective); every rank receives the
-full tensors. The embedding comes first, then each decoder layer, then the final norm and the output layer: only one
-layer's gathered tensors are alive at a time beyond what the caller keeps.
+Every rank iterates together (each gather is a collective); every rank receives the full tensors. The embedding
+comes first, then each decoder layer, then the final norm and the output layer: only one layer's gathered tensors
+are alive at a time beyond what the caller keeps. An expert-parallel rank holds only its experts: each expert's
+tensors are gathered from every rank of the expert-parallel group and named by their global index, so every expert
+appears once under its HF name.
 """
 
 from __future__ import annotations
@@ -16,13 +19,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from miles_core.training.weight_iterator import HfWeightIterator
-from miles_plugins_megatron.conversion import megatron_to_hf, merge_shards
+from miles_plugins_megatron.conversion import (
+    global_expert_name,
+    is_expert_parameter,
+    megatron_to_hf,
+    merge_shards,
+    num_experts,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 class MegatronHfWeightIterator(HfWeightIterator):
-    """Gathers tensor-parallel shards, splits fused QKV (per query group) and fused gate/up, renames to HF."""
+    """Gathers tensor- and expert-parallel shards, splits fused QKV (per query group) and fused gate/up (per expert
+    too), renames to HF."""
 
     def __init__(self, model: torch.nn.Module, hf_config: Any, *, bucket_bytes: int) -> None:
         super().__init__(bucket_bytes=bucket_bytes)
@@ -30,8 +40,14 @@ class MegatronHfWeightIterator(HfWeightIterator):
         self.hf_config = hf_config
 
     def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        experts = num_experts(self.hf_config)
         for group in self._parameter_groups():
-            gathered = {name: gather_tensor_parallel(name, param) for name, param in group}
+            gathered: dict[str, torch.Tensor] = {}
+            for name, param in group:
+                if is_expert_parameter(name):
+                    gathered.update(gather_expert_parallel(name, param, experts=experts))
+                else:
+                    gathered[name] = gather_tensor_parallel(name, param)
             yield from megatron_to_hf(gathered, self.hf_config).items()
 
     def _parameter_groups(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
@@ -51,12 +67,29 @@ class MegatronHfWeightIterator(HfWeightIterator):
         yield tail
 
 
-def gather_tensor_parallel(name: str, param: torch.Tensor) -> torch.Tensor:
-    """The unsharded tensor (a collective over the tensor-parallel group for sharded parameters)."""
+def gather_tensor_parallel(name: str, param: torch.Tensor, *, group: Any = None) -> torch.Tensor:
+    """The unsharded tensor (a collective over the tensor-parallel group, or ``group``, for sharded parameters)."""
     tensor = param.detach()
-    size = parallel_state.get_tensor_model_parallel_world_size()
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    size = dist.get_world_size(group)
     if size == 1 or not getattr(param, "tensor_model_parallel", False):
         return tensor
     shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(shards, tensor.contiguous(), group=group)
     return merge_shards(name, shards, param.partition_dim)
+
+
+def gather_expert_parallel(name: str, param: torch.Tensor, *, experts: int) -> dict[str, torch.Tensor]:
+    """A local expert's unsharded tensor from every expert-parallel rank, each under its global expert name (of a
+    layer of ``experts``; collectives over the expert tensor-parallel group, then the expert-parallel group)."""
+    tensor = gather_tensor_parallel(name, param, group=parallel_state.get_expert_tensor_parallel_group())
+    size = parallel_state.get_expert_model_parallel_world_size()
+    local_experts = experts // size
+    if size == 1:
+        return {global_expert_name(name, expert_rank=0, local_experts=local_experts): tensor}
+    copies = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(copies, tensor.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+    return {
+        global_expert_name(name, expert_rank=rank, local_experts=local_experts): copy
+        for rank, copy in enumerate(copies)
+    }

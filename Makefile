@@ -7,7 +7,7 @@ DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sgl
 	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
-.PHONY: setup sglang browser run test lint bench clean
+.PHONY: setup sglang browser install run test lint bench clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,9 @@ browser: $(CHROMIUM)
 $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium
+
+# Every environment the tests use; `make -j3 install` builds them at once (CI does).
+install: setup browser $(TEST_SGLANG)
 
 run: setup
 	$(BIN)/miles train

@@ -155,22 +155,26 @@ def test_tp1_logits_equal_transformers_and_the_export_round_trips(megatron, tmp_
     }
 
 
-def test_the_selection_bias_changes_the_routing_but_not_the_weights(megatron) -> None:
-    """``e_score_correction_bias`` must steer which experts are chosen (it is loaded, and it matters here) without
-    entering their weights (else the logits would differ from transformers' above)."""
+def test_the_selection_bias_and_the_group_limit_change_the_routing(megatron) -> None:
+    """``e_score_correction_bias`` and the group limit must steer which experts are chosen (both are loaded and matter
+    for these weights, so the logit comparisons above test them) without entering the experts' weights (else the
+    logits would differ from transformers')."""
     conversion, model_builder, causal_mask = megatron
     reference = perturbed_dsv3()
-    config = reference.config
     state = dict(reference.state_dict())
-    gpt = model_builder.build_gpt_model(config).eval()
     ids, positions, mask = input_ids(), torch.arange(11).expand(2, -1), causal_mask(11)
-    logits = []
-    for bias in (state["model.layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(4)):
-        state["model.layers.1.mlp.gate.e_score_correction_bias"] = bias
+
+    def logits(config, state) -> torch.Tensor:
+        gpt = model_builder.build_gpt_model(config).eval()
         gpt.load_state_dict(conversion.hf_to_megatron(state, config), strict=False)
         with torch.no_grad():
-            logits.append(gpt(input_ids=ids, position_ids=positions, attention_mask=mask))
-    assert (logits[0] - logits[1]).abs().max().item() > 1e-2
+            return gpt(input_ids=ids, position_ids=positions, attention_mask=mask)
+
+    routed = logits(reference.config, state)
+    unbiased = logits(reference.config, {**state, "model.layers.1.mlp.gate.e_score_correction_bias": torch.zeros(4)})
+    one_group = logits(dsv3_config(n_group=1, topk_group=1), state)
+    assert (routed - unbiased).abs().max().item() > 1e-2
+    assert (routed - one_group).abs().max().item() > 1e-2
 
 
 def launch(path: Path, tmp_path: Path, train: TrainSection = SETTINGS, **layout):
@@ -190,18 +194,27 @@ def exported_names_and_tensors(trainer) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket]
 
 
-def test_expert_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
-    checkpoint: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "layout",
+    [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
+    ids=["dp2-ep2", "tp2"],
+)
+def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
+    checkpoint: Path, tmp_path: Path, layout: dict
 ) -> None:
-    """DP=2 x EP=2: each rank holds two of the four experts; the logits are transformers', and the export names
-    every tensor (each expert, the shared expert, the selection bias) once, bitwise equal to the checkpoint."""
+    """DP=2 x EP=2: each rank holds two of the four experts; TP=2: each rank holds half of every latent projection,
+    head and expert. The logits are transformers', and the export names every tensor (each expert, the shared expert,
+    the selection bias) once, bitwise equal to the checkpoint."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
         expected = reference(input_ids()).logits
     on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, data_parallel=2, expert_parallel=2) as trainer:
+    with launch(checkpoint, tmp_path, **layout) as trainer:
         logits = trainer.logits(input_ids())
         exported = exported_names_and_tensors(trainer)
+        if layout.get("tensor_parallel", 1) > 1:
+            with pytest.raises(MilesError, match="needs sequence parallelism"):
+                trainer.train_step(training_batch())  # refused before any rank works on it
     assert (logits - expected).abs().max().item() < TOLERANCE
     names = [name for name, _ in exported]
     assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)

@@ -177,6 +177,20 @@ def test_the_selection_bias_and_the_group_limit_change_the_routing(megatron) -> 
     assert (routed - one_group).abs().max().item() > 1e-2
 
 
+def test_the_one_process_implementation_loads_and_exports_the_checkpoint(megatron, checkpoint: Path) -> None:
+    """``deepseek_v3/megatron`` (``MegatronCausalLM``, for ``--trainer torch``): transformers' logits, and its HF state
+    the checkpoint's tensors bitwise (the selection bias, a buffer, included)."""
+    from miles_plugins_megatron.causal_lm import MegatronCausalLM
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    ours = MegatronCausalLM.from_pretrained(checkpoint)
+    with torch.no_grad():
+        assert (ours(input_ids()) - reference(input_ids()).logits).abs().max().item() < TOLERANCE
+    on_disk, exported = load_file(str(checkpoint / "model.safetensors")), ours.hf_state_dict()
+    assert sorted(exported) == sorted(on_disk)
+    assert all(torch.equal(exported[name], tensor) for name, tensor in on_disk.items())
+
+
 def launch(path: Path, tmp_path: Path, train: TrainSection = SETTINGS, **layout):
     from miles_plugins_megatron.config import MegatronSection
     from miles_plugins_megatron.trainer import MegatronTrainer

@@ -1,4 +1,5 @@
-"""``MegatronCausalLM``: the ``megatron`` implementation of the Llama, Qwen2 and Qwen3 families in one process.
+"""``MegatronCausalLM``: the ``megatron`` implementation of the Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3
+families in one process.
 
 A megatron-core ``GPTModel`` behind the core's :class:`~miles_core.models.causal_lm.CausalLM` interface: it loads an
 HF checkpoint directory and exports the same HF names as ``FAMILY/transformers``. It needs megatron-core's parallel

@@ -1,4 +1,5 @@
-"""HF <-> Megatron weight layouts for the Llama, Qwen2, Qwen3 and Qwen3-MoE families, and their parallel shards.
+"""HF <-> Megatron weight layouts for the Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 families, and their parallel
+shards.
 
 Megatron fuses the attention input projection per query group as ``[q heads of the group; k; v]`` and the MLP input
 projection as ``[gate; up]`` (each expert's too); everything else is a rename. Both directions are exact inverses.
@@ -9,6 +10,11 @@ expert ``[gate; up]``, and ``mlp.experts.down_proj`` ``[E, H, I]``) but writes a
 uses the per-expert checkpoint names. Megatron names expert ``j`` of an expert-parallel rank ``r`` holding ``L``
 experts ``mlp.experts.local_experts.{j}``: it is global expert ``r * L + j``. A full (unsharded) Megatron state dict
 here names every expert by its global index.
+
+DeepSeek-V3: megatron-core's multi-latent attention keeps transformers' layouts (the query up projection per head as
+``[nope; rope]``, the key/value down projection as ``[latent; rope]``, the key/value up projection per head as
+``[k nope; v]``), so its attention is a rename; the router's ``e_score_correction_bias`` is Megatron's
+``router.expert_bias`` and the shared experts' gate/up are fused as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -21,25 +27,44 @@ import torch
 
 from miles_core.errors import MilesError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
-MOE_MODEL_TYPES = ("qwen3_moe",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v3",)
+"""Multi-latent attention (megatron-core's ``MLASelfAttention``) instead of fused-QKV attention."""
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
-_RENAMES = {
+_COMMON_RENAMES = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_RENAMES = {
+    **_COMMON_RENAMES,
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+}
+_MLA_RENAMES = {
+    **_COMMON_RENAMES,
+    "self_attn.q_proj.weight": "self_attention.linear_q_proj.weight",  # when q_lora_rank is None
+    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "self_attn.q_a_layernorm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+    "self_attn.kv_a_layernorm.weight": "self_attention.kv_layernorm.weight",
+    "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
+    "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    "mlp.shared_experts.down_proj.weight": "mlp.shared_experts.linear_fc2.weight",
 }
 
 
 def attention_geometry(hf_config: Any) -> tuple[int, int, int, int]:
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise MilesError(f"unsupported architecture {hf_config.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+    if hf_config.model_type == "deepseek_v3":
+        check_deepseek_v3(hf_config)
     heads = hf_config.num_attention_heads
     groups = hf_config.num_key_value_heads or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -54,10 +79,50 @@ def check_tensor_parallel(hf_config: Any, tensor_parallel: int) -> None:
             f"tensor parallel size {tensor_parallel} must divide the attention heads ({heads}) and the key/value "
             f"heads ({groups}) of this {hf_config.model_type} model (--megatron-tensor-parallel)"
         )
+    if hf_config.model_type in MLA_MODEL_TYPES:
+        latent = {"q_lora_rank": hf_config.q_lora_rank or 0}
+        latent["kv_lora_rank + qk_rope_head_dim"] = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+        for what, size in latent.items():
+            if size % tensor_parallel:
+                raise MilesError(
+                    f"tensor parallel size {tensor_parallel} must divide {what} ({size}) of this "
+                    f"{hf_config.model_type} model: megatron-core splits the latent down projections across "
+                    "tensor-parallel ranks (--megatron-tensor-parallel)"
+                )
     if hf_config.vocab_size % tensor_parallel:
         raise MilesError(
             f"tensor parallel size {tensor_parallel} must divide the vocabulary ({hf_config.vocab_size}) of this "
             f"model: the vocabulary is split across tensor-parallel ranks (--megatron-tensor-parallel)"
+        )
+
+
+def check_deepseek_v3(hf_config: Any) -> None:
+    """A :class:`MilesError` for a DeepSeek-V3 config whose forward megatron-core would not compute as transformers
+    does (each case names the setting, its value and what is supported)."""
+    name = "this deepseek_v3 model's config.json"
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope != "default":
+        raise MilesError(f"{name} has rope_type {rope!r}: only 'default' RoPE is supported (YaRN is not, yet)")
+    if not getattr(hf_config, "rope_interleave", True):
+        raise MilesError(f"{name} has rope_interleave false: megatron-core's MLA rotates interleaved pairs only")
+    if getattr(hf_config, "attention_bias", False):
+        raise MilesError(f"{name} has attention_bias true: megatron-core's MLA projections have no bias")
+    if hf_config.num_experts_per_tok > 1 and not hf_config.norm_topk_prob:
+        raise MilesError(
+            f"{name} has norm_topk_prob false: megatron-core's sigmoid router always renormalises the top-k "
+            "weights; only norm_topk_prob true is supported"
+        )
+    groups, topk_groups = hf_config.n_group or 1, hf_config.topk_group or 1
+    if topk_groups < groups and hf_config.num_experts_per_tok // topk_groups != 2:
+        raise MilesError(
+            f"{name} limits routing to topk_group={topk_groups} of n_group={groups} groups with "
+            f"num_experts_per_tok={hf_config.num_experts_per_tok}: transformers scores a group by its top 2 experts, "
+            "megatron-core by its top num_experts_per_tok // topk_group; supported when that quotient is 2"
+        )
+    if hf_config.first_k_dense_replace >= hf_config.num_hidden_layers:
+        raise MilesError(
+            f"{name} has first_k_dense_replace={hf_config.first_k_dense_replace} >= num_hidden_layers="
+            f"{hf_config.num_hidden_layers}: a DeepSeek-V3 without MoE layers is not supported"
         )
 
 
@@ -70,8 +135,11 @@ def num_experts(hf_config: Any) -> int:
 
 def moe_layer_pattern(hf_config: Any) -> list[bool]:
     """Per decoder layer, whether its MLP is a mixture of experts: Qwen3-MoE makes layer ``i`` sparse unless it is
-    in ``mlp_only_layers`` or ``(i + 1)`` is not a multiple of ``decoder_sparse_step`` (transformers' rule)."""
+    in ``mlp_only_layers`` or ``(i + 1)`` is not a multiple of ``decoder_sparse_step``; DeepSeek-V3 makes the first
+    ``first_k_dense_replace`` layers dense (transformers' rules)."""
     experts = num_experts(hf_config)
+    if hf_config.model_type == "deepseek_v3":
+        return [layer >= hf_config.first_k_dense_replace for layer in range(hf_config.num_hidden_layers)]
     dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     return [
@@ -112,9 +180,11 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
     if not hf_config.tie_word_embeddings:
         out["output_layer.weight"] = state["lm_head.weight"]
     moe = moe_layer_pattern(hf_config)
+    mla = hf_config.model_type in MLA_MODEL_TYPES
+    renames = _MLA_RENAMES if mla else _RENAMES
     for layer in range(hf_config.num_hidden_layers):
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
-        for kind in ("weight", "bias"):
+        for kind in ("weight", "bias") if not mla else ():
             parts = [state.get(f"{hf}self_attn.{p}_proj.{kind}") for p in "qkv"]
             if parts[0] is None:
                 continue
@@ -128,7 +198,11 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
             out[f"{mg}mlp.linear_fc1.weight"] = torch.cat(
                 [state[f"{hf}mlp.gate_proj.weight"], state[f"{hf}mlp.up_proj.weight"]]
             )
-        for hf_name, mg_name in _RENAMES.items():
+        if f"{hf}mlp.shared_experts.gate_proj.weight" in state:
+            out[f"{mg}mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                [state[f"{hf}mlp.shared_experts.{part}_proj.weight"] for part in ("gate", "up")]
+            )
+        for hf_name, mg_name in renames.items():
             if f"{hf}{hf_name}" in state:
                 out[f"{mg}{mg_name}"] = state[f"{hf}{hf_name}"]
     return out
@@ -174,12 +248,13 @@ def megatron_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any) -> dict[st
 
 def megatron_layer_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any, layer: int) -> dict[str, torch.Tensor]:
     """One decoder layer's HF tensors: the fused QKV split per query group, the fused gate/up split (per expert in a
-    MoE layer, whose experts ``state`` names by their global index), renames."""
+    MoE layer, whose experts ``state`` names by their global index, and its shared experts'), renames."""
     heads, groups, head_dim, _ = attention_geometry(hf_config)
     q_rows = heads // groups * head_dim
     hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    mla = hf_config.model_type in MLA_MODEL_TYPES
     out = {}
-    for kind in ("weight", "bias"):
+    for kind in ("weight", "bias") if not mla else ():
         fused = state.get(f"{mg}self_attention.linear_qkv.{kind}")
         if fused is None:
             continue
@@ -195,10 +270,14 @@ def megatron_layer_to_hf(state: Mapping[str, torch.Tensor], hf_config: Any, laye
             gate, up = state[f"{local}linear_fc1.weight"].chunk(2, dim=0)
             out[f"{expert_hf}gate_proj.weight"], out[f"{expert_hf}up_proj.weight"] = gate, up
             out[f"{expert_hf}down_proj.weight"] = state[f"{local}linear_fc2.weight"]
+        shared = state.get(f"{mg}mlp.shared_experts.linear_fc1.weight")
+        if shared is not None:
+            gate, up = shared.chunk(2, dim=0)
+            out[f"{hf}mlp.shared_experts.gate_proj.weight"], out[f"{hf}mlp.shared_experts.up_proj.weight"] = gate, up
     else:
         gate, up = state[f"{mg}mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[f"{hf}mlp.gate_proj.weight"], out[f"{hf}mlp.up_proj.weight"] = gate, up
-    for hf_name, mg_name in _RENAMES.items():
+    for hf_name, mg_name in (_MLA_RENAMES if mla else _RENAMES).items():
         if f"{mg}{mg_name}" in state:
             out[f"{hf}{hf_name}"] = state[f"{mg}{mg_name}"]
     return out

@@ -1,16 +1,20 @@
-"""Building a megatron-core ``GPTModel`` from an HF config (Llama, Qwen2, Qwen3, Qwen3-MoE: GQA, RMSNorm, SwiGLU,
-RoPE, qk-layernorm, tied or untied embeddings, routed experts)."""
+"""Building a megatron-core ``GPTModel`` from an HF config (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3: GQA or
+multi-latent attention, RMSNorm, SwiGLU, RoPE, qk-layernorm, tied or untied embeddings, routed and shared experts)."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from miles_plugins_megatron.conversion import (
+    MLA_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
     attention_geometry,
     check_expert_parallel,
@@ -32,6 +36,32 @@ def _define_missing_transformer_engine_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _disable_missing_transformer_engine_in_mla() -> None:
+    """megatron-core 0.16.1's ``multi_latent_attention`` imports TransformerEngine's layers from its extension module,
+    which stands in ``MagicMock`` objects when TransformerEngine is absent, so the import succeeds and the module
+    believes TransformerEngine present: ``isinstance(self.linear_proj, TELinear)`` then raises ``TypeError: isinstance()
+    arg 2 must be a type``. Tell it the truth."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+class MLADotProductAttention(DotProductAttention):
+    """megatron-core's local attention kernel for multi-latent attention: MLA passes the key and value head sizes
+    (``k_channels``, ``v_channels``), which only TransformerEngine's kernel accepts (the local one raises ``TypeError:
+    DotProductAttention.__init__() got an unexpected keyword argument 'k_channels'``). The local kernel takes the head
+    sizes from its inputs and sizes its output by ``kv_channels``, which the config sets to the value head size."""
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+
+
+def _with_mla_core_attention(layer_specs: list[Any]) -> None:
+    for spec in layer_specs:
+        spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+
+
 def rope_theta(hf_config: Any) -> float:
     parameters = getattr(hf_config, "rope_parameters", None) or {}
     return float(getattr(hf_config, "rope_theta", None) or parameters.get("rope_theta") or 10000.0)
@@ -47,6 +77,8 @@ def moe_settings(hf_config: Any, *, expert_parallel: int = 1) -> dict[str, Any]:
     pattern = moe_layer_pattern(hf_config)
     if not any(pattern):
         return {}
+    if hf_config.model_type == "deepseek_v3":
+        return _deepseek_v3_moe_settings(hf_config, expert_parallel=expert_parallel)
     return {
         "num_moe_experts": num_experts(hf_config),
         "moe_router_topk": hf_config.num_experts_per_tok,
@@ -62,6 +94,49 @@ def moe_settings(hf_config: Any, *, expert_parallel: int = 1) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_moe_settings(hf_config: Any, *, expert_parallel: int) -> dict[str, Any]:
+    """DeepSeek-V3's router in megatron-core's terms: sigmoid scores; the selection bias ``e_score_correction_bias``
+    (megatron's ``expert_bias``, held fixed: megatron-core updates it only in its own ``finalize_model_grads``, which
+    Miles does not run, as transformers never updates it); top-k over the best ``topk_group`` of ``n_group`` groups;
+    the top-k weights renormalised (``norm_topk_prob``, checked) and scaled by ``routed_scaling_factor``; the shared
+    experts as one MLP of ``n_shared_experts`` times the expert size, added to the routed experts' output."""
+    groups, topk_groups = hf_config.n_group or 1, hf_config.topk_group or 1
+    limited = topk_groups < groups  # selecting every group is no limit
+    return {
+        "num_moe_experts": num_experts(hf_config),
+        "moe_router_topk": hf_config.num_experts_per_tok,
+        "moe_ffn_hidden_size": hf_config.moe_intermediate_size,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "moe_router_num_groups": groups if limited else None,
+        "moe_router_group_topk": topk_groups if limited else None,
+        "moe_router_topk_scaling_factor": float(hf_config.routed_scaling_factor),
+        "moe_shared_expert_intermediate_size": hf_config.moe_intermediate_size * hf_config.n_shared_experts or None,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": MOE_TOKEN_DISPATCHER,
+        "moe_grouped_gemm": False,
+        "moe_layer_freq": [int(sparse) for sparse in moe_layer_pattern(hf_config)],
+        "expert_model_parallel_size": expert_parallel,
+    }
+
+
+def mla_settings(hf_config: Any) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of DeepSeek-V3's multi-latent attention (plain RoPE, checked). ``kv_channels`` is
+    the value head size: the local attention kernel sizes its output by it."""
+    return {
+        "q_lora_rank": hf_config.q_lora_rank,
+        "kv_lora_rank": hf_config.kv_lora_rank,
+        "qk_head_dim": hf_config.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": hf_config.qk_rope_head_dim,
+        "v_head_dim": hf_config.v_head_dim,
+        "kv_channels": hf_config.v_head_dim,
+        "rope_type": "rope",
+        "rotary_base": rope_theta(hf_config),
+        "rotary_scaling_factor": 1.0,  # no YaRN: the softmax scale stays 1/sqrt(q head size), as in transformers
+    }
+
+
 def transformer_config(
     hf_config: Any, *, tensor_parallel: int = 1, expert_parallel: int = 1, dtype: torch.dtype = torch.float32
 ) -> TransformerConfig:
@@ -69,12 +144,12 @@ def transformer_config(
     heads, groups, head_dim, hidden = attention_geometry(hf_config)
     check_tensor_parallel(hf_config, tensor_parallel)
     check_expert_parallel(hf_config, expert_parallel)
-    return TransformerConfig(
+    mla = hf_config.model_type in MLA_MODEL_TYPES
+    attention = mla_settings(hf_config) if mla else {"num_query_groups": groups, "kv_channels": head_dim}
+    return (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=groups,
-        kv_channels=head_dim,
         ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
@@ -82,13 +157,14 @@ def transformer_config(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=hf_config.model_type == "qwen2",
-        qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES,
+        qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES or mla,  # MLA: the latents' norms
         tensor_model_parallel_size=tensor_parallel,
         use_cpu_initialization=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        **attention,
         **moe_settings(hf_config, expert_parallel=expert_parallel),
     )
 
@@ -103,8 +179,15 @@ def build_gpt_model(
     if config.num_moe_experts:  # per-layer specs: MoE layers and, where the HF config says so, dense ones
         _define_missing_transformer_engine_gemm()
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        layer_specs = layer_spec.layer_specs
     else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm)
+        layer_spec = get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention
+        )
+        layer_specs = [layer_spec]
+    if config.multi_latent_attention:
+        _disable_missing_transformer_engine_in_mla()
+        _with_mla_core_attention(layer_specs)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -1,8 +1,8 @@
 """The Miles plugin module of miles-plugins-megatron, registered through the entry-point group ``miles.plugins``.
 
 Provides the training backend ``megatron``, the ``megatron`` config section, the Megatron ``HfWeightIterator`` and
-the ``megatron`` implementation of the Llama, Qwen2, Qwen3 and Qwen3-MoE model families. Every ``miles`` command
-imports this module, so it imports nothing heavy at the top (megatron-core takes ~10 s to import).
+the ``megatron`` implementation of the Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 model families. Every
+``miles`` command imports this module, so it imports nothing heavy at the top (megatron-core takes ~10 s to import).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
 from miles_core.registry import Implementation, model_implementation
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 
 
 @hookimpl

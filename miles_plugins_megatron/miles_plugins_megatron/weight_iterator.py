@@ -5,7 +5,8 @@ Every rank iterates together (each gather is a collective); every rank receives 
 comes first, then each decoder layer, then the final norm and the output layer: only one layer's gathered tensors
 are alive at a time beyond what the caller keeps. An expert-parallel rank holds only its experts: each expert's
 tensors are gathered from every rank of the expert-parallel group and named by their global index, so every expert
-appears once under its HF name.
+appears once under its HF name. Besides the parameters, the routers' ``expert_bias`` buffers are exported: DeepSeek-V3's
+``e_score_correction_bias``, a checkpoint tensor that the loss does not train.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from miles_plugins_megatron.conversion import (
 )
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+ROUTER_EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
 class MegatronHfWeightIterator(HfWeightIterator):
@@ -50,10 +52,10 @@ class MegatronHfWeightIterator(HfWeightIterator):
                     gathered[name] = gather_tensor_parallel(name, param)
             yield from megatron_to_hf(gathered, self.hf_config).items()
 
-    def _parameter_groups(self) -> Iterator[list[tuple[str, torch.nn.Parameter]]]:
+    def _parameter_groups(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The parameters in HF order: the embedding, each layer, then the rest."""
         head, tail, layers = [], [], {}
-        for name, param in self.model.named_parameters():
+        for name, param in _exported_tensors(self.model):
             match = _LAYER.match(name)
             if match:
                 layers.setdefault(int(match.group(1)), []).append((name, param))
@@ -65,6 +67,14 @@ class MegatronHfWeightIterator(HfWeightIterator):
         for index in sorted(layers):
             yield layers[index]
         yield tail
+
+
+def _exported_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters, then the routers' expert bias buffers (replicated on every rank)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        if name.endswith(ROUTER_EXPERT_BIAS):
+            yield name, buffer
 
 
 def gather_tensor_parallel(name: str, param: torch.Tensor, *, group: Any = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ LEARNING_MARGIN = 0.05
 LEARNING_FLAGS = [
     "--reward", "echo_last", "--no-progress", "--num-steps", "45", "--rollout-batch-size", "8",
     "--rollout-group-size", "8", "--train-lr", "0.01", "--run-eval-every", "0", "--run-checkpoint-every", "0",
-    "--weight-transfer-verify-checksum",
+    "--weight-transfer-verify-checksum", "true", "--run-seed", "0",
 ]  # fmt: skip
 
 

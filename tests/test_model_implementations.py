@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from miles_core.builtin.core_plugin import check_model_implementation
 from miles_core.cli.config_args import ConfigArguments
 from miles_core.config.build import build_config
+from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.torch_trainer import TorchTrainer
@@ -176,8 +178,9 @@ def test_torch_trainer_trains_any_family_with_transformers(tmp_path: Path, famil
     trainer = torch_trainer_for(MilesPluginManager.load(), checkpoint, tmp_path / "run", *flag)
     assert trainer.implementation == f"{family}/transformers"
     assert trainer.model.model.config.model_type == family
-    expected = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
-    actual = trainer.model.hf_state_dict()
+    # exported under the checkpoint's own names (MoE experts one by one, as on disk), not transformers' in-memory ones
+    expected = load_file(str(checkpoint / "model.safetensors"))
+    actual = dict(unique_named_tensors(trainer.model.hf_state_dict().items()))
     assert sorted(actual) == sorted(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(actual[name], tensor, rtol=0, atol=0, msg=name)  # the same bytes, loaded twice

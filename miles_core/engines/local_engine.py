@@ -50,7 +50,7 @@ from miles_core.engines.weights import (
     unique_named_tensors,
 )
 from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import load_causal_lm
+from miles_core.models.hf_checkpoint import checkpoint_named_tensors, load_causal_lm
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "aborted by pause_generation"
@@ -605,7 +605,8 @@ class LocalEngine:
     def weights_checksum(self) -> str:
         """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
         with self._weights_held(change=False):
-            return checksum(unique_named_tensors(self.model.state_dict().items()))
+            # under the names the trainers send (a MoE's experts one by one), so both sides' checksums agree
+            return checksum(checkpoint_named_tensors(self.model, unique_named_tensors(self.model.state_dict().items())))
 
     def begin_weight_update(self) -> None:
         """Open the weight-update session that distributed updates need (one at a time, as SGLang)."""

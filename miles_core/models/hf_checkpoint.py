@@ -3,15 +3,18 @@ clear errors, and written by trainers."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from transformers.core_model_loading import revert_weight_conversion  # what save_pretrained calls
 
 from miles_core.errors import ConfigError, MilesError
 from miles_core.user_files import parse_json_text, read_text
@@ -86,6 +89,31 @@ def load_causal_lm(
         return transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     except Exception as exc:  # transformers raises many types for corrupt checkpoints
         raise MilesError(f"cannot load model from {str(path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def checkpoint_named_tensors(
+    model: transformers.PreTrainedModel, named: Iterable[tuple[str, torch.Tensor]] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` (by default the model's ``state_dict()``) under the names the model's checkpoint files hold them,
+    as ``save_pretrained`` writes them: transformers' own conversion mapping reversed (``revert_weight_conversion``,
+    which ``save_pretrained`` calls), so a family that keeps tensors in another layout in memory than on disk is
+    exported as on disk. Transformers 5 holds a MoE's experts fused (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    ``mlp.experts.down_proj`` ``[E, H, I]``), its checkpoints per expert (``mlp.experts.{j}.gate_proj.weight``
+    ``[I, H]``, ...): this is the one naming of MoE weights that every trainer sends and every engine (SGLang
+    included) loads. Converted one decoder layer at a time (a conversion never spans layers), so an export holds a
+    single layer's converted copies at once; a tensor no conversion touches is passed on as it is (no copy)."""
+    items = model.state_dict().items() if named is None else named
+    for _, group in itertools.groupby(items, key=lambda item: _layer_of(item[0])):
+        yield from revert_weight_conversion(model, dict(group)).items()
+
+
+def _layer_of(name: str) -> str:
+    """The decoder layer ``name`` belongs to (``model.layers.3``), ``""`` outside the layers."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else ""
 
 
 TOKENIZER_FILES = (

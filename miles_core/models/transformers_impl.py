@@ -8,11 +8,12 @@ import torch
 import transformers
 
 from miles_core.models.causal_lm import CausalLM
-from miles_core.models.hf_checkpoint import load_causal_lm
+from miles_core.models.hf_checkpoint import checkpoint_named_tensors, load_causal_lm
 
 
 class TransformersCausalLM(CausalLM):
-    """Wraps ``transformers.AutoModelForCausalLM``; the HF names are the module's own parameter names."""
+    """Wraps ``transformers.AutoModelForCausalLM``; the HF names are those of the checkpoint files (the module's own
+    parameter names, but for a family held in memory in another layout, such as fused MoE experts)."""
 
     def __init__(self, model: transformers.PreTrainedModel) -> None:
         super().__init__()
@@ -26,4 +27,5 @@ class TransformersCausalLM(CausalLM):
         return self.model(input_ids=input_ids).logits
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.state_dict())
+        """The weights as ``save_pretrained`` names them (a tied ``lm_head.weight`` is the embedding)."""
+        return dict(checkpoint_named_tensors(self.model))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -44,10 +45,18 @@ SMALL_BUCKET_BYTES = 16 << 10  # several buckets even for the tiny model
 
 class ContractEngines:
     """Engines serving one tiny checkpoint, shared by every protocol under test in a session: local processes, or
-    the workers of ``provider`` (a protocol that needs engines hosted in Ray actors passes a Ray provider)."""
+    the workers of ``provider`` (a protocol that needs engines hosted in Ray actors passes a Ray provider). The
+    checkpoint is a tiny Llama, or what ``save_model(directory)`` writes (a tiny Qwen3-MoE, for example)."""
 
-    def __init__(self, root: Path, count: int, provider: BaseWorkerProvider | None = None) -> None:
-        self.model_dir = save_tiny_llama(root / "model", seed=11)
+    def __init__(
+        self,
+        root: Path,
+        count: int,
+        provider: BaseWorkerProvider | None = None,
+        *,
+        save_model: Callable[[Path], Path] | None = None,
+    ) -> None:
+        self.model_dir = (save_model or (lambda path: save_tiny_llama(path, seed=11)))(root / "model")
         self.provider = provider or LocalWorkerProvider(token=CONTRACT_TOKEN, run_dir=root / "run")
         self.count = count
         self.infos: list[Any] = []

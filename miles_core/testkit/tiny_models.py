@@ -34,6 +34,39 @@ def save_tiny_llama(path: str | Path, *, seed: int = 0, **overrides: object) -> 
     return Path(path)
 
 
+def tiny_qwen3_moe_config(**overrides: object) -> transformers.PretrainedConfig:
+    """A two-layer Qwen3-MoE config: hidden 64, 4 experts of which each token takes 2, expert MLPs of 32, a 64-token
+    vocabulary (pad 0, eos 1, bos 2), untied embeddings."""
+    values = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=112,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    values.update(overrides)
+    return transformers.AutoConfig.for_model("qwen3_moe", **values)
+
+
+def save_tiny_qwen3_moe(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Save a randomly initialised tiny Qwen3-MoE checkpoint to ``path``, as transformers writes it (one tensor per
+    expert: ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``, ...)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(**overrides))
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def perturbed_state(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """Every weight of ``model`` plus seeded noise (HF names)."""
     generator = torch.Generator().manual_seed(seed)

@@ -8,8 +8,10 @@ import abc
 from collections.abc import Iterable, Iterator
 
 import torch
+import transformers
 
 from miles_core.engines.weights import unique_named_tensors
+from miles_core.models.hf_checkpoint import checkpoint_named_tensors
 from miles_core.weight_transfer.protocol import WeightBucket
 
 
@@ -45,13 +47,18 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
 
 
 class ModuleHfWeightIterator(HfWeightIterator):
-    """For a module whose parameter names already are HF names (any transformers model); tied weights are sent
-    once, under their first name, as HF checkpoints store them."""
+    """For a module whose parameter names already are HF names, or a transformers model (sent under its checkpoint
+    names: a MoE's fused experts one tensor per expert, see
+    :func:`~miles_core.models.hf_checkpoint.checkpoint_named_tensors`); tied weights are sent once, under their
+    first name, as HF checkpoints store them."""
 
     def __init__(self, module: torch.nn.Module, *, bucket_bytes: int) -> None:
         super().__init__(bucket_bytes=bucket_bytes)
         self.module = module
 
     def named_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
-        for name, tensor in unique_named_tensors(self.module.state_dict().items()):
+        named = unique_named_tensors(self.module.state_dict().items())
+        if isinstance(self.module, transformers.PreTrainedModel):
+            named = checkpoint_named_tensors(self.module, named)
+        for name, tensor in named:
             yield name, tensor.detach()

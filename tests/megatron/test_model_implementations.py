@@ -4,6 +4,7 @@ same registry and, with no DeepSeek-V4 implementation installed, is an error lis
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -27,10 +28,16 @@ def registries():
     return MilesPluginManager.load().registries
 
 
+MOE = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
 CHECKPOINTS = {
     "qwen3-qk-norm": ("qwen3", {"tie_word_embeddings": False, "head_dim": 24}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen2-qkv-bias": ("qwen2", {"tie_word_embeddings": False}),
+    # both export every expert under its checkpoint name (transformers holds them fused in memory)
+    "qwen3-moe": (
+        "qwen3_moe",
+        {"tie_word_embeddings": False, "head_dim": 16, **MOE},
+    ),
 }
 
 
@@ -50,15 +57,18 @@ def test_megatron_and_transformers_implementations_agree(tmp_path: Path, registr
         assert (megatron(input_ids) - reference(input_ids)).abs().max().item() < 1e-5
 
 
-def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, registries) -> None:
-    checkpoint = perturbed_checkpoint(tmp_path / "qwen3", "qwen3", tie_word_embeddings=False, head_dim=24)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, registries, family: str) -> None:
+    """``--model-impl FAMILY=transformers`` and ``=megatron`` under the torch trainer: the same step."""
+    overrides = MOE if family == "qwen3_moe" else {}
+    checkpoint = perturbed_checkpoint(tmp_path / family, family, tie_word_embeddings=False, head_dim=24, **overrides)
     settings = TrainSection(lr=0.1, micro_batch_size=3, kl_coef=0.05, optimizer="sgd")  # linear in the gradient
     config = types.SimpleNamespace(
         train=settings, run=types.SimpleNamespace(seed=0), model=types.SimpleNamespace(implementations={})
     )
     results, initial = {}, None
     for impl in ("transformers", "megatron"):
-        config.model.implementations = {"qwen3": impl}
+        config.model.implementations = {family: impl}
         trainer = TorchTrainer.for_run(
             config,
             model_path=checkpoint,
@@ -67,7 +77,7 @@ def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, 
             token="",
             registries=registries,
         )
-        assert trainer.implementation == f"qwen3/{impl}"
+        assert trainer.implementation == f"{family}/{impl}"
         initial = initial or {n: t.clone() for bucket in trainer.weight_iterator(1 << 20) for n, t in bucket}
         metrics = trainer.train_step(training_batch())
         weights = {n: t.clone() for bucket in trainer.weight_iterator(1 << 20) for n, t in bucket}
@@ -92,5 +102,23 @@ def test_miles_plugins_lists_the_megatron_plugin() -> None:
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "megatron" in line]
     assert any("miles-plugins-megatron" in line for line in lines), result.stdout
-    for provided in ("qwen3/megatron", "llama/megatron", "qwen2/megatron"):
+    for provided in ("qwen3/megatron", "llama/megatron", "qwen2/megatron", "qwen3_moe/megatron"):
         assert provided in result.stdout
+
+
+@pytest.mark.parametrize("trainer", ["torch", "megatron"])
+def test_model_impl_chooses_the_qwen3_moe_implementation_per_trainer(tmp_path: Path, registries, trainer) -> None:
+    """``--model-impl qwen3_moe=transformers`` is for the torch trainer, ``=megatron`` for either (the megatron
+    trainer trains nothing else): a choice the trainer cannot train is refused, naming the flag to use."""
+    checkpoint = perturbed_checkpoint(tmp_path / "moe", "qwen3_moe", head_dim=16, **MOE)
+    for impl in ("transformers", "megatron"):
+        flags = ["--model", str(checkpoint), "--trainer", trainer, "--model-impl", f"qwen3_moe={impl}"]
+        result = run_miles("config", "show", "--json", *flags)
+        if trainer == "megatron" and impl == "transformers":
+            assert result.returncode != 0
+            assert "the megatron trainer trains megatron-core GPTModel ranks (--model-impl qwen3_moe=megatron)" in (
+                result.stderr
+            )
+        else:
+            assert result.returncode == 0, result.stderr[-2000:]
+            assert json.loads(result.stdout)["model"]["implementations"] == {"qwen3_moe": impl}

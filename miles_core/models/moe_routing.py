@@ -96,8 +96,12 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[No
             f"routed experts of shape {list(experts.shape)}: the model needs [batch, tokens, layers >= "
             f"{max(routers) + 1}, {top_k}]"
         )
-    if experts.numel() and (int(experts.max()) >= num_experts or int(experts.min()) < NOT_ROUTED):
-        raise RoutedExpertsError(f"expert ids range {int(experts.min())}..{int(experts.max())}: 0..{num_experts - 1}")
+    bad = experts[(experts < NOT_ROUTED) | (experts >= num_experts)]
+    if bad.numel():
+        raise RoutedExpertsError(
+            f"expert id {int(bad[0])} is out of range: this model's experts are 0 to {num_experts - 1} (were the "
+            "routed experts recorded on another model?)"
+        )
     handles = [router.register_forward_hook(_replay_hook(experts[:, :, layer])) for layer, router in routers.items()]
     try:
         yield

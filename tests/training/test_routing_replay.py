@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from miles_core.config.sections import TrainSection
 from miles_core.engines.local_engine import LocalEngine
-from miles_core.engines.routed_experts import RoutedExpertsError
+from miles_core.engines.routed_experts import RoutedExpertsError, RoutingShape
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
+from miles_core.errors import ConfigError
 from miles_core.rollout.executor import _routing_continued
-from miles_core.testkit.tiny_models import perturbed_state, save_tiny_qwen3_moe
+from miles_core.run_setup import routing_replay_shape
+from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama, save_tiny_qwen3_moe
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
+from tests.conftest import config_json
 
 PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
 
@@ -143,3 +147,17 @@ def test_a_continued_request_appends_the_routing_of_its_new_tokens() -> None:
     assert _routing_continued(before, answer) == [*before, [[4, 5]], [[5, 6]]]
     assert _routing_continued(None, answer) == answer
     assert _routing_continued(before, None) == before
+
+
+def test_the_flag_sets_the_field_and_a_model_without_experts_is_refused(generated, tmp_path: Path) -> None:
+    assert config_json("--train-routing-replay", "true")["train"]["routing_replay"] is True
+    on = SimpleNamespace(train=SimpleNamespace(routing_replay=True), rollout=SimpleNamespace(agent=None))
+    model_dir, _ = generated
+    assert routing_replay_shape(on, model_dir) == RoutingShape(num_layers=2, top_k=2, num_experts=8)
+    with pytest.raises(ConfigError, match="the embedded default \\(a dense Llama\\) has no routed experts"):
+        routing_replay_shape(on, None)
+    with pytest.raises(ConfigError, match=r"has no routed experts .* train a Mixture-of-Experts model"):
+        routing_replay_shape(on, save_tiny_llama(tmp_path / "llama"))
+    agent = SimpleNamespace(train=on.train, rollout=SimpleNamespace(agent="single_turn"))
+    with pytest.raises(ConfigError, match="not available with --rollout-agent"):
+        routing_replay_shape(agent, model_dir)

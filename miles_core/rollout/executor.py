@@ -363,17 +363,15 @@ class RolloutExecutor:
     async def _generate_on(self, client: EngineClient, share: list[Sample], params: SamplingParams) -> None:
         prompts = [s.prompt_ids + s.response_ids for s in share]  # a cut request continues after its tokens
         per_sample = [_continued(params, s) for s in share]
+        extra = {"routing": self.routing} if self.routing is not None else {}  # asked only with routing replay
         outputs: list[GenerateOutput | BaseException]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
             outputs = await asyncio.gather(
-                *(
-                    client.generate_outputs(ids, p, routing=self.routing)
-                    for ids, p in zip(prompts, per_sample, strict=True)
-                ),
+                *(client.generate_outputs(ids, p, **extra) for ids, p in zip(prompts, per_sample, strict=True)),
                 return_exceptions=True,
             )
         else:
-            outputs = await client.generate_outputs(prompts, per_sample, routing=self.routing)
+            outputs = await client.generate_outputs(prompts, per_sample, **extra)
         for sample, output in zip(share, outputs, strict=True):
             if not isinstance(output, BaseException):
                 self._take(sample, output, client.name)

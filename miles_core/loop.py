@@ -141,6 +141,7 @@ async def _run_with_trainer(
             initial_version=setup.start_step,
             agent=agent,
             sessions=sessions,
+            routing=setup.routing,
         )
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
     finally:

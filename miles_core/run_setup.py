@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.default.tokenizer import DigitTokenizer
+from miles_core.engines.routed_experts import RoutingShape
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import (
     TOKENIZER_FILES,
@@ -45,6 +46,7 @@ class RunSetup:
     reward_name: str
     token: str
     start_step: int = 0
+    routing: RoutingShape | None = None  # the model's routing shape when --train-routing-replay is on
 
 
 def prepare_run(config: Any, registries: Registries) -> RunSetup:
@@ -62,6 +64,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         max_new_tokens=config.rollout.max_new_tokens,
     )
     reward_fn, reward_name = load_reward(config, registries)
+    routing = routing_replay_shape(config, model_path)
     try:
         if not config.run.resume:
             archive = archive_previous_run(run_dir)
@@ -85,6 +88,7 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
         reward_fn,
         reward_name,
         token=secrets.token_urlsafe(24),
+        routing=routing,
     )
     if config.run.resume:
         resume_from_latest(setup, num_steps=config.run.num_steps)
@@ -133,6 +137,24 @@ def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
     moved = archive / inside
     print(f"miles: --model {path} moved with the earlier run; loading it from {moved}", flush=True)
     return moved
+
+
+def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape | None:
+    """With ``--train-routing-replay``, the routing shape of the run's model (layers, ``top_k``, experts); a model
+    without routed experts (the embedded default is a dense Llama), or an agent run, is a :class:`ConfigError`."""
+    if not config.train.routing_replay:
+        return None
+    what = "train.routing_replay (--train-routing-replay) = true"
+    if config.rollout.agent is not None:
+        raise ConfigError(f"{what} is not available with --rollout-agent yet (agent turns carry no routed experts)")
+    shape = RoutingShape.of_config(read_model_config(model_path)) if model_path is not None else None
+    if shape is None:
+        model = repr(str(model_path)) if model_path is not None else "the embedded default (a dense Llama)"
+        raise ConfigError(
+            f"{what}, but the model {model} has no routed experts (its config.json needs num_experts and "
+            "num_experts_per_tok, as Qwen3-MoE's): train a Mixture-of-Experts model or turn routing replay off"
+        )
+    return shape
 
 
 def check_model_family(config: Any) -> None:

@@ -162,6 +162,12 @@ class TrainSection(Section):
         description="Dtype of the policy logprob and entropy math: float32 (the logits upcast) or model (the "
         "model's own dtype: less memory with a bfloat16 model, bf16 rounding in the loss).",
     )
+    routing_replay: bool = pydantic.Field(
+        default=False,
+        description="Routing replay (R3) for Mixture-of-Experts models: the engines return the experts each token "
+        "was routed to (return_routed_experts) and the trainer's forward routes every token to them, the routing "
+        "weights from its own router logits.",
+    )
 
 
 class EngineSection(Section):

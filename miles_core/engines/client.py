@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
+from miles_core.engines.routed_experts import RoutingShape
 from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import encode_tensors
 from miles_core.errors import EngineError  # defined with the other errors; imported from here by older callers
@@ -52,6 +53,7 @@ class EngineClient:
         *,
         return_logprob: bool = True,
         rid: str | list[str] | None = None,
+        return_routed_experts: bool = False,
     ) -> Any:
         """``/generate`` with token ids: one response dict, or a list for a batch of prompts."""
         body: dict[str, Any] = {
@@ -59,6 +61,8 @@ class EngineClient:
             "sampling_params": sampling_params or {},
             "return_logprob": return_logprob,
         }
+        if return_routed_experts:  # only when asked: an engine without the feature refuses the key
+            body["return_routed_experts"] = True
         if rid is not None:
             body["rid"] = rid
         return await self._request("POST", "/generate", body)
@@ -69,9 +73,11 @@ class EngineClient:
         params: SamplingParams | list[SamplingParams],
         *,
         return_logprob: bool = True,
+        routing: RoutingShape | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         """``/generate`` with token ids, the answer checked and typed: one :class:`GenerateOutput` for one prompt
         (a list of ids), a list of them for a batch (a list of lists; ``params`` one for all, or one per prompt).
+        ``routing`` (the model's :class:`RoutingShape`) asks for every token's routed experts (routing replay).
         A malformed answer is an :class:`EngineError` naming this engine. (:meth:`generate` keeps SGLang's raw
         JSON, for callers that read more of it.)"""
         batch = bool(input_ids) and isinstance(input_ids[0], list)
@@ -83,17 +89,26 @@ class EngineClient:
                 "with one SamplingParams, or a list of prompts with one SamplingParams or one per prompt"
             )
         sampling = [p.to_sglang() for p in params] if isinstance(params, list) else params.to_sglang()
-        answer = await self.generate(input_ids, sampling, return_logprob=return_logprob)
+        answer = await self.generate(
+            input_ids, sampling, return_logprob=return_logprob, return_routed_experts=routing is not None
+        )
         engine = f"{self.name} ({self.url})"
+        prompts = input_ids if batch else [input_ids]
+
+        def read(body: Any, prompt: list[int]) -> GenerateOutput:
+            return GenerateOutput.from_sglang(
+                body, engine=engine, with_logprobs=return_logprob, routing=routing, prompt_tokens=len(prompt)
+            )
+
         if not batch:
-            return GenerateOutput.from_sglang(answer, engine=engine, with_logprobs=return_logprob)
+            return read(answer, input_ids)
         if not isinstance(answer, list) or len(answer) != count:
             raise EngineError(
                 f"engine {engine} sent a malformed /generate answer: expected a list of {count} answers for "
                 f"{count} prompts, got {type(answer).__name__}"
                 + (f" of {len(answer)}" if isinstance(answer, list) else "")
             )
-        return [GenerateOutput.from_sglang(a, engine=engine, with_logprobs=return_logprob) for a in answer]
+        return [read(a, prompt) for a, prompt in zip(answer, prompts, strict=True)]
 
     async def health(self) -> bool:
         try:

@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from miles_core.engines.routed_experts import RoutedExperts, RoutedExpertsError, RoutingShape, decode_routed_experts
 from miles_core.errors import EngineError
 
 INITIAL_WEIGHT_VERSION = "default"
@@ -58,7 +59,9 @@ class GenerateOutput:
     ``logprobs`` are the chosen tokens' logprobs (one per output id; empty when not asked for). ``finish_reason``
     is SGLang's type: ``"stop"``, ``"length"``, ``"abort"``. ``weight_version`` is the Miles version the engine
     served (``None`` before the first publication). ``meta`` is the raw ``meta_info``, for callers that need more
-    (top logprobs, token counts)."""
+    (top logprobs, token counts). ``routed_experts``: when asked for (``return_routed_experts``), the experts of
+    every token the engine ran, ``[prompt + output - 1][layers][top_k]`` (:mod:`miles_core.engines.routed_experts`);
+    ``None`` otherwise, and for an aborted answer that came without them."""
 
     output_ids: list[int]
     logprobs: list[float]
@@ -66,6 +69,7 @@ class GenerateOutput:
     weight_version: int | None
     text: str | None
     meta: dict[str, Any]
+    routed_experts: RoutedExperts | None = None
 
     @property
     def aborted(self) -> bool:
@@ -74,10 +78,20 @@ class GenerateOutput:
         return self.finish_reason == "abort"
 
     @classmethod
-    def from_sglang(cls, body: Any, *, engine: str, with_logprobs: bool = False) -> GenerateOutput:
+    def from_sglang(
+        cls,
+        body: Any,
+        *,
+        engine: str,
+        with_logprobs: bool = False,
+        routing: RoutingShape | None = None,
+        prompt_tokens: int = 0,
+    ) -> GenerateOutput:
         """Check and read one answer; ``with_logprobs``: it was asked for with ``return_logprob`` (so it must
-        carry one logprob per output id; an aborted answer may carry none). Anything malformed is an
-        :class:`EngineError` naming ``engine``."""
+        carry one logprob per output id; an aborted answer may carry none); ``routing``: it was asked for with
+        ``return_routed_experts`` of a model of this shape, for a prompt of ``prompt_tokens`` tokens (so it must
+        carry their routing and that of every output id but the last; an aborted answer may carry none). Anything
+        malformed is an :class:`EngineError` naming ``engine``."""
 
         def bad(what: str) -> EngineError:
             return EngineError(f"engine {engine} sent a malformed /generate answer: {what}")
@@ -102,6 +116,13 @@ class GenerateOutput:
         else:
             logprobs = _logprobs(meta, output_ids, bad)
         version = meta.get("weight_version", INITIAL_WEIGHT_VERSION if aborted else _MISSING)
+        routed = None
+        if routing is not None and not (aborted and "routed_experts" not in meta):
+            tokens = max(prompt_tokens + len(output_ids) - 1, 0)
+            try:
+                routed = decode_routed_experts(meta.get("routed_experts"), shape=routing, num_tokens=tokens)
+            except RoutedExpertsError as exc:
+                raise bad(f"meta_info.routed_experts: {exc} (was return_routed_experts honoured?)") from None
         return cls(
             output_ids=list(output_ids),
             logprobs=logprobs,
@@ -109,6 +130,7 @@ class GenerateOutput:
             weight_version=parse_weight_version(version, engine=engine),
             text=text,
             meta=dict(meta),
+            routed_experts=routed,
         )
 
 

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pydantic
 import torch
 import uvicorn
@@ -45,6 +46,7 @@ from starlette.routing import Route
 
 from miles_core import __version__
 from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
+from miles_core.engines.routed_experts import encode_routed_experts
 from miles_core.engines.sampling import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
@@ -96,6 +98,7 @@ GENERATE_FIELDS = frozenset(
         "return_logprob",
         "top_logprobs_num",
         "return_text_in_logprobs",
+        "return_routed_experts",
         "log_metrics",
         "model",
     }
@@ -112,7 +115,6 @@ NEUTRAL_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,),
     "modalities": (None,),
     "return_hidden_states": (None, False),
-    "return_routed_experts": (None, False),
     "custom_logit_processor": (None,),
     "session_params": (None,),
     "token_ids_logprob": (None,),
@@ -263,8 +265,9 @@ class LocalEngineServer:
         params = _sampling_params(body.get("sampling_params"), len(batch))
         rids = _rids(body.get("rid"), len(batch), single=single)
         top = logprobs.top if logprobs.enabled else 0
+        routed = _optional(body, "return_routed_experts", bool, False)
         requests = [
-            self.engine.admit(GenerationRequest(ids, p, top_logprobs_num=top))
+            self.engine.admit(GenerationRequest(ids, p, top_logprobs_num=top, return_routed_experts=routed))
             for ids, p in zip(batch, params, strict=True)
         ]
         if stream:
@@ -353,6 +356,9 @@ class LocalEngineServer:
                 meta["output_top_logprobs"] = [
                     [[lp, tok, text(tok)] for lp, tok in position] for position in result.top_logprobs
                 ]
+        if request.return_routed_experts and finished:  # SGLang sends them with the finished answer alone
+            experts = result.routed_experts
+            meta["routed_experts"] = encode_routed_experts(experts if experts is not None else numpy.zeros((0,)))
         text = self.engine.decode(result.output_ids)
         # a finished answer is cut before its stop string; a streamed one never shows a piece of one either
         text = visible_text(text, result.finish_reason) if finished else text[: held_back(text, request.params.stop)]

@@ -20,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from miles_core.engines.routed_experts import RoutingShape
 from miles_core.engines.sampling import GenerationRequest, GenerationResult, _choose, _Sampler
 from miles_core.errors import MilesError
+from miles_core.models.moe_routing import RoutingCapture, moe_routers
 
 
 class Row(Protocol):
@@ -46,6 +48,9 @@ class RunningBatch:
         self.next_ids = torch.zeros(0, dtype=torch.long, device=self.device)
         self.next_positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.generated_tokens = 0
+        shape = RoutingShape.of_config(getattr(model, "config", None))
+        self.routing = RoutingCapture(model, shape) if shape is not None and moe_routers(model) else None
+        """The routers' choices of every forward, for the requests that ask for them (an MoE model only)."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -71,6 +76,10 @@ class RunningBatch:
             use_cache=True,
             logits_to_keep=1,
         )
+        if self._wants_routing(rows):
+            experts = self.routing.experts(len(rows), width)
+            for index, (row, ids) in enumerate(zip(rows, inputs, strict=True)):
+                row.sampler.record_routing(experts[index, width - len(ids) :], start=0)
         tokens = self._sample(rows, out.logits[:, -1])
         lengths = torch.tensor([len(ids) for ids in inputs], dtype=torch.long, device=self.device)
         self._merge(rows, out.cache, mask, torch.tensor(tokens, dtype=torch.long, device=self.device), lengths)
@@ -90,9 +99,22 @@ class RunningBatch:
             logits_to_keep=1,
         )
         self.cache = out.cache
+        if self._wants_routing(self.rows):
+            experts = self.routing.experts(len(self.rows), 1)
+            for index, row in enumerate(self.rows):  # each row ran its last sampled token
+                start = len(row.request.input_ids) + len(row.sampler.output_ids) - 1
+                row.sampler.record_routing(experts[index], start=start)
         tokens = self._sample(self.rows, out.logits[:, -1])
         self.next_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         self.next_positions = self.next_positions + 1
+
+    def _wants_routing(self, rows: Sequence[Row]) -> bool:
+        """Whether some row asked for its routed experts; one that did on a model without routers is refused at
+        admission, so here it is a defect."""
+        wanted = any(row.request.return_routed_experts for row in rows)
+        if wanted and self.routing is None:
+            raise MilesError("return_routed_experts on a model without MoE routers")
+        return wanted
 
     def finished(self) -> list[Row]:
         """The rows whose request ended (a stop token or string, its length), removed from the batch."""
@@ -234,4 +256,5 @@ def result_of(sampler: _Sampler, finish_reason: dict | None = None) -> Generatio
         reason,
         list(sampler.top_logprobs),
         list(sampler.version_events),
+        torch.cat(sampler.routed_experts) if sampler.routed_experts else None,
     )

@@ -28,6 +28,7 @@ import torch
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams, parse_weight_version
+from miles_core.engines.routed_experts import RoutedExperts, RoutingShape
 from miles_core.errors import MilesError
 from miles_core.rollout.agents import Agent, is_session_failure
 from miles_core.rollout.prompts import Prompt
@@ -65,6 +66,9 @@ class Sample:
     transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """An agent's sample, turn by turn as the dashboard shows it: ``{"source": "policy" | "agent", "text",
     "tokens"}`` per span of ``response_ids`` (the policy's turns are trained on, the agent's messages masked)."""
+    routed_experts: RoutedExperts | None = None
+    """Routing replay: the experts each token the engine ran was routed to, ``[prompt + response - 1][layers]
+    [top_k]``; a continued request's are appended after those it already has."""
 
     def off_policy_mask(self) -> tuple[float, ...]:
         """Per response token: 1.0 for the tokens of the last weight version, 0.0 for earlier ones."""
@@ -128,11 +132,20 @@ class RolloutExecutor:
         initial_version: int = 0,
         agent: Agent | None = None,
         sessions: SessionServers | None = None,
+        routing: RoutingShape | None = None,
     ) -> None:
         """``agent`` and ``sessions``: an agent run's agent and the session servers it plays samples through (both or
-        neither); without them, samples are generated single-turn, in batches."""
+        neither); without them, samples are generated single-turn, in batches. ``routing``: the model's routing
+        shape, to ask the engines for every token's routed experts and hand them to the trainer (routing replay;
+        not with an agent, whose turns go through the session servers)."""
         if (agent is None) != (sessions is None):
             raise MilesError("an agent needs session servers, and session servers an agent")
+        if routing is not None and agent is not None:
+            raise MilesError(
+                "routing replay (--train-routing-replay) is not available with an agent (--rollout-agent): the "
+                "session servers do not carry routed experts yet; turn one of them off"
+            )
+        self.routing = routing
         self.config = config
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
@@ -273,6 +286,7 @@ class RolloutExecutor:
                     float(a),
                     s.reward,
                     s.train_mask(mask_off_policy=mask),
+                    s.routed_experts,
                 )
                 for s, a in zip(samples, advantages.tolist(), strict=True)
             ]
@@ -349,14 +363,15 @@ class RolloutExecutor:
     async def _generate_on(self, client: EngineClient, share: list[Sample], params: SamplingParams) -> None:
         prompts = [s.prompt_ids + s.response_ids for s in share]  # a cut request continues after its tokens
         per_sample = [_continued(params, s) for s in share]
+        extra = {"routing": self.routing} if self.routing is not None else {}  # asked only with routing replay
         outputs: list[GenerateOutput | BaseException]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
             outputs = await asyncio.gather(
-                *(client.generate_outputs(ids, p) for ids, p in zip(prompts, per_sample, strict=True)),
+                *(client.generate_outputs(ids, p, **extra) for ids, p in zip(prompts, per_sample, strict=True)),
                 return_exceptions=True,
             )
         else:
-            outputs = await client.generate_outputs(prompts, per_sample)
+            outputs = await client.generate_outputs(prompts, per_sample, **extra)
         for sample, output in zip(share, outputs, strict=True):
             if not isinstance(output, BaseException):
                 self._take(sample, output, client.name)
@@ -372,11 +387,13 @@ class RolloutExecutor:
                 return  # cut before it produced anything: sent again as it was
             if not (self.config.rollout.partial and len(output.logprobs) == len(output.output_ids)):
                 sample.response_ids, sample.logprobs, sample.segments = [], [], []
+                sample.routed_experts = None
                 return
         if output.output_ids or not sample.segments:
             sample.segments.extend(_segments(output, engine))
         sample.response_ids = sample.response_ids + output.output_ids
         sample.logprobs = sample.logprobs + output.logprobs
+        sample.routed_experts = _routing_continued(sample.routed_experts, output.routed_experts)
         sample.weight_version = output.weight_version
         finish = output.finish_reason
         if output.aborted:
@@ -571,6 +588,17 @@ def _segments(output: GenerateOutput, engine: str) -> list[tuple[int | None, int
             f"engine {engine}'s weight_versions {spans!r:.200} do not cover its {len(output.output_ids)} tokens"
         )
     return [segment for segment in segments if segment[1] > 0] or [(output.weight_version, 0)]
+
+
+def _routing_continued(before: RoutedExperts | None, answer: RoutedExperts | None) -> RoutedExperts | None:
+    """A sample's routed experts after an answer: the answer covers every token of its request (the prompt, the
+    tokens of earlier answers, its own), so the tokens the sample has routing for keep it (what they were generated
+    with) and the answer's routing of the tokens after them is appended."""
+    if answer is None:
+        return before
+    if not before:
+        return answer
+    return before + answer[len(before) :]
 
 
 def _turn_segments(trajectory: Trajectory) -> list[tuple[int | None, int]]:

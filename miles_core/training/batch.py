@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExperts, RoutedExpertsError, check_routed_experts
 from miles_core.errors import MilesError
 
 
@@ -15,7 +16,11 @@ class TrainSample:
     """One sample: its tokens, the rollout's logprob of each response token, its advantage and reward.
 
     ``loss_mask`` has one entry per response token, between 0 and 1: 1 trains on the token, 0 masks it off (a token
-    generated under older weights, for example); ``None`` trains on every response token."""
+    generated under older weights, for example); ``None`` trains on every response token.
+
+    ``routed_experts`` (routing replay): the experts the engine routed each token to, ``[tokens][layers][top_k]``
+    for the ``len(prompt_ids) + len(response_ids) - 1`` tokens it ran (all but the last response token, as SGLang
+    reports them); ``None``: the trainer routes this sample's tokens itself."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -23,8 +28,16 @@ class TrainSample:
     advantage: float
     reward: float
     loss_mask: tuple[float, ...] | None = None
+    routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
+        if self.routed_experts is not None:
+            tokens = max(len(self.prompt_ids) + len(self.response_ids) - 1, 0)
+            try:
+                routed = check_routed_experts(self.routed_experts, num_tokens=tokens)
+            except RoutedExpertsError as exc:
+                raise ValueError(f"{self.describe()}: routed_experts: {exc}") from None
+            object.__setattr__(self, "routed_experts", routed)
         if self.loss_mask is None:
             return
         mask = tuple(self.loss_mask)
@@ -67,7 +80,9 @@ class TrainBatch:
     def tensors(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded ``input_ids [B, L]`` and, aligned with the next-token targets ``input_ids[:, 1:]``:
         ``response_mask`` (1 on response tokens, times each sample's ``loss_mask``), ``rollout_logprobs`` (both
-        ``[B, L-1]``), plus ``advantages [B]``."""
+        ``[B, L-1]``), plus ``advantages [B]``; when a sample carries routed experts, ``routed_experts [B, L,
+        layers, top_k]`` (:data:`NOT_ROUTED` where nothing was recorded: padding, the last token, samples without
+        them)."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
         batch = len(self.samples)
         input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
@@ -81,7 +96,26 @@ class TrainBatch:
             mask[row, start:end] = 1 if sample.loss_mask is None else torch.tensor(sample.loss_mask)
             old[row, start:end] = torch.tensor(sample.rollout_logprobs)
         advantages = torch.tensor([s.advantage for s in self.samples], dtype=torch.float32)
-        return {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
+        tensors = {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
+        routed = self.routed_experts(length)
+        if routed is not None:
+            tensors["routed_experts"] = routed
+        return tensors
+
+    def routed_experts(self, length: int) -> torch.Tensor | None:
+        """The samples' routed experts as ``[B, length, layers, top_k]`` (see :meth:`tensors`); ``None`` when no
+        sample has any. Samples whose layers or ``top_k`` differ are a :class:`MilesError`."""
+        shapes = {(len(s.routed_experts[0]), len(s.routed_experts[0][0])) for s in self.samples if s.routed_experts}
+        if not shapes:
+            return None
+        if len(shapes) > 1:
+            raise MilesError(f"the batch's routed experts have different [layers][top_k]: {sorted(shapes)}")
+        layers, top_k = shapes.pop()
+        out = torch.full((len(self.samples), length, layers, top_k), NOT_ROUTED, dtype=torch.long)
+        for row, sample in enumerate(self.samples):
+            if sample.routed_experts:
+                out[row, : len(sample.routed_experts)] = torch.tensor(sample.routed_experts, dtype=torch.long)
+        return out
 
 
 def trained_tokens(batch: TrainBatch) -> float:

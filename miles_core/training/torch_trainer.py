@@ -6,6 +6,7 @@ in HF format plus optimizer state."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from miles_core.models.hf_checkpoint import (
     save_hf_checkpoint,
     tokenizer_files,
 )
+from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
@@ -144,13 +146,24 @@ class TorchTrainer:
         self.model.eval()
         with torch.no_grad():
             input_ids = tensors["input_ids"]
-            return token_logprobs(self.model(input_ids)[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype)
+            with self._replayed(self.model, tensors):
+                logits = self.model(input_ids)
+            return token_logprobs(logits[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype)
+
+    def _replayed(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+        """Routing replay (``routing_replay``) of the micro-batch's routed experts in ``model``'s forwards: each
+        token routed to the experts the engine routed it to (tokens without them route themselves)."""
+        experts = tensors.get("routed_experts")
+        if not self.settings.routing_replay or experts is None:
+            return contextlib.nullcontext()
+        return replay_routing(model, experts)
 
     def _accumulate(
         self, tensors: dict[str, torch.Tensor], weight: float, old_logprobs: torch.Tensor | None
     ) -> dict[str, float]:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
-        logits = self.model(input_ids)[:, :-1]
+        with self._replayed(self.model, tensors):
+            logits = self.model(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets, dtype=self.logits_dtype)
         loss, stats = policy_loss(
@@ -166,7 +179,7 @@ class TorchTrainer:
         token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
         kl = torch.zeros(())
         if self.reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._replayed(self.reference, tensors):
                 ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets, dtype=self.logits_dtype)
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy

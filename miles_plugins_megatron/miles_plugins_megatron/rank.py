@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from miles_core.config.sections import TrainSection
 from miles_core.distributed import tcp_init_method_address, tcp_store
+from miles_core.engines.routed_experts import NOT_ROUTED
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
@@ -218,18 +219,31 @@ class MegatronRank:
                 "rollout_logprobs": torch.zeros((rows, length - 1), device=self.device),
                 "advantages": torch.zeros((rows,), device=self.device),
             }
+            if micro is not None and "routed_experts" in micro:
+                routed = micro["routed_experts"]
+                padded["routed_experts"] = torch.full(
+                    (rows, length, *routed.shape[2:]), NOT_ROUTED, dtype=routed.dtype, device=self.device
+                )
             for key, tensor in (micro or {}).items():
                 padded[key][tuple(slice(0, size) for size in tensor.shape)] = tensor
             aligned.append(padded)
         return aligned
 
-    def _forward(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits ``[B, T, V/tp]``."""
+    def _forward(
+        self, model: torch.nn.Module, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits ``[B, T, V/tp]``; with ``routing_replay``, every token routed
+        to its ``routed_experts`` (``[B, T, layers, top_k]``, the micro-batch's)."""
         from miles_plugins_megatron.cpu_compat import causal_mask
+        from miles_plugins_megatron.routing_replay import replay_routing
 
         length = input_ids.shape[1]
         positions = torch.arange(length, device=self.device).expand(input_ids.shape[0], -1)
-        return model(input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length).to(self.device))
+        replayed = routed_experts if self.train.routing_replay else None
+        with replay_routing(model, replayed):
+            return model(
+                input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length).to(self.device)
+            )
 
     def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The shard's logprobs of the targets before this step, without gradient, in eval mode (as the torch
@@ -240,7 +254,9 @@ class MegatronRank:
         with torch.no_grad():
             input_ids = tensors["input_ids"]
             logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                self._forward(self.model, input_ids)[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype
+                self._forward(self.model, input_ids, tensors.get("routed_experts"))[:, :-1],
+                input_ids[:, 1:],
+                dtype=self.logits_dtype,
             )
         return logprobs
 
@@ -252,7 +268,9 @@ class MegatronRank:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         targets = input_ids[:, 1:]
         logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
-            self._forward(self.model, input_ids)[:, :-1], targets, dtype=self.logits_dtype
+            self._forward(self.model, input_ids, tensors.get("routed_experts"))[:, :-1],
+            targets,
+            dtype=self.logits_dtype,
         )
         loss, stats = policy_loss(
             logprobs,
@@ -269,7 +287,9 @@ class MegatronRank:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                    self._forward(self.reference, input_ids)[:, :-1], targets, dtype=self.logits_dtype
+                    self._forward(self.reference, input_ids, tensors.get("routed_experts"))[:, :-1],
+                    targets,
+                    dtype=self.logits_dtype,
                 )
             kl = kl_k3(logprobs, ref_logprobs, mask)
         total = loss + self.train.kl_coef * kl - self.train.entropy_coef * mean_entropy

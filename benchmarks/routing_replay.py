@@ -102,6 +102,9 @@ def main() -> None:
     staging.mkdir(mode=0o700)
     model_dir = save_tiny_qwen3_moe(
         root / "model",
+        scale=0.1,
+        norm_topk_prob=True,
+        intermediate_size=128,
         num_hidden_layers=args.layers,
         num_experts=args.experts,
         num_experts_per_tok=args.top_k,

@@ -58,11 +58,17 @@ def tiny_qwen3_moe_config(**overrides: object) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model("qwen3_moe", **values)
 
 
-def save_tiny_qwen3_moe(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+def save_tiny_qwen3_moe(path: str | Path, *, seed: int = 0, scale: float = 0.0, **overrides: object) -> Path:
     """Save a randomly initialised tiny Qwen3-MoE checkpoint to ``path``, as transformers writes it (one tensor per
-    expert: ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``, ...)."""
+    expert: ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight``, ...). A ``scale`` above 0 adds seeded noise of
+    that size to every weight (the routers' too), so that tokens spread over the experts rather than all taking the
+    same ones."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(**overrides))
+    if scale:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn_like(parameter) * scale)
     model.save_pretrained(path)
     return Path(path)
 
@@ -74,40 +80,3 @@ def perturbed_state(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -
         name: tensor + scale * torch.randn(tensor.shape, generator=generator)
         for name, tensor in model.state_dict().items()
     }
-
-
-def tiny_qwen3_moe_config(**overrides: object) -> transformers.PretrainedConfig:
-    """A two-layer Qwen3-MoE config: hidden 64, 8 experts of which each token takes 2, a 64-token vocabulary (pad 0,
-    eos 1, bos 2), top-k weights renormalised."""
-    values = dict(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    values.update(overrides)
-    return transformers.AutoConfig.for_model("qwen3_moe", **values)
-
-
-def save_tiny_qwen3_moe(path: str | Path, *, seed: int = 0, scale: float = 0.1, **overrides: object) -> Path:
-    """Save a tiny Qwen3-MoE checkpoint whose every weight (the routers' too) is perturbed by seeded noise of
-    ``scale``, so that tokens spread over the experts rather than all taking the same ones."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(**overrides))
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn_like(parameter) * scale)
-    model.save_pretrained(path)
-    return Path(path)

@@ -40,12 +40,14 @@ from miles_core.testkit.tiny_models import save_tiny_llama, save_tiny_qwen3_moe
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
 
-SHAPE = RoutingShape(num_layers=2, top_k=2, num_experts=8)  # save_tiny_qwen3_moe's
+SHAPE = RoutingShape(num_layers=2, top_k=2, num_experts=8)  # the model below
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_qwen3_moe(tmp_path_factory.mktemp("moe") / "model")
+    return save_tiny_qwen3_moe(
+        tmp_path_factory.mktemp("moe") / "model", scale=0.1, num_experts=8, norm_topk_prob=True, intermediate_size=128
+    )
 
 
 @pytest.fixture

@@ -31,7 +31,9 @@ PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
 def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainBatch]:
     """A tiny Qwen3-MoE and a batch the local engine generated from it, with every token's routed experts."""
     root = tmp_path_factory.mktemp("replay")
-    model_dir = save_tiny_qwen3_moe(root / "model")
+    model_dir = save_tiny_qwen3_moe(
+        root / "model", scale=0.1, num_experts=8, norm_topk_prob=True, intermediate_size=128
+    )
     (root / "staging").mkdir(mode=0o700)
     engine = LocalEngine(model_dir, staging_dir=root / "staging")
 

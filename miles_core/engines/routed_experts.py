@@ -18,9 +18,12 @@ import base64
 import binascii
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy
+
+if TYPE_CHECKING:
+    import torch
 
 RoutedExperts = list[list[list[int]]]
 """``[tokens][layers][top_k]`` expert ids."""
@@ -129,3 +132,19 @@ def _is_int(value: Any) -> bool:
 
 def _kind(value: Any) -> str:
     return type(value).__name__
+
+
+def check_replayable(experts: torch.Tensor, *, last_layer: int, top_k: int, num_experts: int) -> None:
+    """A :class:`RoutedExpertsError` unless ``experts`` (``[batch, tokens, layers, top_k]``) fits a model whose last
+    MoE layer is ``last_layer`` and whose routers pick ``top_k`` of ``num_experts`` (ids, or :data:`NOT_ROUTED`)."""
+    if experts.dim() != 4 or experts.shape[3] != top_k or experts.shape[2] <= last_layer:
+        raise RoutedExpertsError(
+            f"routed experts of shape {list(experts.shape)}: the model needs [batch, tokens, layers >= "
+            f"{last_layer + 1}, {top_k}]"
+        )
+    bad = experts[(experts < NOT_ROUTED) | (experts >= num_experts)]
+    if bad.numel():
+        raise RoutedExpertsError(
+            f"expert id {int(bad[0])} is out of range: this model's experts are 0 to {num_experts - 1} (were the "
+            "routed experts recorded on another model?)"
+        )

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExpertsError, RoutingShape
+from miles_core.engines.routed_experts import RoutedExpertsError, RoutingShape, check_replayable
 from miles_core.errors import MilesError
 
 ROUTER_CLASSES: tuple[type[torch.nn.Module], ...] = (Qwen3MoeTopKRouter,)
@@ -91,17 +91,7 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor) -> Iterator[No
     if not routers:
         raise RoutedExpertsError("routing replay needs a Mixture-of-Experts model: this one has no router")
     top_k, num_experts = next(iter(routers.values())).top_k, next(iter(routers.values())).num_experts
-    if experts.dim() != 4 or experts.shape[3] != top_k or experts.shape[2] <= max(routers):
-        raise RoutedExpertsError(
-            f"routed experts of shape {list(experts.shape)}: the model needs [batch, tokens, layers >= "
-            f"{max(routers) + 1}, {top_k}]"
-        )
-    bad = experts[(experts < NOT_ROUTED) | (experts >= num_experts)]
-    if bad.numel():
-        raise RoutedExpertsError(
-            f"expert id {int(bad[0])} is out of range: this model's experts are 0 to {num_experts - 1} (were the "
-            "routed experts recorded on another model?)"
-        )
+    check_replayable(experts, last_layer=max(routers), top_k=top_k, num_experts=num_experts)
     handles = [router.register_forward_hook(_replay_hook(experts[:, :, layer])) for layer, router in routers.items()]
     try:
         yield

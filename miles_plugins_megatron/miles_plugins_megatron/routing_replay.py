@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExpertsError
+from miles_core.engines.routed_experts import RoutedExpertsError, check_replayable
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.mlp\.router$")
 
@@ -70,16 +70,7 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None) -> Iter
         raise RoutedExpertsError("routing replay needs a Mixture-of-Experts model: this one has no TopKRouter")
     router = next(iter(routers.values()))
     top_k, num_experts = router.topk, router.config.num_moe_experts
-    if experts.dim() != 4 or experts.shape[3] != top_k or experts.shape[2] <= max(routers):
-        raise RoutedExpertsError(
-            f"routed experts of shape {list(experts.shape)}: the model needs [batch, tokens, layers >= "
-            f"{max(routers) + 1}, {top_k}]"
-        )
-    bad = experts[(experts < NOT_ROUTED) | (experts >= num_experts)]
-    if bad.numel():
-        raise RoutedExpertsError(
-            f"expert id {int(bad[0])} is out of range: this model's experts are 0 to {num_experts - 1}"
-        )
+    check_replayable(experts, last_layer=max(routers), top_k=top_k, num_experts=num_experts)
     saved = {layer: router.router_replay for layer, router in routers.items()}
     try:
         for layer, router in routers.items():

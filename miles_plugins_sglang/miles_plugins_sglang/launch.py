@@ -61,7 +61,8 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
     num_gpus = _gpus_per_engine(sglang)
     on_cpu = sglang.cpu_launch == "on" or (sglang.cpu_launch == "auto" and num_gpus == 0 and sglang.runs_stock_sglang())
     defaults = STOCK_SERVER_ARGS if sglang.runs_stock_sglang() else {}
-    server_args = {**defaults, **(cpu_server_args(config, model_path) if on_cpu else {}), **sglang.server_args}
+    cpu = cpu_server_args(config, model_path) if on_cpu else {}
+    server_args = {**defaults, **cpu, **routing_replay_server_args(config), **sglang.server_args}
     argv = [
         *_command(sglang.launch_command, sglang_python=sglang.sglang_python()),
         *("--model-path", _literal(model_path), "--host", "{host}", "--port", "{port}"),
@@ -81,6 +82,12 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
         num_cpus=0,
         num_gpus=num_gpus,
     )
+
+
+def routing_replay_server_args(config: Any) -> dict[str, Any]:
+    """With ``--train-routing-replay`` the rollout asks every ``/generate`` for ``return_routed_experts``, which SGLang
+    answers only when started with ``--enable-return-routed-experts``."""
+    return {"enable_return_routed_experts": True} if config.train.routing_replay else {}
 
 
 def cpu_server_args(config: Any, model_path: str) -> dict[str, Any]:

@@ -98,6 +98,19 @@ def test_engine_command_line(manager) -> None:
     assert resolved.health_url == "http://127.0.0.1:31000/health_generate"
 
 
+def test_routing_replay_starts_sglang_returning_routed_experts(manager) -> None:
+    """``--train-routing-replay`` asks every ``/generate`` for ``return_routed_experts``: the server must allow it."""
+    flag = "--enable-return-routed-experts"
+
+    def argv(**overrides) -> list[str]:
+        config = sglang_config(manager, **{"sglang.cpu_launch": "off", **overrides})
+        return sglang_engine_spec(config, cell_id="engine-0", model_path="/m").argv
+
+    assert flag not in argv() and flag in argv(**{"train.routing_replay": True})
+    user_says_no = {"train.routing_replay": True, "sglang.server_args": {"enable_return_routed_experts": False}}
+    assert flag not in argv(**user_says_no)  # the user's server_args win
+
+
 def start_engine(manager, tmp_path: Path, **overrides) -> None:
     config = sglang_config(manager, **overrides)
     spec = sglang_engine_spec(config, cell_id="engine-0", model_path=str(tmp_path / "model"))

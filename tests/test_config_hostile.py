@@ -370,6 +370,7 @@ OTHER_PROGRAMS = {
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--split": "benchmarks/schedules.py",
     "--sessions": "benchmarks/session_server.py",
+    "--models": "benchmarks/megatron_trainer.py",
 }
 """Flags the READMEs name in prose that belong to another program, and the file that uses each."""
 

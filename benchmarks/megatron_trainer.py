@@ -1,11 +1,17 @@
 """The Megatron trainer against the core torch trainer on the same model and batch, and its HF export against a
-same-size memory copy, in one run.
+same-size memory copy, in one run; for a dense Llama and for a small Qwen3-MoE.
 
-Usage: ``python benchmarks/megatron_trainer.py [--steps 6] [--tensor-parallel 1,2]``. For each trainer: the median
-optimizer-step time after one warm-up step (Megatron's step is measured on the driver: the RPC to every rank, the
-step, and the reduction of the metrics; the export that follows each step is reported apart), then the export rate
-(gather over tensor-parallel ranks, split into HF tensors, write to shared memory, read by the driver) against a
-memcpy of the same bytes into preallocated tensors. Ranks run as local worker processes.
+Usage: ``python benchmarks/megatron_trainer.py [--steps 6] [--models dense,moe] [--tensor-parallel 1,2]
+[--moe-layouts 1x1,2x1,2x2]``. For each trainer: the median optimizer-step time after one warm-up step (Megatron's
+step is measured on the driver: the RPC to every rank, the step, and the reduction of the metrics; the export that
+follows each step is reported apart), then the export rate (gather over tensor-parallel ranks, or over each
+expert-parallel group's experts, split into HF tensors, write to shared memory, read by the driver) against a memcpy
+of the same bytes into preallocated tensors. Ranks run as local worker processes.
+
+The dense model is a 112 MB Llama, run at each ``--tensor-parallel`` size. The MoE model is a Qwen3-MoE made with
+the testkit (hidden 256, 4 MoE layers of 8 experts of which each token takes 2, vocabulary 8000), run at each
+``DPxEP`` layout of ``--moe-layouts`` (TP=1: megatron-core trains MoE layers under TP only with sequence
+parallelism; EP must divide DP, so EP=2 needs DP=2; DP=2 x EP=1 shows what the second rank costs without EP).
 """
 
 from __future__ import annotations
@@ -14,14 +20,18 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.trainer import MegatronTrainer
+from safetensors.torch import load_file
 
 from miles_core.config.sections import TrainSection
+from miles_core.testkit.tiny_models import save_tiny_qwen3_moe
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -29,7 +39,25 @@ from miles_core.workers.local_provider import LocalWorkerProvider
 SETTINGS = TrainSection(lr=1e-4, micro_batch_size=8)
 
 
+DENSE_VOCAB = 16000
+MOE_VOCAB = 8000
+MOE_SHAPE = dict(
+    vocab_size=MOE_VOCAB,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+"""The MoE benchmark model: 4 MoE layers (no dense one), 8 experts of 256, top-2 renormalised, untied embeddings."""
+
+
 def save_model(path: Path) -> int:
+    """The dense benchmark model (a 112 MB Llama); its bytes of float32 weights."""
     config = transformers.LlamaConfig(
         vocab_size=16000,
         hidden_size=512,
@@ -45,11 +73,18 @@ def save_model(path: Path) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def batch(samples: int = 16, prompt: int = 16, response: int = 16) -> TrainBatch:
+def save_moe_model(path: Path) -> int:
+    """The MoE benchmark model (:data:`MOE_SHAPE`); its bytes of float32 weights as transformers saves them."""
+    save_tiny_qwen3_moe(path, seed=0, **MOE_SHAPE)
+    return sum(t.numel() * t.element_size() for t in load_file(path / "model.safetensors").values())
+
+
+def batch(samples: int = 16, prompt: int = 16, response: int = 16, vocab: int = DENSE_VOCAB) -> TrainBatch:
+    """``samples`` samples of ``prompt`` + ``response`` random tokens, advantages alternating in sign."""
     generator = torch.Generator().manual_seed(0)
 
     def ids(length: int) -> list[int]:
-        return torch.randint(0, 16000, (length,), generator=generator).tolist()
+        return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
     return TrainBatch(
         [
@@ -59,13 +94,13 @@ def batch(samples: int = 16, prompt: int = 16, response: int = 16) -> TrainBatch
     )
 
 
-def median_step(trainer, steps: int) -> tuple[float, float]:
+def median_step(trainer: Any, steps: int, vocab: int = DENSE_VOCAB) -> tuple[float, float]:
     """Median step seconds (without Megatron's export) and median export seconds (0 for the torch trainer)."""
-    trainer.train_step(batch())  # warm-up
+    trainer.train_step(batch(vocab=vocab))  # warm-up
     step_seconds, export_seconds = [], []
     for _ in range(steps):
         started = time.perf_counter()
-        metrics = trainer.train_step(batch())
+        metrics = trainer.train_step(batch(vocab=vocab))
         export = metrics.get("export_seconds", 0.0)
         step_seconds.append(time.perf_counter() - started - export)
         export_seconds.append(export)
@@ -73,6 +108,7 @@ def median_step(trainer, steps: int) -> tuple[float, float]:
 
 
 def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
+    """Median seconds of torch's copy of an ``nbytes`` buffer into a preallocated one."""
     source, target = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     source.fill_(1)
     seconds = []
@@ -83,38 +119,86 @@ def memcpy_seconds(nbytes: int, repeats: int = 5) -> float:
     return statistics.median(seconds)
 
 
+def dense_benchmark(tmp: str, steps: int, tensor_parallel: list[int]) -> None:
+    """The dense Llama: the torch trainer, then Megatron at each tensor-parallel size."""
+    path = Path(tmp) / "model"
+    nbytes = save_model(path)
+    print(f"model: {nbytes / 1e6:.0f} MB of float32 weights; batch: 16 samples of 16 + 16 tokens")
+    torch_step, _ = median_step(TorchTrainer.from_pretrained(path, SETTINGS), steps)
+    print(f"torch trainer (in process)        step {torch_step * 1e3:8.1f} ms")
+    memcpy = nbytes / memcpy_seconds(nbytes) / 1e9
+    rows = []
+    for tp in tensor_parallel:
+        layout = MegatronSection(tensor_parallel=tp)
+        with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider(tmp)) as mt:
+            step, export = median_step(mt, steps)
+        rows.append((tp, step, export))
+        print(
+            f"megatron trainer TP={tp} (ranks)     step {step * 1e3:8.1f} ms   export {export * 1e3:7.1f} ms "
+            f"({nbytes / export / 1e9:.2f} GB/s)"
+        )
+    print(f"memcpy of the same bytes: {memcpy:.2f} GB/s")
+    for tp, step, export in rows:
+        print(
+            f"ratios TP={tp}: megatron step / torch step = {step / torch_step:.2f}x; "
+            f"export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}"
+        )
+
+
+def moe_benchmark(tmp: str, steps: int, layouts: list[tuple[int, int]]) -> None:
+    """The Qwen3-MoE: the torch trainer (transformers' MoE, in process), then Megatron at each DP x EP layout."""
+    path = Path(tmp) / "moe"
+    nbytes = save_moe_model(path)
+    print(
+        f"\nMoE model: Qwen3-MoE, {nbytes / 1e6:.0f} MB of float32 weights (hidden 256, 4 layers, 8 experts top-2, "
+        f"vocabulary {MOE_VOCAB}); batch: 16 samples of 16 + 16 tokens"
+    )
+    torch_step, _ = median_step(TorchTrainer.from_pretrained(path, SETTINGS), steps, vocab=MOE_VOCAB)
+    memcpy = nbytes / memcpy_seconds(nbytes) / 1e9
+    rows = []
+    for data_parallel, expert_parallel in layouts:
+        layout = MegatronSection(data_parallel=data_parallel, expert_parallel=expert_parallel)
+        with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider(tmp)) as mt:
+            step, export = median_step(mt, steps, vocab=MOE_VOCAB)
+        rows.append((data_parallel, expert_parallel, step, export))
+    print(f"{'trainer and layout':<46} {'step ms':>9} {'export ms':>10} {'export GB/s':>12}")
+    print(f"{'torch trainer (in process, transformers MoE)':<46} {torch_step * 1e3:9.1f} {'-':>10} {'-':>12}")
+    for data_parallel, expert_parallel, step, export in rows:
+        name = (
+            f"megatron TP=1 DP={data_parallel} EP={expert_parallel} ({data_parallel} rank{'s' * (data_parallel > 1)})"
+        )
+        print(f"{name:<46} {step * 1e3:9.1f} {export * 1e3:10.1f} {nbytes / export / 1e9:12.2f}")
+    print(f"{'memcpy of the same bytes':<46} {'':>9} {'':>10} {memcpy:12.2f}")
+    for data_parallel, expert_parallel, step, export in rows:
+        print(
+            f"ratios MoE DP={data_parallel} EP={expert_parallel}: megatron step / torch step = "
+            f"{step / torch_step:.2f}x; export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}"
+        )
+
+
+def provider(tmp: str) -> Callable[[], LocalWorkerProvider]:
+    """A factory of local worker providers whose logs go under ``tmp``."""
+
+    def factory() -> LocalWorkerProvider:
+        return LocalWorkerProvider(token="bench", run_dir=tmp)
+
+    return factory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--tensor-parallel", default="1,2")
+    parser.add_argument("--models", default="dense,moe", help="which benchmarks: dense, moe or both")
+    parser.add_argument("--tensor-parallel", default="1,2", help="the dense model's TP sizes")
+    parser.add_argument("--moe-layouts", default="1x1,2x1,2x2", help="the MoE model's DPxEP layouts")
     args = parser.parse_args()
+    models = args.models.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "model"
-        nbytes = save_model(path)
-        print(f"model: {nbytes / 1e6:.0f} MB of float32 weights; batch: 16 samples of 16 + 16 tokens")
-        torch_step, _ = median_step(TorchTrainer.from_pretrained(path, SETTINGS), args.steps)
-        print(f"torch trainer (in process)        step {torch_step * 1e3:8.1f} ms")
-        memcpy = nbytes / memcpy_seconds(nbytes) / 1e9
-        rows = []
-        for tp in [int(value) for value in args.tensor_parallel.split(",")]:
-            layout = MegatronSection(tensor_parallel=tp)
-
-            def provider() -> LocalWorkerProvider:
-                return LocalWorkerProvider(token="bench", run_dir=tmp)
-
-            with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider) as mt:
-                step, export = median_step(mt, args.steps)
-            rows.append((tp, step, export))
-            print(
-                f"megatron trainer TP={tp} (ranks)     step {step * 1e3:8.1f} ms   export {export * 1e3:7.1f} ms "
-                f"({nbytes / export / 1e9:.2f} GB/s)"
-            )
-        print(f"memcpy of the same bytes: {memcpy:.2f} GB/s")
-        for tp, step, export in rows:
-            print(
-                f"ratios TP={tp}: megatron step / torch step = {step / torch_step:.2f}x; "
-                f"export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}"
-            )
+        if "dense" in models:
+            dense_benchmark(tmp, args.steps, [int(value) for value in args.tensor_parallel.split(",")])
+        if "moe" in models:
+            layouts = [tuple(int(v) for v in value.split("x")) for value in args.moe_layouts.split(",")]
+            moe_benchmark(tmp, args.steps, layouts)
 
 
 if __name__ == "__main__":

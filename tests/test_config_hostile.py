@@ -371,6 +371,7 @@ OTHER_PROGRAMS = {
     "--split": "benchmarks/schedules.py",
     "--sessions": "benchmarks/session_server.py",
     "--enable-return-routed-experts": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # SGLang's, for R3
+    "--models": "benchmarks/megatron_trainer.py",
 }
 """Flags the READMEs name in prose that belong to another program, and the file that uses each."""
 

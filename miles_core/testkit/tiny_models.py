@@ -73,6 +73,52 @@ def save_tiny_qwen3_moe(path: str | Path, *, seed: int = 0, scale: float = 0.0, 
     return Path(path)
 
 
+def tiny_deepseek_v3_config(**overrides: object) -> transformers.PretrainedConfig:
+    """A two-layer DeepSeek-V3 config that the Megatron backend accepts (see miles_plugins_megatron/README.md): a dense
+    layer then a MoE layer, hidden 64, 4 heads with multi-latent attention (query latent 24, key/value latent 16, head
+    sizes 12 without and 8 with RoPE, values 16), 4 routed experts in 2 groups of which each token takes 2 from its best
+    group (renormalised, scaled by 2.5), one shared expert, expert MLPs of 32; a 64-token vocabulary (pad 0, eos 1,
+    bos 2), untied embeddings, default RoPE."""
+    values = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=112,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    values.update(overrides)
+    return transformers.AutoConfig.for_model("deepseek_v3", **values)
+
+
+def save_tiny_deepseek_v3(path: str | Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Save a randomly initialised tiny DeepSeek-V3 checkpoint to ``path``, as transformers writes it (one tensor per
+    routed expert, ``mlp.shared_experts.*``, and the router's ``mlp.gate.e_score_correction_bias``)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(**overrides))
+    model.save_pretrained(path)
+    return Path(path)
+
+
 def perturbed_state(model: torch.nn.Module, *, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """Every weight of ``model`` plus seeded noise (HF names)."""
     generator = torch.Generator().manual_seed(seed)

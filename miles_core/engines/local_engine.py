@@ -190,8 +190,8 @@ class LocalEngine:
             raise RequestError(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r:.40}")
         if request.return_routed_experts and self._batch.routing is None:
             raise RequestError(
-                f"return_routed_experts: this model ({self.model.config.model_type}) has no Mixture-of-Experts "
-                "routers to report; ask for it only of an MoE model (Qwen3-MoE)"
+                f"return_routed_experts: {self._batch.routing_refusal}; ask for it only of an MoE model whose "
+                "routing can be captured (Qwen3-MoE)"
             )
         return dataclasses.replace(request, input_ids=list(ids), params=params)
 

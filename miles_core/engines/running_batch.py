@@ -48,9 +48,9 @@ class RunningBatch:
         self.next_ids = torch.zeros(0, dtype=torch.long, device=self.device)
         self.next_positions = torch.zeros(0, dtype=torch.long, device=self.device)
         self.generated_tokens = 0
-        shape = RoutingShape.of_config(getattr(model, "config", None))
-        self.routing = RoutingCapture(model, shape) if shape is not None and moe_routers(model) else None
-        """The routers' choices of every forward, for the requests that ask for them (an MoE model only)."""
+        self.routing, self.routing_refusal = _routing_capture(model)
+        """The routers' choices of every forward, for the requests that ask for them (an MoE model whose routers
+        :mod:`miles_core.models.moe_routing` supports); else ``None`` and why, for such a request's refusal."""
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -258,3 +258,17 @@ def result_of(sampler: _Sampler, finish_reason: dict | None = None) -> Generatio
         list(sampler.version_events),
         torch.cat(sampler.routed_experts) if sampler.routed_experts else None,
     )
+
+
+def _routing_capture(model: torch.nn.Module) -> tuple[RoutingCapture | None, str]:
+    """A capture of ``model``'s routing, or ``None`` with the reason: a dense model, or routers of a kind that
+    cannot be captured (the model serves all the same; only requests for its routed experts are refused)."""
+    shape = RoutingShape.of_config(getattr(model, "config", None))
+    model_type = getattr(getattr(model, "config", None), "model_type", "?")
+    try:
+        routers = moe_routers(model) if shape is not None else {}
+    except MilesError as exc:
+        return None, str(exc).split(": turn ")[0]
+    if not routers:
+        return None, f"this model ({model_type}) has no Mixture-of-Experts routers to report"
+    return RoutingCapture(model, shape), ""

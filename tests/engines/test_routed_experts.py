@@ -36,7 +36,7 @@ from miles_core.engines.routed_experts import (
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import EngineError
 from miles_core.models.moe_routing import RoutingCapture
-from miles_core.testkit.tiny_models import save_tiny_llama, save_tiny_qwen3_moe
+from miles_core.testkit.tiny_models import save_tiny_deepseek_v3, save_tiny_llama, save_tiny_qwen3_moe
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
 
@@ -119,6 +119,22 @@ def test_requests_that_do_not_ask_get_no_routing_and_a_dense_model_refuses(engin
     dense = LocalEngine(save_tiny_llama(tmp_path / "llama"), staging_dir=tmp_path)
     with pytest.raises(RequestError, match="has no Mixture-of-Experts routers to report"):
         dense.admit(GenerationRequest([3], SamplingParams(max_new_tokens=2), return_routed_experts=True))
+
+
+def test_a_model_whose_routers_cannot_be_captured_serves_and_refuses_only_requests_for_its_routing(
+    tmp_path: Path,
+) -> None:
+    """DeepSeek-V3's sigmoid, group-limited router is not one capture supports: the engine serves the model all the
+    same, and a request for its routed experts is refused naming the router."""
+    engine = LocalEngine(save_tiny_deepseek_v3(tmp_path / "deepseek"), staging_dir=tmp_path)
+
+    async def scenario():
+        engine.start()
+        return await engine.generate([GenerationRequest([3], SamplingParams(max_new_tokens=2))])
+
+    assert len(asyncio.run(scenario())[0].output_ids) == 2
+    with pytest.raises(RequestError, match=r"return_routed_experts: .*DeepseekV3TopkRouter"):
+        engine.admit(GenerationRequest([3], SamplingParams(max_new_tokens=2), return_routed_experts=True))
 
 
 # -- over HTTP, as SGLang's API -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import ConfigError
 from miles_core.rollout.executor import _routing_continued
 from miles_core.run_setup import routing_replay_shape
-from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama, save_tiny_qwen3_moe
+from miles_core.testkit.tiny_models import perturbed_state, save_tiny_deepseek_v3, save_tiny_llama, save_tiny_qwen3_moe
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import config_json
@@ -156,10 +156,13 @@ def test_the_flag_sets_the_field_and_a_model_without_experts_is_refused(generate
     on = SimpleNamespace(train=SimpleNamespace(routing_replay=True), rollout=SimpleNamespace(agent=None))
     model_dir, _ = generated
     assert routing_replay_shape(on, model_dir) == RoutingShape(num_layers=2, top_k=2, num_experts=8)
-    with pytest.raises(ConfigError, match="the embedded default \\(a dense Llama\\) has no routed experts"):
+    with pytest.raises(ConfigError, match="the embedded default \\(a dense Llama\\) \\(llama\\) has no routing"):
         routing_replay_shape(on, None)
-    with pytest.raises(ConfigError, match=r"has no routed experts .* train a Mixture-of-Experts model"):
+    with pytest.raises(ConfigError, match=r"\(llama\) has no routing Miles can replay: .* turn routing replay off"):
         routing_replay_shape(on, save_tiny_llama(tmp_path / "llama"))
+    deepseek = save_tiny_deepseek_v3(tmp_path / "deepseek")  # routed experts, but routers replay does not take yet
+    with pytest.raises(ConfigError, match=r"\(deepseek_v3\) has no routing Miles can replay"):
+        routing_replay_shape(on, deepseek)
     agent = SimpleNamespace(train=on.train, rollout=SimpleNamespace(agent="single_turn"))
     with pytest.raises(ConfigError, match="not available with --rollout-agent"):
         routing_replay_shape(agent, model_dir)

@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 SERIAL_TESTS = (
     "tests/sglang/",  # real SGLang servers: each takes both cores
     "tests/engines/test_bench_serving.py",
-    "tests/megatron/",  # gloo process groups of several ranks
+    "tests/megatron/test_megatron_train.py",  # training runs of several ranks and engines
+    "tests/megatron/test_process_group_binding.py",  # reads which sockets a process listens on
     "tests/rdt/",
     "tests/test_train_rdt.py",
     "tests/weight_transfer/test_broadcast_",
@@ -31,7 +32,9 @@ SERIAL_TESTS = (
     "tests/dashboard/test_cli.py",  # signals to a dashboard in the background
 )
 """Tests marked ``serial`` (by path prefix): ``make test`` runs them one at a time after the others, which run on
-several workers (pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss."""
+several workers (pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss.
+The Megatron model tests (a step or a forward of tiny models on two gloo ranks, no deadline under a minute) run with
+the others: mostly process start-up, they overlap well, and CI's 45 minutes need the overlap."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -24,7 +24,8 @@ from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
-from miles_core.workers.local_provider import LocalWorkerProvider
+from tests.megatron.test_megatron_trainer import launch
+from tests.megatron.test_moe import exported_names_and_tensors
 from tests.numerics import assert_same_sgd_step
 
 pytestmark = pytest.mark.slow
@@ -191,23 +192,6 @@ def test_the_one_process_implementation_loads_and_exports_the_checkpoint(megatro
     assert all(torch.equal(exported[name], tensor) for name, tensor in on_disk.items())
 
 
-def launch(path: Path, tmp_path: Path, train: TrainSection = SETTINGS, **layout):
-    from miles_plugins_megatron.config import MegatronSection
-    from miles_plugins_megatron.trainer import MegatronTrainer
-
-    return MegatronTrainer.launch(
-        path,
-        train=train,
-        layout=MegatronSection(**layout),
-        seed=0,
-        provider_factory=lambda: LocalWorkerProvider(token="t", run_dir=tmp_path),
-    )
-
-
-def exported_names_and_tensors(trainer) -> list[tuple[str, torch.Tensor]]:
-    return [(name, tensor) for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket]
-
-
 @pytest.mark.parametrize(
     "layout",
     [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
@@ -223,7 +207,7 @@ def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
     with torch.no_grad():
         expected = reference(input_ids()).logits
     on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, **layout) as trainer:
+    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
         logits = trainer.logits(input_ids())
         exported = exported_names_and_tensors(trainer)
         if layout.get("tensor_parallel", 1) > 1:
@@ -253,7 +237,7 @@ def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_pat
     float32 rounding of its SGD step (the selection bias, a buffer, unchanged on both sides)."""
     metrics, weights = torch_step
     initial = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, **layout) as trainer:
+    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
         step_metrics = trainer.train_step(training_batch())
         exported = dict(exported_names_and_tensors(trainer))
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):

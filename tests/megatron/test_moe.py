@@ -23,8 +23,8 @@ from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
-from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.conftest import run_miles
+from tests.megatron.test_megatron_trainer import launch
 from tests.numerics import assert_same_sgd_step
 
 pytestmark = pytest.mark.slow
@@ -141,19 +141,6 @@ def test_tp1_logits_equal_transformers_and_the_export_round_trips(megatron, tmp_
     )
 
 
-def launch(path: Path, tmp_path: Path, train: TrainSection = SETTINGS, **layout):
-    from miles_plugins_megatron.config import MegatronSection
-    from miles_plugins_megatron.trainer import MegatronTrainer
-
-    return MegatronTrainer.launch(
-        path,
-        train=train,
-        layout=MegatronSection(**layout),
-        seed=0,
-        provider_factory=lambda: LocalWorkerProvider(token="t", run_dir=tmp_path),
-    )
-
-
 def exported_names_and_tensors(trainer) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket]
 
@@ -170,7 +157,7 @@ def test_parallel_logits_equal_transformers_and_every_expert_is_exported_once(
     with torch.no_grad():
         expected = reference(input_ids()).logits
     on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, **layout) as trainer:
+    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
         logits = trainer.logits(input_ids())
         exported = exported_names_and_tensors(trainer)
         if layout.get("tensor_parallel", 1) > 1:
@@ -201,7 +188,7 @@ def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_pat
     every updated weight, each expert under its HF name, within float32 rounding of its SGD step."""
     metrics, weights = torch_step
     initial = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, **layout) as trainer:
+    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
         step_metrics = trainer.train_step(training_batch())
         exported = dict(exported_names_and_tensors(trainer))
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):

@@ -2,7 +2,9 @@
 same-size memory copy, in one run; for a dense Llama and for a small Qwen3-MoE.
 
 Usage: ``python benchmarks/megatron_trainer.py [--steps 6] [--models dense,moe] [--tensor-parallel 1,2]
-[--moe-layouts 1x1,2x1,2x2]``. For each trainer: the median optimizer-step time after one warm-up step (Megatron's
+[--moe-layouts 1x1x1,1x2x1,1x2x2,2x1x1]``.
+
+For each trainer: the median optimizer-step time after one warm-up step (Megatron's
 step is measured on the driver: the RPC to every rank, the step, and the reduction of the metrics; the export that
 follows each step is reported apart), then the export rate (gather over tensor-parallel ranks, or over each
 expert-parallel group's experts, split into HF tensors, write to shared memory, read by the driver) against a memcpy
@@ -10,8 +12,8 @@ of the same bytes into preallocated tensors. Ranks run as local worker processes
 
 The dense model is a 112 MB Llama, run at each ``--tensor-parallel`` size. The MoE model is a Qwen3-MoE made with
 the testkit (hidden 256, 4 MoE layers of 8 experts of which each token takes 2, vocabulary 8000), run at each
-``DPxEP`` layout of ``--moe-layouts`` (TP=1: megatron-core trains MoE layers under TP only with sequence
-parallelism; EP must divide DP, so EP=2 needs DP=2; DP=2 x EP=1 shows what the second rank costs without EP).
+``TPxDPxEP`` layout of ``--moe-layouts`` (EP must divide DP, so EP=2 needs DP=2; DP=2 x EP=1 shows what the second
+rank costs without EP; TP=2 runs with sequence parallelism, as megatron-core trains MoE layers under TP).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def dense_benchmark(tmp: str, steps: int, tensor_parallel: list[int]) -> None:
         )
 
 
-def moe_benchmark(tmp: str, steps: int, layouts: list[tuple[int, int]]) -> None:
-    """The Qwen3-MoE: the torch trainer (transformers' MoE, in process), then Megatron at each DP x EP layout."""
+def moe_benchmark(tmp: str, steps: int, layouts: list[tuple[int, int, int]]) -> None:
+    """The Qwen3-MoE: the torch trainer (transformers' MoE, in process), then Megatron at each TP x DP x EP layout."""
     path = Path(tmp) / "moe"
     nbytes = save_moe_model(path)
     print(
@@ -156,22 +158,22 @@ def moe_benchmark(tmp: str, steps: int, layouts: list[tuple[int, int]]) -> None:
     torch_step, _ = median_step(TorchTrainer.from_pretrained(path, SETTINGS), steps, vocab=MOE_VOCAB)
     memcpy = nbytes / memcpy_seconds(nbytes) / 1e9
     rows = []
-    for data_parallel, expert_parallel in layouts:
-        layout = MegatronSection(data_parallel=data_parallel, expert_parallel=expert_parallel)
+    for tensor_parallel, data_parallel, expert_parallel in layouts:
+        layout = MegatronSection(
+            tensor_parallel=tensor_parallel, data_parallel=data_parallel, expert_parallel=expert_parallel
+        )
         with MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=provider(tmp)) as mt:
             step, export = median_step(mt, steps, vocab=MOE_VOCAB)
-        rows.append((data_parallel, expert_parallel, step, export))
+        rows.append((f"TP={tensor_parallel} DP={data_parallel} EP={expert_parallel}", layout.world_size, step, export))
     print(f"{'trainer and layout':<46} {'step ms':>9} {'export ms':>10} {'export GB/s':>12}")
     print(f"{'torch trainer (in process, transformers MoE)':<46} {torch_step * 1e3:9.1f} {'-':>10} {'-':>12}")
-    for data_parallel, expert_parallel, step, export in rows:
-        name = (
-            f"megatron TP=1 DP={data_parallel} EP={expert_parallel} ({data_parallel} rank{'s' * (data_parallel > 1)})"
-        )
+    for layout_name, ranks, step, export in rows:
+        name = f"megatron {layout_name} ({ranks} rank{'s' * (ranks > 1)})"
         print(f"{name:<46} {step * 1e3:9.1f} {export * 1e3:10.1f} {nbytes / export / 1e9:12.2f}")
     print(f"{'memcpy of the same bytes':<46} {'':>9} {'':>10} {memcpy:12.2f}")
-    for data_parallel, expert_parallel, step, export in rows:
+    for layout_name, _, step, export in rows:
         print(
-            f"ratios MoE DP={data_parallel} EP={expert_parallel}: megatron step / torch step = "
+            f"ratios MoE {layout_name}: megatron step / torch step = "
             f"{step / torch_step:.2f}x; export GB/s / memcpy GB/s = {nbytes / export / 1e9 / memcpy:.3f}"
         )
 
@@ -190,7 +192,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--models", default="dense,moe", help="which benchmarks: dense, moe or both")
     parser.add_argument("--tensor-parallel", default="1,2", help="the dense model's TP sizes")
-    parser.add_argument("--moe-layouts", default="1x1,2x1,2x2", help="the MoE model's DPxEP layouts")
+    parser.add_argument("--moe-layouts", default="1x1x1,1x2x1,1x2x2,2x1x1", help="the MoE model's TPxDPxEP layouts")
     args = parser.parse_args()
     models = args.models.split(",")
     with tempfile.TemporaryDirectory() as tmp:

@@ -153,9 +153,9 @@ def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape |
         model = repr(str(model_path)) if model_path is not None else "the embedded default (a dense Llama)"
         kind = (model_config or {}).get("model_type", "llama")
         raise ConfigError(
-            f"{what}, but the model {model} ({kind}) has no routing Miles can replay: replay takes Qwen3-MoE's "
-            "routed experts (config.json with num_experts and num_experts_per_tok); train such a model or turn "
-            "routing replay off"
+            f"{what}, but the model {model} ({kind}) has no routing Miles can replay: replay takes routed "
+            "experts (config.json with num_experts or n_routed_experts, and num_experts_per_tok: Qwen3-MoE, "
+            "DeepSeek-V3); train such a model or turn routing replay off"
         )
     return shape
 

@@ -47,10 +47,11 @@ class RoutingShape:
     @classmethod
     def of_config(cls, config: Mapping[str, Any] | Any) -> RoutingShape | None:
         """The shape of an HF config (a ``config.json`` mapping or a config object) with ``num_experts`` (which
-        transformers 5 writes as ``num_local_experts``) and ``num_experts_per_tok`` (Qwen3-MoE's names); ``None`` for
-        a model without routed experts."""
+        transformers 5 writes as ``num_local_experts``; DeepSeek-V3's ``n_routed_experts``) and
+        ``num_experts_per_tok``; ``None`` for a model without routed experts."""
         get = config.get if isinstance(config, Mapping) else lambda key: getattr(config, key, None)
-        experts = get("num_experts") if get("num_experts") is not None else get("num_local_experts")
+        names = ("num_experts", "num_local_experts", "n_routed_experts")
+        experts = next((get(name) for name in names if get(name) is not None), None)
         values = [get("num_hidden_layers"), get("num_experts_per_tok"), experts]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
             return None

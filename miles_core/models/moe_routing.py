@@ -1,10 +1,13 @@
-"""Routing capture and replay on transformers Mixture-of-Experts models (Qwen3-MoE's ``Qwen3MoeTopKRouter``).
+"""Routing capture and replay on transformers Mixture-of-Experts models (Qwen3-MoE's ``Qwen3MoeTopKRouter``,
+DeepSeek-V3's ``DeepseekV3TopkRouter``).
 
 :class:`RoutingCapture` records the experts each token was routed to (the local engine reports them);
 :func:`replay_routing` makes a forward route each token to given experts (the torch trainer's routing replay): the
 router's top-k choice is replaced by the recorded ids while the routing weights are still computed from the current
-router logits at those experts, softmax over all experts and, with ``norm_topk_prob``, renormalised over the chosen
-ones, exactly as the router computes them for its own choice (so gradients reach the router as usual). Both work by
+router logits at those experts exactly as the router computes them for its own choice (so gradients reach the router
+as usual): Qwen3-MoE's softmax over all experts, renormalised over the chosen ones with ``norm_topk_prob``;
+DeepSeek-V3's sigmoid scores (the selection bias and the group limit only choose, so a recorded choice skips them),
+renormalised with ``norm_topk_prob`` and scaled by ``routed_scaling_factor``. Both work by
 forward hooks on each sparse layer's ``mlp.gate``; the routed-experts layout is
 :mod:`miles_core.engines.routed_experts`'s.
 """
@@ -13,16 +16,37 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from miles_core.engines.routed_experts import RoutedExpertsError, RoutingShape, check_replayable
 from miles_core.errors import MilesError
 
-ROUTER_CLASSES: tuple[type[torch.nn.Module], ...] = (Qwen3MoeTopKRouter,)
-"""Routers whose output is ``(router_logits, routing_weights, selected_experts)`` computed as Qwen3-MoE's."""
+
+def _softmax_weights(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Qwen3-MoE's routing weights at ``indices`` (as ``Qwen3MoeTopKRouter.forward``)."""
+    weights = torch.softmax(logits, dtype=torch.float, dim=-1).gather(-1, indices)
+    return weights / weights.sum(dim=-1, keepdim=True) if router.norm_topk_prob else weights
+
+
+def _sigmoid_weights(router: torch.nn.Module, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's routing weights at ``indices`` (as ``DeepseekV3TopkRouter.forward``)."""
+    weights = logits.sigmoid().gather(1, indices)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+ROUTING_WEIGHTS: dict[type[torch.nn.Module], Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    Qwen3MoeTopKRouter: _softmax_weights,
+    DeepseekV3TopkRouter: _sigmoid_weights,
+}
+"""Each supported router class (its output ``(router_logits, routing_weights, selected_experts)``) and how it weighs
+chosen experts from its logits."""
+ROUTER_CLASSES: tuple[type[torch.nn.Module], ...] = tuple(ROUTING_WEIGHTS)
 _GATE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
@@ -113,10 +137,7 @@ def _replay_hook(target: torch.Tensor):
             )
         recorded = (wanted >= 0).all(-1, keepdim=True)
         indices = torch.where(recorded, wanted.to(chosen.dtype), chosen)
-        probs = torch.softmax(logits, dtype=torch.float, dim=-1)  # as Qwen3MoeTopKRouter.forward
-        weights = probs.gather(-1, indices)
-        if router.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = ROUTING_WEIGHTS[type(router)](router, logits, indices)
         return logits, weights.to(logits.dtype), indices
 
     return replay

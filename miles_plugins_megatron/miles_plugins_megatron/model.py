@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -137,10 +138,94 @@ def mla_settings(hf_config: Any) -> dict[str, Any]:
     }
 
 
+def needs_sequence_parallel(hf_config: Any, tensor_parallel: int) -> bool:
+    """Whether the model runs with sequence parallelism: megatron-core trains MoE layers under tensor parallelism
+    only with it, and multi-latent attention's shared RoPE key gets its whole gradient only with it (see
+    :class:`SequenceShardedDownProjection`). Other models keep whole sequences on every tensor-parallel rank."""
+    return tensor_parallel > 1 and (any(moe_layer_pattern(hf_config)) or hf_config.model_type in MLA_MODEL_TYPES)
+
+
+class SequenceShardedDownProjection(ColumnParallelLinear):
+    """Multi-latent attention's down projection under sequence parallelism, answering as a replicated linear on the
+    sequence shard: ``[s/tp, b, latent]``, every latent column on every rank.
+
+    megatron-core's local spec makes the down projections column-parallel; MLA then gathers the latent over
+    tensor-parallel ranks, whose backward keeps each rank's own columns of the gradient. That is the whole gradient
+    for the latents, but not for the RoPE key (``k_pos_emb``), which every rank's heads share: each rank holds only
+    its heads' part, so the other ranks' parts were lost (measured: a DeepSeek-V3 step's gradient norm 0.16% low).
+    Answering sequence-sharded, MLA takes its other branch, which gathers the RoPE key over the sequence, and its
+    backward (a reduce-scatter) sums every rank's part. The weight stays column-sharded: names, shapes and the
+    export are unchanged."""
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        local, bias = super().forward(input_, *args, **kwargs)  # [s, b, latent/tp]: the sequence gathered
+        return scatter_to_sequence_parallel_region(gather_from_tensor_model_parallel_region(local)), bias
+
+
+def _with_sequence_sharded_down_projections(model: torch.nn.Module) -> None:
+    """Give every multi-latent attention's down projections the :class:`SequenceShardedDownProjection` answer (the
+    class is swapped after construction: megatron-core accepts only its own classes in the spec)."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    for module in model.modules():
+        if isinstance(module, MLASelfAttention):
+            for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+                projection = getattr(module, name, None)
+                if type(projection) is ColumnParallelLinear:
+                    projection.__class__ = SequenceShardedDownProjection
+
+
+class SequenceShardNorm:
+    """torch's RMSNorm for a norm that sees this rank's shard of the sequence under sequence parallelism (the
+    hidden-state norms, MLA's latent norms): its weight is marked ``sequence_parallel``, so its gradient, partial on
+    each tensor-parallel rank, is summed over them. megatron-core's own torch norm refuses sequence parallelism, and
+    its other norms need TransformerEngine or Apex."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class HeadNorm:
+    """torch's RMSNorm for a per-head norm (qk-layernorm), which sees whole sequences of this rank's heads under
+    sequence parallelism too (its gradient is summed over tensor-parallel ranks by name, not by the mark)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+
+
+def _with_sequence_parallel_norms(spec: Any, num_layers: int) -> Any:
+    """The block spec of ``spec`` (a block's, or one layer's for every layer) with torch norms that accept sequence
+    parallelism (the layer specs share their submodules, which are changed in place)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    block_spec = (
+        spec if isinstance(spec, TransformerBlockSubmodules) else TransformerBlockSubmodules([spec] * num_layers)
+    )
+    block_spec.layer_norm = SequenceShardNorm
+    for spec in block_spec.layer_specs:
+        layer = spec.submodules
+        layer.input_layernorm, layer.pre_mlp_layernorm = SequenceShardNorm, SequenceShardNorm
+        attention = layer.self_attention.submodules
+        latent = hasattr(attention, "kv_layernorm")  # multi-latent attention: norms of the sequence-sharded latents
+        for field in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if getattr(attention, field, IdentityOp) is not IdentityOp:
+                setattr(attention, field, SequenceShardNorm if latent else HeadNorm)
+    return block_spec
+
+
 def transformer_config(
     hf_config: Any, *, tensor_parallel: int = 1, expert_parallel: int = 1, dtype: torch.dtype = torch.float32
 ) -> TransformerConfig:
-    """The ``TransformerConfig`` equivalent to an HF config (CPU initialisation, no dropout)."""
+    """The ``TransformerConfig`` equivalent to an HF config (CPU initialisation, no dropout; sequence parallelism
+    where :func:`needs_sequence_parallel`)."""
     heads, groups, head_dim, hidden = attention_geometry(hf_config)
     check_tensor_parallel(hf_config, tensor_parallel)
     check_expert_parallel(hf_config, expert_parallel)
@@ -159,6 +244,7 @@ def transformer_config(
         add_qkv_bias=hf_config.model_type == "qwen2",
         qk_layernorm=hf_config.model_type in QK_NORM_MODEL_TYPES or mla,  # MLA: the latents' norms
         tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=needs_sequence_parallel(hf_config, tensor_parallel),
         use_cpu_initialization=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -185,6 +271,8 @@ def build_gpt_model(
             qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention
         )
         layer_specs = [layer_spec]
+    if config.sequence_parallel:
+        layer_spec = _with_sequence_parallel_norms(layer_spec, config.num_layers)
     if config.multi_latent_attention:
         _disable_missing_transformer_engine_in_mla()
         _with_mla_core_attention(layer_specs)
@@ -197,6 +285,8 @@ def build_gpt_model(
         rotary_base=int(rope_theta(hf_config)),
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
     )
+    if config.multi_latent_attention and config.sequence_parallel:
+        _with_sequence_sharded_down_projections(model)
     # Every weight in ``dtype``, as megatron's Float16Module does: without Apex or TransformerEngine the norms come
     # from torch and ignore params_dtype (seen on an H200: float32 norms in a bfloat16 model).
     return model.to(dtype)

@@ -178,7 +178,7 @@ class MegatronRank:
         share = _data_parallel_share(
             batch, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         )
-        pad = self.hf_config.pad_token_id or 0
+        pad = self._pad_id
         micros = [
             {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=pad).items()}
             for micro in (share.micro_batches(self.train.micro_batch_size) if share.samples else [])
@@ -200,6 +200,10 @@ class MegatronRank:
             reset_optimizer_states(self.optimizer)
         self.step += 1
         return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
+
+    @property
+    def _pad_id(self) -> int:
+        return self.hf_config.pad_token_id or 0
 
     def _aligned_micro_batches(self, micros: list[dict[str, torch.Tensor]], pad: int) -> list[dict[str, torch.Tensor]]:
         """Expert-parallel ranks exchange every MoE layer's tokens, forward and backward, in collectives that need as
@@ -232,18 +236,27 @@ class MegatronRank:
     def _forward(
         self, model: torch.nn.Module, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """This rank's vocabulary slice of the logits ``[B, T, V/tp]``; with ``routing_replay``, every token routed
-        to its ``routed_experts`` (``[B, T, layers, top_k]``, the micro-batch's)."""
+        """This rank's vocabulary slice of the logits ``[B, T, V/tp]``; with ``routed_experts`` (``[B, T, layers,
+        top_k]``), every token routed to its recorded experts."""
         from miles_plugins_megatron.cpu_compat import causal_mask
         from miles_plugins_megatron.routing_replay import replay_routing
 
         length = input_ids.shape[1]
-        positions = torch.arange(length, device=self.device).expand(input_ids.shape[0], -1)
-        replayed = routed_experts if self.train.routing_replay else None
-        with replay_routing(model, replayed):
-            return model(
-                input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(length).to(self.device)
+        if model.config.sequence_parallel:  # the sequence splits evenly over tensor-parallel ranks
+            input_ids, routed_experts = _padded_to_multiple(
+                input_ids, routed_experts, self.tensor_parallel, pad=self._pad_id
             )
+        padded_length = input_ids.shape[1]
+        positions = torch.arange(padded_length, device=self.device).expand(input_ids.shape[0], -1)
+        with replay_routing(model, routed_experts):
+            logits = model(
+                input_ids=input_ids, position_ids=positions, attention_mask=causal_mask(padded_length).to(self.device)
+            )
+        return logits[:, :length]
+
+    def _replayed(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The micro-batch's recorded experts when the run replays routing (``--train-routing-replay``)."""
+        return tensors.get("routed_experts") if self.train.routing_replay else None
 
     def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The shard's logprobs of the targets before this step, without gradient, in eval mode (as the torch
@@ -254,7 +267,7 @@ class MegatronRank:
         with torch.no_grad():
             input_ids = tensors["input_ids"]
             logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                self._forward(self.model, input_ids, tensors.get("routed_experts"))[:, :-1],
+                self._forward(self.model, input_ids, self._replayed(tensors))[:, :-1],
                 input_ids[:, 1:],
                 dtype=self.logits_dtype,
             )
@@ -268,7 +281,7 @@ class MegatronRank:
         input_ids, mask = tensors["input_ids"], tensors["response_mask"]
         targets = input_ids[:, 1:]
         logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
-            self._forward(self.model, input_ids, tensors.get("routed_experts"))[:, :-1],
+            self._forward(self.model, input_ids, self._replayed(tensors))[:, :-1],
             targets,
             dtype=self.logits_dtype,
         )
@@ -287,7 +300,7 @@ class MegatronRank:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
-                    self._forward(self.reference, input_ids, tensors.get("routed_experts"))[:, :-1],
+                    self._forward(self.reference, input_ids, self._replayed(tensors))[:, :-1],
                     targets,
                     dtype=self.logits_dtype,
                 )
@@ -353,27 +366,35 @@ class MegatronRank:
         return norm
 
     @rpc_method(group="train")
-    def logits(self, input_ids: list[list[int]]) -> list[list[list[float]]]:
-        """Full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (gathered over tensor-parallel ranks)."""
+    def logits(
+        self, input_ids: list[list[int]], routed_experts: list[list[list[list[int]]]] | None = None
+    ) -> list[list[list[float]]]:
+        """Full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (gathered over tensor-parallel ranks); with
+        ``routed_experts`` (``[B, T, layers, top_k]``), every token routed to its recorded experts."""
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+        routes = None if routed_experts is None else torch.tensor(routed_experts, dtype=torch.long, device=self.device)
         self.model.eval()
         with torch.no_grad():
-            local = self._forward(self.model, torch.tensor(input_ids, dtype=torch.long, device=self.device))
+            local = self._forward(self.model, torch.tensor(input_ids, dtype=torch.long, device=self.device), routes)
             return gather_from_tensor_model_parallel_region(local).float().cpu().tolist()
 
     def _sum_replicated_partial_grads(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
-        """qk-layernorm weights are replicated on every tensor-parallel rank but each rank normalises only its own
-        heads, so each holds part of their gradient: sum the parts (as megatron-core's finalize_model_grads does)."""
+        """Weights replicated on every tensor-parallel rank whose gradient each rank holds only part of: sum the parts
+        (as megatron-core's finalize_model_grads does). They are the per-head qk-layernorms (each rank normalises
+        only its own heads) and, under sequence parallelism, every weight marked ``sequence_parallel`` (norms and
+        routers that see only this rank's shard of the sequence)."""
         from megatron.core import parallel_state
 
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
             return
+        per_head_norms = not getattr(self.model.config, "multi_latent_attention", False)
         names = {id(param): name for name, param in self.model.named_parameters()}
         partial = [
             grad
             for param, grad in zip(params, grads, strict=True)
-            if "q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]
+            if getattr(param, "sequence_parallel", False)
+            or (per_head_norms and ("q_layernorm" in names[id(param)] or "k_layernorm" in names[id(param)]))
         ]
         if partial:
             _all_reduce_in_place(partial, parallel_state.get_tensor_model_parallel_group())
@@ -456,6 +477,21 @@ def _all_reduce_in_place(tensors: list[torch.Tensor], group: Any) -> None:
     dist.all_reduce(flat, group=group)
     for tensor, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
         tensor.copy_(reduced)
+
+
+def _padded_to_multiple(
+    input_ids: torch.Tensor, routed_experts: torch.Tensor | None, multiple: int, *, pad: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``input_ids`` (and recorded routes) padded on the right to a length divisible by ``multiple``: causal
+    attention keeps the padding out of the real tokens, and a padded token routes by its own top-k."""
+    extra = -input_ids.shape[1] % multiple
+    if extra == 0:
+        return input_ids, routed_experts
+    input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=pad)
+    if routed_experts is not None:
+        filler = routed_experts.new_full((routed_experts.shape[0], extra, *routed_experts.shape[2:]), NOT_ROUTED)
+        routed_experts = torch.cat([routed_experts, filler], dim=1)
+    return input_ids, routed_experts
 
 
 def _data_parallel_share(batch: TrainBatch, rank: int, size: int) -> TrainBatch:

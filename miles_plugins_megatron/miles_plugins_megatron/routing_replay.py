@@ -57,6 +57,18 @@ def routers_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     }
 
 
+def _this_ranks_sequence_shard(model: torch.nn.Module, experts: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism each tensor-parallel rank's routers see only its slice of the sequence."""
+    if not getattr(model.config, "sequence_parallel", False):
+        return experts
+    from megatron.core import parallel_state
+
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    if experts.shape[1] % size:
+        raise RoutedExpertsError(f"{experts.shape[1]} tokens do not split over {size} sequence-parallel ranks")
+    return experts.chunk(size, dim=1)[rank]
+
+
 @contextlib.contextmanager
 def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None) -> Iterator[None]:
     """Within the block, ``model``'s forwards over ``[B, T]`` tokens route token ``(b, t)`` of MoE layer ``l`` to
@@ -71,6 +83,7 @@ def replay_routing(model: torch.nn.Module, experts: torch.Tensor | None) -> Iter
     router = next(iter(routers.values()))
     top_k, num_experts = router.topk, router.config.num_moe_experts
     check_replayable(experts, last_layer=max(routers), top_k=top_k, num_experts=num_experts)
+    experts = _this_ranks_sequence_shard(model, experts)
     saved = {layer: router.router_replay for layer, router in routers.items()}
     try:
         for layer, router in routers.items():

@@ -32,7 +32,7 @@ from miles_core.workers.process import free_ports
 from miles_core.workers.specs import PythonWorkerSpec
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config
 from miles_plugins_megatron.config import MegatronSection
-from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel, moe_layer_pattern
+from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
 
 STATE_FILE = "trainer_state.json"
@@ -66,7 +66,6 @@ class MegatronTrainer:
     ) -> MegatronTrainer:
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
         provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
-        check_trainable(load_hf_config(model_path), config.megatron)  # before any rank starts
         trainer = cls.launch(
             model_path,
             train=config.train,
@@ -134,7 +133,6 @@ class MegatronTrainer:
         """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
         if not batch.samples:
             raise MilesError("the batch has no samples to train on")
-        check_trainable(self.hf_config, self.layout)
         trained_tokens(batch)  # a batch with nothing to train on is refused here, before any rank works on it
         metrics = self.ranks.call("train_step", batch)[0]
         self.step += 1
@@ -184,9 +182,11 @@ class MegatronTrainer:
         self._export()
         return state
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Megatron's full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (for checks and evaluation)."""
-        return torch.tensor(self.ranks.call("logits", input_ids.tolist())[0])
+    def logits(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Megatron's full-vocabulary logits ``[B, T, V]`` for ``input_ids`` (for checks and evaluation); with
+        ``routed_experts`` (``[B, T, layers, top_k]``), every token routed to its recorded experts."""
+        routes = None if routed_experts is None else routed_experts.tolist()
+        return torch.tensor(self.ranks.call("logits", input_ids.tolist(), routes)[0])
 
     def rank_names(self) -> list[str]:
         """The rank workers' names, in rank order (the dashboard's topology shows them)."""
@@ -212,18 +212,6 @@ class MegatronTrainer:
             self._weights = [(name, exported.get_tensor(name)) for name in exported.keys()]  # noqa: SIM118
         seconds = time.perf_counter() - started
         self.export_report = {**report, "seconds": seconds, "gb_per_s": report["bytes"] / seconds / 1e9}
-
-
-def check_trainable(hf_config: Any, layout: MegatronSection) -> None:
-    """A :class:`MilesError` for a layout that loads and exports but cannot train: megatron-core refuses to train a
-    MoE layer under tensor parallelism without sequence parallelism, which needs TransformerEngine or Apex."""
-    if layout.tensor_parallel > 1 and any(moe_layer_pattern(hf_config)):
-        raise MilesError(
-            f"training this {hf_config.model_type} model with tensor parallel size {layout.tensor_parallel} needs "
-            "sequence parallelism (megatron-core refuses MoE layers under tensor parallelism without it), which this "
-            "version does not support: split the experts with --megatron-expert-parallel and the batch with "
-            "--megatron-data-parallel, and use --megatron-tensor-parallel 1"
-        )
 
 
 class _ExportedWeights(HfWeightIterator):

@@ -21,6 +21,7 @@ import httpx
 import numpy
 import pytest
 import torch
+import transformers
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.generate_types import GenerateOutput
@@ -36,7 +37,13 @@ from miles_core.engines.routed_experts import (
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import EngineError
 from miles_core.models.moe_routing import RoutingCapture
-from miles_core.testkit.tiny_models import save_tiny_deepseek_v3, save_tiny_llama, save_tiny_qwen3_moe
+from miles_core.testkit.tiny_models import (
+    TINY_MOE,
+    save_from_config,
+    save_tiny_llama,
+    save_tiny_qwen3_moe,
+    tiny_deepseek_v3_config,
+)
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
 
@@ -121,19 +128,48 @@ def test_requests_that_do_not_ask_get_no_routing_and_a_dense_model_refuses(engin
         dense.admit(GenerationRequest([3], SamplingParams(max_new_tokens=2), return_routed_experts=True))
 
 
+def test_deepseek_v3_reports_the_experts_its_sigmoid_group_limited_router_chose(tmp_path: Path) -> None:
+    """DeepSeek-V3's router (sigmoid scores plus the selection bias, top-k within the best group): the engine's
+    recorded experts equal a lone forward's choice, its dense first layer reports zeros."""
+    shape = RoutingShape(num_layers=2, top_k=2, num_experts=4)
+    model_dir = save_from_config(tiny_deepseek_v3_config(), tmp_path / "deepseek", scale=0.1)
+    engine = LocalEngine(model_dir, staging_dir=tmp_path)
+
+    async def scenario():
+        engine.start()
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        return await engine.generate([GenerationRequest([3, 4, 5], params, return_routed_experts=True)])
+
+    result = asyncio.run(scenario())[0]
+    ids = [3, 4, 5, *result.output_ids][:-1]
+    capture = RoutingCapture(engine.model, shape)
+    try:
+        with torch.no_grad():
+            engine.model(torch.tensor([ids]))
+        expected = capture.experts(1, len(ids))[0]
+    finally:
+        capture.close()
+    assert list(result.routed_experts.shape) == [len(ids), 2, 2]
+    assert torch.equal(result.routed_experts, expected)
+    assert not result.routed_experts[:, 0].any() and len(result.routed_experts[:, 1].unique()) > 2
+
+
 def test_a_model_whose_routers_cannot_be_captured_serves_and_refuses_only_requests_for_its_routing(
     tmp_path: Path,
 ) -> None:
-    """DeepSeek-V3's sigmoid, group-limited router is not one capture supports: the engine serves the model all the
-    same, and a request for its routed experts is refused naming the router."""
-    engine = LocalEngine(save_tiny_deepseek_v3(tmp_path / "deepseek"), staging_dir=tmp_path)
+    """Mixtral's router is not one capture supports: the engine serves the model all the same, and a request for
+    its routed experts is refused naming the router."""
+    config = transformers.AutoConfig.for_model(
+        "mixtral", **{**TINY_MOE, "num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2}
+    )
+    engine = LocalEngine(save_from_config(config, tmp_path / "mixtral"), staging_dir=tmp_path)
 
     async def scenario():
         engine.start()
         return await engine.generate([GenerationRequest([3], SamplingParams(max_new_tokens=2))])
 
     assert len(asyncio.run(scenario())[0].output_ids) == 2
-    with pytest.raises(RequestError, match=r"return_routed_experts: .*DeepseekV3TopkRouter"):
+    with pytest.raises(RequestError, match=r"return_routed_experts: .*MixtralTopKRouter"):
         engine.admit(GenerationRequest([3], SamplingParams(max_new_tokens=2), return_routed_experts=True))
 
 

@@ -1,4 +1,5 @@
-"""Routing replay on megatron-core's MoE layers (EP=1, TP=1, in process): every token goes to the recorded experts
+"""Routing replay on megatron-core's MoE layers (in process, and through the ranks at DP=2 x EP=2 and TP=2 with
+sequence parallelism; Qwen3-MoE and DeepSeek-V3): every token goes to the recorded experts
 (captured from the routing map each ``TopKRouter`` hands the dispatcher), the logits then equal transformers' under
 the same replayed routing, tokens without recorded routing route themselves, and bad routing is refused.
 
@@ -102,3 +103,56 @@ def test_replay_is_off_after_the_block_and_bad_routing_is_refused(models) -> Non
         routing_replay.replay_routing(gpt, wrong_top_k),
     ):
         pass
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
+    ids=["dp2-ep2", "tp2-sequence-parallel"],
+)
+def test_replayed_logits_of_parallel_ranks_equal_transformers(models, tmp_path, layout: dict) -> None:
+    """Across ranks: with the experts split over two ranks, or every tensor and the sequence split over two (each
+    rank's routers then see half of the tokens, 11 padded to 12), the recorded routing replays as transformers'."""
+    from tests.megatron.test_megatron_trainer import launch
+
+    reference = models[0]
+    reference.save_pretrained(tmp_path / "model")
+    ids = input_ids()
+    experts = recorded_routing(ids)
+    with torch.no_grad(), moe_routing.replay_routing(reference, experts):
+        expected = reference(ids).logits
+    with launch(tmp_path / "model", tmp_path, **layout) as trainer:
+        replayed, plain = trainer.logits(ids, experts), trainer.logits(ids)
+    assert (replayed - expected).abs().max().item() < TOLERANCE
+    assert (replayed - plain).abs().max().item() > 1e-2  # the random routing is not the model's own
+
+
+def test_deepseek_v3_replays_in_process_and_under_sequence_parallelism(models, tmp_path) -> None:
+    """DeepSeek-V3's sigmoid router with a selection bias and a group limit: a recorded choice skips both, and the
+    weights are the sigmoid scores at the recorded experts, renormalised and scaled, in megatron-core as in
+    transformers (its dense first layer has no router, so only layer 1's recorded experts apply)."""
+    from miles_plugins_megatron.cpu_compat import causal_mask
+
+    from miles_plugins_megatron import conversion, model
+    from tests.megatron.test_deepseek_v3 import perturbed_dsv3
+    from tests.megatron.test_megatron_trainer import launch
+
+    routing_replay = models[3]
+    reference = perturbed_dsv3()
+    gpt = model.build_gpt_model(reference.config).eval()
+    gpt.load_state_dict(conversion.hf_to_megatron(reference.state_dict(), reference.config), strict=False)
+    reference.save_pretrained(tmp_path / "model")
+    ids = input_ids() % reference.config.vocab_size
+    experts = recorded_routing(ids)
+    with torch.no_grad():
+        with moe_routing.replay_routing(reference, experts):
+            expected = reference(ids).logits
+        plain = reference(ids).logits
+        positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        with routing_replay.replay_routing(gpt, experts):
+            in_process = gpt(input_ids=ids, position_ids=positions, attention_mask=causal_mask(ids.shape[1]))
+    with launch(tmp_path / "model", tmp_path, tensor_parallel=2) as trainer:
+        ranks = trainer.logits(ids, experts)
+    assert (in_process - expected).abs().max().item() < TOLERANCE
+    assert (ranks - expected).abs().max().item() < TOLERANCE
+    assert (expected - plain).abs().max().item() > 1e-2  # the random routing is not the model's own

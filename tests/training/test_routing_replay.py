@@ -19,7 +19,14 @@ from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import ConfigError
 from miles_core.rollout.executor import _routing_continued
 from miles_core.run_setup import routing_replay_shape
-from miles_core.testkit.tiny_models import perturbed_state, save_tiny_deepseek_v3, save_tiny_llama, save_tiny_qwen3_moe
+from miles_core.testkit.tiny_models import (
+    perturbed_state,
+    save_from_config,
+    save_tiny_deepseek_v3,
+    save_tiny_llama,
+    save_tiny_qwen3_moe,
+    tiny_deepseek_v3_config,
+)
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import config_json
@@ -27,13 +34,19 @@ from tests.conftest import config_json
 PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]
 
 
-@pytest.fixture(scope="module")
-def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainBatch]:
-    """A tiny Qwen3-MoE and a batch the local engine generated from it, with every token's routed experts."""
+def tiny_moe(family: str, path: Path) -> Path:
+    """Qwen3-MoE (softmax router, 8 experts, both layers sparse) or DeepSeek-V3 (sigmoid router with a selection
+    bias and a group limit, 4 experts, a dense first layer)."""
+    if family == "qwen3_moe":
+        return save_tiny_qwen3_moe(path, scale=0.1, num_experts=8, norm_topk_prob=True, intermediate_size=128)
+    return save_from_config(tiny_deepseek_v3_config(), path, scale=0.1)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def generated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainBatch]:
+    """A tiny MoE model and a batch the local engine generated from it, with every token's routed experts."""
     root = tmp_path_factory.mktemp("replay")
-    model_dir = save_tiny_qwen3_moe(
-        root / "model", scale=0.1, num_experts=8, norm_topk_prob=True, intermediate_size=128
-    )
+    model_dir = tiny_moe(request.param, root / "model")
     (root / "staging").mkdir(mode=0o700)
     engine = LocalEngine(model_dir, staging_dir=root / "staging")
 
@@ -61,17 +74,18 @@ def trainer_one_update_ahead(model_dir: Path, *, replay: bool) -> TorchTrainer:
 
 
 def experts_used(trainer: TorchTrainer) -> tuple[list[torch.Tensor], list]:
-    """Records, for each forward of the policy, the ``top_k_index`` each layer's experts module was given."""
+    """Records, for each forward of the policy, the ``top_k_index`` each sparse layer's experts module was given."""
     used: list[torch.Tensor] = []
     layers = trainer.model.model.model.layers
     hooks = [
         layer.mlp.experts.register_forward_pre_hook(lambda m, args, i=i: used.append((i, args[1].clone())))
         for i, layer in enumerate(layers)
+        if hasattr(layer.mlp, "experts")
     ]
     return used, hooks
 
 
-def mismatches(batch: TrainBatch, used: list, micro_batch_size: int) -> int:
+def mismatches(batch: TrainBatch, used: list, micro_batch_size: int, sparse_layers: int) -> int:
     """Tokens (of those with recorded routing) whose experts in the first policy forward of each micro-batch differ
     from the recorded ones; asserts every recorded token was compared."""
     micros = batch.micro_batches(micro_batch_size)
@@ -79,13 +93,13 @@ def mismatches(batch: TrainBatch, used: list, micro_batch_size: int) -> int:
     differing = compared = 0
     for index, micro in enumerate(micros):
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in micro.samples)
-        for layer, chosen in used[index * per_forward : index * per_forward + 2]:
+        for layer, chosen in used[index * per_forward : index * per_forward + sparse_layers]:
             chosen = chosen.reshape(len(micro.samples), length, -1)
             for row, sample in enumerate(micro.samples):
                 recorded = torch.tensor(sample.routed_experts)[:, layer]
                 differing += int((chosen[row, : len(recorded)] != recorded).any(-1).sum())
                 compared += len(recorded)
-    assert compared == 2 * sum(len(s.routed_experts) for s in batch.samples)
+    assert compared == sparse_layers * sum(len(s.routed_experts) for s in batch.samples)
     return differing
 
 
@@ -97,7 +111,7 @@ def test_with_replay_the_trainer_uses_the_recorded_experts_for_every_token(gener
         metrics = trainer.train_step(batch)
         for hook in hooks:
             hook.remove()
-        differing = mismatches(batch, used, 3)
+        differing = mismatches(batch, used, 3, sparse_layers=len(hooks))
         assert (differing == 0) is expect_equal, (replay, differing)  # without replay some tokens route elsewhere
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
@@ -117,7 +131,10 @@ def test_replayed_routing_weights_are_the_routers_own_at_the_recorded_experts(ge
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        (lambda r: [[[99, 0] for _ in t] for t in r], "expert id 99 is out of range: this model's experts are 0 to 7"),
+        (
+            lambda r: [[[99, 0] for _ in t] for t in r],
+            r"expert id 99 is out of range: this model's experts are 0 to [37]",
+        ),
         (lambda r: [[[*e, 0] for e in t] for t in r], "the model needs \\[batch, tokens, layers >= 2, 2\\]"),
     ],
     ids=["id-out-of-range", "wrong-top-k"],
@@ -151,18 +168,17 @@ def test_a_continued_request_appends_the_routing_of_its_new_tokens() -> None:
     assert _routing_continued(before, None) == before
 
 
-def test_the_flag_sets_the_field_and_a_model_without_experts_is_refused(generated, tmp_path: Path) -> None:
+def test_the_flag_sets_the_field_and_a_model_without_experts_is_refused(tmp_path: Path) -> None:
     assert config_json("--train-routing-replay", "true")["train"]["routing_replay"] is True
     on = SimpleNamespace(train=SimpleNamespace(routing_replay=True), rollout=SimpleNamespace(agent=None))
-    model_dir, _ = generated
+    model_dir = tiny_moe("qwen3_moe", tmp_path / "qwen3_moe")
     assert routing_replay_shape(on, model_dir) == RoutingShape(num_layers=2, top_k=2, num_experts=8)
     with pytest.raises(ConfigError, match="the embedded default \\(a dense Llama\\) \\(llama\\) has no routing"):
         routing_replay_shape(on, None)
     with pytest.raises(ConfigError, match=r"\(llama\) has no routing Miles can replay: .* turn routing replay off"):
         routing_replay_shape(on, save_tiny_llama(tmp_path / "llama"))
-    deepseek = save_tiny_deepseek_v3(tmp_path / "deepseek")  # routed experts, but routers replay does not take yet
-    with pytest.raises(ConfigError, match=r"\(deepseek_v3\) has no routing Miles can replay"):
-        routing_replay_shape(on, deepseek)
+    deepseek = save_tiny_deepseek_v3(tmp_path / "deepseek")  # n_routed_experts, DeepSeek-V3's name
+    assert routing_replay_shape(on, deepseek) == RoutingShape(num_layers=2, top_k=2, num_experts=4)
     agent = SimpleNamespace(train=on.train, rollout=SimpleNamespace(agent="single_turn"))
     with pytest.raises(ConfigError, match="not available with --rollout-agent"):
         routing_replay_shape(agent, model_dir)

@@ -100,9 +100,11 @@ def check_deepseek_v3(hf_config: Any) -> None:
     """A :class:`MilesError` for a DeepSeek-V3 config whose forward megatron-core would not compute as transformers
     does (each case names the setting, its value and what is supported)."""
     name = "this deepseek_v3 model's config.json"
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope != "default":
-        raise MilesError(f"{name} has rope_type {rope!r}: only 'default' RoPE is supported (YaRN is not, yet)")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") not in ("default", "yarn"):
+        raise MilesError(f"{name} has rope_type {rope['rope_type']!r}: 'default' and 'yarn' RoPE are supported")
+    if rope.get("rope_type") == "yarn":
+        _check_yarn(name, rope)
     if not getattr(hf_config, "rope_interleave", True):
         raise MilesError(f"{name} has rope_interleave false: megatron-core's MLA rotates interleaved pairs only")
     if getattr(hf_config, "attention_bias", False):
@@ -124,6 +126,24 @@ def check_deepseek_v3(hf_config: Any) -> None:
             f"{name} has first_k_dense_replace={hf_config.first_k_dense_replace} >= num_hidden_layers="
             f"{hf_config.num_hidden_layers}: a DeepSeek-V3 without MoE layers is not supported"
         )
+
+
+def _check_yarn(name: str, rope: dict[str, Any]) -> None:
+    """YaRN settings megatron-core's ``YarnRotaryEmbedding`` computes as transformers does (see ``yarn_settings``)."""
+    if not rope.get("factor"):
+        raise MilesError(f"{name} has YaRN RoPE without a factor: give rope_parameters.factor")
+    if rope.get("attention_factor") is not None:
+        raise MilesError(
+            f"{name} sets YaRN's attention_factor ({rope['attention_factor']}): megatron-core derives it from factor, "
+            "mscale and mscale_all_dim only; remove it"
+        )
+    if rope.get("mscale_all_dim") and not rope.get("mscale"):
+        raise MilesError(
+            f"{name} sets YaRN's mscale_all_dim ({rope['mscale_all_dim']}) without mscale: transformers then scales "
+            "the rotary embedding by factor alone, which megatron-core cannot express; give mscale too"
+        )
+    if not rope.get("truncate", True):
+        raise MilesError(f"{name} sets YaRN's truncate false: megatron-core rounds the correction range")
 
 
 def num_experts(hf_config: Any) -> int:

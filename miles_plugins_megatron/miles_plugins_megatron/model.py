@@ -123,7 +123,7 @@ def _deepseek_v3_moe_settings(hf_config: Any, *, expert_parallel: int) -> dict[s
 
 
 def mla_settings(hf_config: Any) -> dict[str, Any]:
-    """``MLATransformerConfig`` fields of DeepSeek-V3's multi-latent attention (plain RoPE, checked). ``kv_channels`` is
+    """``MLATransformerConfig`` fields of DeepSeek-V3's multi-latent attention (plain or YaRN RoPE). ``kv_channels`` is
     the value head size: the local attention kernel sizes its output by it."""
     return {
         "q_lora_rank": hf_config.q_lora_rank,
@@ -132,9 +132,29 @@ def mla_settings(hf_config: Any) -> dict[str, Any]:
         "qk_pos_emb_head_dim": hf_config.qk_rope_head_dim,
         "v_head_dim": hf_config.v_head_dim,
         "kv_channels": hf_config.v_head_dim,
-        "rope_type": "rope",
         "rotary_base": rope_theta(hf_config),
-        "rotary_scaling_factor": 1.0,  # no YaRN: the softmax scale stays 1/sqrt(q head size), as in transformers
+        **yarn_settings(hf_config),
+    }
+
+
+def yarn_settings(hf_config: Any) -> dict[str, Any]:
+    """MLA's RoPE fields: plain RoPE (``rotary_scaling_factor`` 1, so the softmax scale stays 1/sqrt(q head size)),
+    or YaRN as transformers computes it (checked by ``conversion.check_deepseek_v3``). transformers scales cos/sin by
+    ``mscale / mscale_all_dim`` (both YaRN's ``0.1 * m * ln(factor) + 1``) when both are given, else by the one of
+    ``factor`` alone, and the softmax by the square of ``mscale_all_dim``'s; megatron-core always takes the ratio and
+    the same softmax factor, so without ``mscale_all_dim`` it gets ``mscale`` 1 and ``mscale_all_dim`` 0."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "yarn":
+        return {"rope_type": "rope", "rotary_scaling_factor": 1.0}
+    both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+    return {
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "mscale": float(rope["mscale"]) if both else 1.0,
+        "mscale_all_dim": float(rope["mscale_all_dim"]) if both else 0.0,
     }
 
 

@@ -78,6 +78,10 @@ def dsv3_config(**overrides) -> transformers.PretrainedConfig:
     )
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
+"""YaRN stretching RoPE 4x beyond 16 positions (the tiny model's 64); transformers' DeepSeek-V3 defaults otherwise."""
+
+
 def perturbed_dsv3(**overrides) -> transformers.PreTrainedModel:
     """Every weight perturbed (norms, router and its selection bias too), so a swapped latent split or a misplaced
     expert cannot hide; the selection bias strongly enough to change which experts are chosen."""
@@ -130,8 +134,14 @@ def megatron():
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"n_group": 1, "topk_group": 1}, {"q_lora_rank": None, "num_hidden_layers": 3, "first_k_dense_replace": 2}],
-    ids=["group-limited", "one-group", "no-query-latent-two-dense-layers"],
+    [
+        {},
+        {"n_group": 1, "topk_group": 1},
+        {"q_lora_rank": None, "num_hidden_layers": 3, "first_k_dense_replace": 2},
+        {"rope_parameters": YARN},
+        {"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 16, "beta_slow": 2}},
+    ],
+    ids=["group-limited", "one-group", "no-query-latent-two-dense-layers", "yarn", "yarn-mscale-both"],
 )
 def test_tp1_logits_equal_transformers_and_the_export_round_trips(megatron, tmp_path: Path, overrides) -> None:
     conversion, model_builder, causal_mask = megatron
@@ -249,9 +259,6 @@ def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_pat
     assert_same_sgd_step(*({k: v for k, v in d.items() if k not in bias} for d in (initial, weights, exported)))
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16}
-
-
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -260,12 +267,25 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max
             {"n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
             r"topk_group=2 of n_group=4 groups with num_experts_per_tok=2: transformers scores a group by its top 2",
         ),
-        ({"rope_parameters": YARN}, "rope_type 'yarn': only 'default' RoPE is supported"),
+        ({"rope_parameters": {**YARN, "rope_type": "linear"}}, "rope_type 'linear': 'default' and 'yarn' RoPE"),
+        ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor \\(1.2\\): megatron-core derives"),
+        ({"rope_parameters": {**YARN, "mscale_all_dim": 1.0}}, "mscale_all_dim \\(1.0\\) without mscale"),
+        ({"rope_parameters": {**YARN, "truncate": False}}, "truncate false"),
         ({"rope_interleave": False}, "rope_interleave false"),
         ({"attention_bias": True}, "attention_bias true"),
         ({"first_k_dense_replace": 2}, "first_k_dense_replace=2 >= num_hidden_layers=2"),
     ],
-    ids=["plain-top-k", "group-score", "yarn", "rope-not-interleaved", "attention-bias", "no-moe-layer"],
+    ids=[
+        "plain-top-k",
+        "group-score",
+        "linear-rope",
+        "yarn-attention-factor",
+        "yarn-mscale-all-dim-alone",
+        "yarn-not-truncated",
+        "rope-not-interleaved",
+        "attention-bias",
+        "no-moe-layer",
+    ],
 )
 def test_configs_megatron_would_compute_differently_are_refused(overrides: dict, message: str) -> None:
     from miles_plugins_megatron.conversion import attention_geometry

@@ -32,7 +32,7 @@ from miles_core.rollout.sessions.pool import SessionServers
 from miles_core.rollout.stream import RolloutStream, StreamState
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
-from miles_core.training.backend import TrainingBackend, missing_members
+from miles_core.training.backend import TrainingBackend, missing_members, weight_holders
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
@@ -200,7 +200,10 @@ async def _step_loop(config, manager, setup, trainer, controller, executor, repo
             next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
         report = await phases.run(
-            "weight_update", controller.update_weights(lambda: trainer.weight_iterator(bucket_bytes), version=step)
+            "weight_update",
+            controller.update_weights(
+                lambda: trainer.weight_iterator(bucket_bytes), version=step, holders=weight_holders(trainer)
+            ),
         )
         metrics = {
             **rollout.stats,

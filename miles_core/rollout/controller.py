@@ -25,7 +25,13 @@ from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo
 from miles_core.training.weight_iterator import bucketize
-from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
+from miles_core.weight_transfer.holders import WeightHolders
+from miles_core.weight_transfer.protocol import (
+    EngineEndpoint,
+    SendsFromHolders,
+    TransferReport,
+    WeightTransferProtocol,
+)
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
@@ -82,6 +88,7 @@ class InferenceController:
         )
         self.version = 0
         self.published: NamedTensors = []  # a CPU copy of the last published weights, for restarted engines
+        self.published_by_holders = False  # the last version was sent by the trainer's holders: no copy here
         self._updating = False
         self._generation_held = False  # inside _generation_paused: the engines produce nothing until it ends
         # fully_async (and --rollout-partial): generation runs through every update; the rollout sends cut requests
@@ -200,7 +207,10 @@ class InferenceController:
         update's own retry does that)."""
         self._refresh_clients()
         await self.clients[cell.cell_id].flush_cache()
-        if self.published and not self._updating:
+        if self.published_by_holders and not self._updating:
+            await self._connect(force=True)
+            await self.protocol.republish(self.version)
+        elif self.published and not self._updating:
             published = self.published
             await self._connect(force=True)
             await self.protocol.transfer(
@@ -210,26 +220,35 @@ class InferenceController:
 
     # -- weights ----------------------------------------------------------------------------------------------
 
-    async def update_weights(self, weights: WeightSource, *, version: int) -> TransferReport:
-        """Publish new weights as ``version`` on every engine, reading ``weights()`` once (again only to retry a
-        failed transfer)."""
+    async def update_weights(
+        self, weights: WeightSource, *, version: int, holders: WeightHolders | None = None
+    ) -> TransferReport:
+        """Publish new weights as ``version`` on every engine. With the trainer's ``holders`` and a protocol that
+        sends from them (:class:`SendsFromHolders`), the holders send and the driver only coordinates, keeping no
+        copy; otherwise the driver reads ``weights()`` once (again only to retry a failed transfer) and keeps a copy
+        for engines that restart."""
+        from_holders = holders is not None and isinstance(self.protocol, SendsFromHolders)
         self._updating = True
         try:
-            report, published = await self._update(weights, version)
+            report, published = await self._update(weights if not from_holders else holders, version, from_holders)
         finally:
             self._updating = False
-        self.published = published
+        self.published, self.published_by_holders = published, from_holders
         self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
         self.reports.append(report)
         return report
 
-    async def _update(self, weights: WeightSource, version: int) -> tuple[TransferReport, NamedTensors]:
+    async def _update(
+        self, weights: WeightSource | WeightHolders, version: int, from_holders: bool = False
+    ) -> tuple[TransferReport, NamedTensors]:
         async with self.monitor.paused(), self._generation_paused():
             self.hooks.before_weight_update(version=version, protocol=self.protocol)
             with contextlib.ExitStack() as wrappers:
                 for wrapper in self.hooks.weight_update_wrapper(version=version, protocol=self.protocol):
                     if wrapper is not None:
                         wrappers.enter_context(wrapper)
+                if from_holders:
+                    return await self._transfer_from_holders(weights, version), []
                 return await self._transfer_all(weights, version)
 
     async def _transfer_all(
@@ -256,6 +275,28 @@ class InferenceController:
             report = await self._verify(report, recorded.copy)
         return report, recorded.copy
 
+    async def _transfer_from_holders(
+        self, holders: WeightHolders, version: int, *, attempts: int = 2
+    ) -> TransferReport:
+        """The holders send (retried once after re-syncing the engines); checked against the checksum combined from
+        their digests when asked."""
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._connect(force=attempt > 1)
+                report = await self.protocol.transfer_from_holders(holders, version=version)
+                break
+            except (EngineError, MilesError, OSError) as exc:
+                if attempt == attempts:
+                    raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
+                logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
+                await self.wait_for_engines(self.config.engine.startup_timeout_s)
+        self.version = version
+        if self.config.weight_transfer.verify_checksum:
+            if report.checksum is None:
+                raise MilesError(f"the {type(self.protocol).__name__} protocol reported no checksum of what it sent")
+            report = await self._verify_digest(report, report.checksum)
+        return report
+
     async def _connect(self, *, force: bool = False) -> None:
         """(Re)connect the protocol when the set of engines changed (or after a failure)."""
         endpoints = self.endpoints()
@@ -264,7 +305,9 @@ class InferenceController:
             self._connected = endpoints
 
     async def _verify(self, report: TransferReport, sent: NamedTensors) -> TransferReport:
-        expected = checksum(sent)
+        return await self._verify_digest(report, checksum(sent))
+
+    async def _verify_digest(self, report: TransferReport, expected: str) -> TransferReport:
         served = await asyncio.gather(*(client.weights_checksum() for client in self.engine_clients()))
         ok = all(digest == expected for digest in served)
         if not ok:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from miles_core.training.batch import TrainBatch
     from miles_core.training.weight_iterator import HfWeightIterator
+    from miles_core.weight_transfer.holders import WeightHolders
 
 MEMBERS = (
     "for_run",
@@ -71,3 +72,11 @@ class TrainingBackend(Protocol):
 def missing_members(trainer: Any) -> list[str]:
     """The members of :class:`TrainingBackend` that ``trainer`` lacks."""
     return [name for name in MEMBERS if not hasattr(trainer, name)]
+
+
+def weight_holders(trainer: Any) -> WeightHolders | None:
+    """The trainer's :class:`~miles_core.weight_transfer.holders.WeightHolders` (its optional ``weight_holders()``
+    member: the processes that hold its weights and can send them), or ``None`` for a trainer without it, whose
+    weights the driver reads through :meth:`TrainingBackend.weight_iterator`."""
+    offer = getattr(trainer, "weight_holders", None)
+    return offer() if callable(offer) else None

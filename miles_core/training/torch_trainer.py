@@ -35,6 +35,7 @@ from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.user_files import parse_json_text, read_text
+from miles_core.weight_transfer.holders import InProcessHolders
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -195,6 +196,10 @@ class TorchTrainer:
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
         """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them)."""
         return CausalLMWeightIterator(self.model, bucket_bytes=bucket_bytes)
+
+    def weight_holders(self) -> InProcessHolders:
+        """The driver as the one holder of the weights (the degenerate case of protocols that send from holders)."""
+        return InProcessHolders(lambda: self.weight_iterator(1 << 62).named_tensors())
 
     def save_checkpoint(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
         """HF checkpoint (config, safetensors, the tokenizer's files) plus optimizer state and the trainer's step,

@@ -1,21 +1,59 @@
-"""``disk``: the weights are written as one safetensors file per version; engines load it with
-``/update_weights_from_disk`` (which SGLang servers implement too)."""
+"""``disk``: the weights are written as a safetensors checkpoint per version; engines load it with
+``/update_weights_from_disk`` (which SGLang servers implement too).
+
+Given the trainer's buckets (:meth:`DiskProtocol.transfer`), the driver writes one file. Given its holders
+(:meth:`DiskProtocol.transfer_from_holders`), each holder writes its share as one shard of a sharded checkpoint
+(:func:`write_shard`, run where the weights are) and the driver writes only ``model.safetensors.index.json`` from the
+names the holders report: no weight passes through the driver. A restarted engine loads the last version from disk.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
 import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
+from miles_core.engines.weights import combine_digests, tensor_digest
+from miles_core.errors import MilesError
+from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting, is_whole_number
+from miles_core.weight_transfer.protocol import (
+    SendsFromHolders,
+    TransferReport,
+    WeightBucket,
+    check_setting,
+    is_whole_number,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
 
 
-class DiskProtocol(HttpEngineProtocol):
+def shard_file_name(holder: int, holders: int) -> str:
+    """The shard a holder writes, named as transformers names the shards of a checkpoint."""
+    return f"model-{holder + 1:05d}-of-{holders:05d}.safetensors"
+
+
+def write_shard(share: NamedTensorShare, *, holder: int, holders: int, directory: str) -> dict[str, Any]:
+    """The holder task of ``disk``: write this holder's share to its shard in ``directory``; the names written, each
+    with its digest, and the bytes."""
+    tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in share}
+    file = shard_file_name(holder, holders)
+    save_file(tensors, str(Path(directory) / file), metadata={"format": "pt"})
+    return {
+        "file": file,
+        "digests": {name: tensor_digest(name, tensor) for name, tensor in tensors.items()},
+        "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    }
+
+
+class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "disk"
 
     def __init__(self, *, work_dir: str | None = None, keep_versions: int = 2) -> None:
@@ -40,16 +78,50 @@ class DiskProtocol(HttpEngineProtocol):
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()
         tensors = {name: tensor.detach().contiguous().cpu() for bucket in buckets for name, tensor in bucket}
+        partial = self._partial_dir(version)
+        save_file(tensors, str(partial / "model.safetensors"))
+        await self._publish(partial, version)
+        return self.report(
+            version=version, num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), started=started
+        )
+
+    async def transfer_from_holders(self, holders: WeightHolders, *, version: int) -> TransferReport:
+        """Each holder writes its shard, the driver the index of the shards, then every engine loads them."""
+        started = time.perf_counter()
+        partial = self._partial_dir(version)
+        results = await asyncio.to_thread(holders.run_task, f"{__name__}:write_shard", directory=str(partial))
+        weight_map: dict[str, str] = {}
+        digests: dict[str, str] = {}
+        for result in results:
+            for name, digest in result["digests"].items():
+                if name in weight_map:
+                    raise MilesError(f"two weight holders wrote {name!r} ({weight_map[name]}, {result['file']})")
+                weight_map[name], digests[name] = result["file"], digest
+        num_bytes = sum(result["bytes"] for result in results)
+        index = {"metadata": {"total_size": num_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (partial / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        await self._publish(partial, version)
+        report = self.report(version=version, num_bytes=num_bytes, started=started)
+        return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests)})
+
+    async def republish(self, version: int) -> None:
+        """Every engine loads ``version`` again from its directory (kept on disk for restarted engines)."""
         directory = self.work_dir / f"v{version}"
+        if not directory.is_dir():
+            raise MilesError(f"disk: version {version} is no longer in {self.work_dir} to load into an engine")
+        await self.on_each_engine(lambda c: c.update_weights_from_disk(str(directory), weight_version=str(version)))
+
+    def _partial_dir(self, version: int) -> Path:
         partial = self.work_dir / f".v{version}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        save_file(tensors, str(partial / "model.safetensors"))
+        return partial
+
+    async def _publish(self, partial: Path, version: int) -> None:
+        """Move a written version into place, have every engine load it, drop the versions beyond those kept."""
+        directory = self.work_dir / f"v{version}"
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
         await self.on_each_engine(lambda c: c.update_weights_from_disk(str(directory), weight_version=str(version)))
         for old in sorted(self.work_dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)
-        return self.report(
-            version=version, num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), started=started
-        )

@@ -42,6 +42,7 @@ class TransferReport:
     seconds: float
     num_engines: int
     checksum_ok: bool | None = None  # None when no checksum was checked
+    checksum: str | None = None  # of the weights sent, combined from the holders' digests (protocols that send there)
 
     @property
     def gb_per_s(self) -> float:
@@ -75,6 +76,23 @@ class WeightTransferProtocol(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional step, most protocols hold nothing to release
         """Release the channel. The default does nothing."""
+
+
+class SendsFromHolders(abc.ABC):
+    """A protocol whose sending side runs where the weights are: in each of the trainer's
+    :class:`~miles_core.weight_transfer.holders.WeightHolders` (the Megatron ranks; the driver for the torch trainer),
+    each sending its share, while the driver only coordinates. The controller uses it whenever the trainer offers
+    holders, and keeps no copy of the weights: :meth:`republish` must restore a published version to an engine that
+    comes back without them (from what the protocol keeps outside the driver, or from the holders)."""
+
+    @abc.abstractmethod
+    async def transfer_from_holders(self, holders: Any, *, version: int) -> TransferReport:
+        """Have every holder send its share to every engine and publish ``version``; the report carries the
+        checksum of the weights sent (:func:`~miles_core.engines.weights.combine_digests` of the holders' digests)."""
+
+    @abc.abstractmethod
+    async def republish(self, version: int) -> None:
+        """Load the published ``version`` into every connected engine again (after one restarted)."""
 
 
 def check_setting(protocol: str, name: str, value: Any, *, valid: bool, allowed: str) -> None:

@@ -130,21 +130,24 @@ class MegatronTrainer:
     # -- the training-backend interface ------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on every rank, then the HF export of the new weights; returns rank 0's metrics."""
+        """One optimizer step on every rank; returns rank 0's metrics. The weights stay on the ranks: they send them
+        (:meth:`weight_holders`), or the driver gathers them when asked (:meth:`weight_iterator`)."""
         if not batch.samples:
             raise MilesError("the batch has no samples to train on")
         trained_tokens(batch)  # a batch with nothing to train on is refused here, before any rank works on it
         metrics = self.ranks.call("train_step", batch)[0]
         self.step += 1
-        self._export()
-        return {
-            **metrics,
-            "export_seconds": self.export_report["seconds"],
-            "export_gb_per_s": self.export_report["gb_per_s"],
-        }
+        self._weights = None  # the driver's copy, if one was asked for, is now stale
+        return metrics
+
+    def weight_holders(self) -> MegatronWeightHolders:
+        """The ranks as the holders of the weights: each sends its share (a protocol that sends from holders runs
+        its task on every rank), and no weight passes through the driver."""
+        return MegatronWeightHolders(self.ranks)
 
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
-        """The weights of the last step under HF names, in buckets (read from rank 0's export)."""
+        """The weights of the last step under HF names, in buckets, gathered into the driver (rank 0 exports them to
+        shared memory, the driver reads them: ``export_report`` says how fast)."""
         if self._weights is None:
             self._export()
         return _ExportedWeights(self._weights, bucket_bytes=bucket_bytes)
@@ -179,7 +182,7 @@ class MegatronTrainer:
         self.ranks.call("load_checkpoint", str(directory))
         state = json.loads((directory / STATE_FILE).read_text())
         self.step = state["step"]
-        self._export()
+        self._weights = None
         return state
 
     def logits(self, input_ids: torch.Tensor, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +215,20 @@ class MegatronTrainer:
             self._weights = [(name, exported.get_tensor(name)) for name in exported.keys()]  # noqa: SIM118
         seconds = time.perf_counter() - started
         self.export_report = {**report, "seconds": seconds, "gb_per_s": report["bytes"] / seconds / 1e9}
+
+
+class MegatronWeightHolders:
+    """The Megatron ranks as :class:`~miles_core.weight_transfer.holders.WeightHolders`: every rank gathers the HF
+    tensors in the same order (the gathers are collectives) and keeps every world-size-th one as its share."""
+
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+
+    def describe(self) -> list[str]:
+        return list(self.ranks.names)
+
+    def run_task(self, task: str, **kwargs: Any) -> list[dict[str, Any]]:
+        return self.ranks.call("run_weight_task", task, kwargs)
 
 
 class _ExportedWeights(HfWeightIterator):

@@ -48,9 +48,7 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
-    assert all(
-        row["train/export_gb_per_s"] > 0 and row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row
-    )
+    assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row)
     final = tmp_path / "checkpoints" / "step_000110"
     assert (final / "model.safetensors").is_file()
     ranks = int(tensor_parallel)

@@ -121,10 +121,15 @@ def on_metrics(rollout_id, metrics):
     print(f"UPDATES {WRAPPED} {REPORTS}", flush=True)
     restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
     print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
+    print(f"DRIVER_COPY {len(CONTROLLER.published)} {CONTROLLER.published_by_holders}", flush=True)
 """
 
 
-def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tensor", "disk"])
+def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path: Path, mode: str) -> None:
+    """With ``tensor`` the driver sends and keeps a copy for restarted engines; with ``disk`` the trainer's holder
+    (here the driver's in-process one) writes the shards, the driver keeps no copy, and a restarted engine reloads the
+    published version from disk."""
     plugin = tmp_path / "faults.py"
     plugin.write_text(FAULTS)
     result = train(
@@ -138,6 +143,8 @@ def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path:
         "one_step_off",
         "--weight-transfer-verify-checksum",
         "true",
+        "--weight-transfer-mode",
+        mode,
         "--plugin",
         str(plugin),
     )
@@ -152,6 +159,8 @@ def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path:
     updates = [line for line in result.stdout.splitlines() if line.startswith("UPDATES")][-1]
     expected_reports = [(version, True) for version in range(1, 7)]  # checksums verified on every update
     assert updates == f"UPDATES {list(range(1, 7))} {expected_reports}"
+    copy = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("DRIVER_COPY")][-1]
+    assert (copy == ["0", "True"]) if mode == "disk" else (int(copy[0]) > 0 and copy[1] == "False"), copy
     assert "step    6" in result.stdout
 
 

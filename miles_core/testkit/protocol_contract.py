@@ -34,7 +34,8 @@ from miles_core.errors import MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
-from miles_core.weight_transfer.protocol import EngineEndpoint, WeightTransferProtocol
+from miles_core.weight_transfer.holders import round_robin_share, run_holder_task
+from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, WeightTransferProtocol
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.provider import BaseWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
@@ -97,6 +98,29 @@ def contract_engines(tmp_path_factory: pytest.TempPathFactory):
     asyncio.run(engines.start())
     yield engines
     asyncio.run(engines.provider.shutdown())
+
+
+class SplitHolders:
+    """Three holders in this process, each with every third tensor of ``model`` (as three ranks would hold them),
+    every task run on its own share; it counts the tensors handed out."""
+
+    def __init__(self, model: torch.nn.Module, holders: int = 3) -> None:
+        self.model, self.holders, self.handed_out = model, holders, 0
+
+    def describe(self) -> list[str]:
+        return [f"holder {index}" for index in range(self.holders)]
+
+    def _share(self, holder: int):
+        tensors = ModuleHfWeightIterator(self.model, bucket_bytes=1).named_tensors()
+        for item in round_robin_share(tensors, holder=holder, holders=self.holders):
+            self.handed_out += 1
+            yield item
+
+    def run_task(self, task: str, **kwargs: Any) -> list[dict[str, Any]]:
+        return [
+            run_holder_task(task, self._share(holder), holder=holder, holders=self.holders, **kwargs)
+            for holder in range(self.holders)
+        ]
 
 
 class ProtocolContract:
@@ -202,6 +226,42 @@ class ProtocolContract:
                 await self._transfer(protocol, model, 302)
                 expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
                 assert await self.served(contract_engines) == [("302", expected)] * contract_engines.count
+            finally:
+                await protocol.close()
+
+        asyncio.run(scenario())
+
+    def test_holders_send_their_shares_and_a_restarted_engine_gets_the_version_back(self, contract_engines) -> None:
+        """For a protocol that sends from the trainer's holders: three holders' shares make exactly the trainer's
+        weights on every engine, the report's checksum (combined from the holders' digests) is the engines', and
+        after an engine restarts, :meth:`republish` brings it back to that version."""
+        if not issubclass(type(self.make_protocol()), SendsFromHolders):
+            pytest.skip(f"{self.protocol_name} sends from the driver only (it is not a SendsFromHolders protocol)")
+
+        async def scenario() -> None:
+            protocol = self.make_protocol()
+            await protocol.connect(contract_engines.endpoints())
+            try:
+                model = self.trainer_model(contract_engines, 6)
+                holders = SplitHolders(model)
+                report = await protocol.transfer_from_holders(holders, version=401)
+                expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                named = list(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
+                assert holders.handed_out == len(named)  # every tensor handed to exactly one holder
+                assert report.checksum == expected and report.version == 401
+                assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in named)
+                assert await self.served(contract_engines) == [("401", expected)] * contract_engines.count
+                victim = contract_engines.infos[-1].name
+                await contract_engines.provider.kill(victim)
+                for _ in range(100):
+                    if not await contract_engines.provider.is_alive(victim):
+                        break
+                    await asyncio.sleep(0.1)
+                await contract_engines.restart_dead()
+                assert (await self.served(contract_engines))[-1] != ("401", expected)  # back with its checkpoint
+                await protocol.connect(contract_engines.endpoints())
+                await protocol.republish(401)
+                assert await self.served(contract_engines) == [("401", expected)] * contract_engines.count
             finally:
                 await protocol.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -45,7 +46,8 @@ def write_shard(share: NamedTensorShare, *, holder: int, holders: int, directory
     with its digest, and the bytes."""
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in share}
     file = shard_file_name(holder, holders)
-    save_file(tensors, str(Path(directory) / file), metadata={"format": "pt"})
+    metadata = {"format": "pt", "holder": str(holder), "holder_pid": str(os.getpid())}
+    save_file(tensors, str(Path(directory) / file), metadata=metadata)
     return {
         "file": file,
         "digests": {name: tensor_digest(name, tensor) for name, tensor in tensors.items()},

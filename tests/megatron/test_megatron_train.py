@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles_core.default.tokenizer import DigitTokenizer
@@ -149,13 +150,34 @@ def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:
 
 
 def test_the_megatron_trainer_learns_on_a_tiny_qwen3_moe_at_ep2(tmp_path: Path) -> None:
-    """As tests/test_train_moe.py, with the megatron trainer at DP=2 x EP=2: its per-expert export is what the
-    engines serve (checksums verified after every update), and the held-out reward rises (measured, run seeds 0, 1
-    and 1234: 0.0 -> 0.199, 0.090 and 0.109)."""
+    """As tests/test_train_moe.py, with the megatron trainer at DP=2 x EP=2 sending its weights itself (``disk`` from
+    the ranks: each writes one shard of every version, the driver only the index): its per-expert export is what the
+    engines serve (checksums, combined from the ranks' digests, verified after every update), and the held-out reward
+    rises (measured, run seeds 0, 1 and 1234: 0.0 -> 0.199, 0.090 and 0.109)."""
+    work_dir = tmp_path / "weights"
     evals = held_out_rewards(
-        tmp_path, "--trainer", "megatron", "--megatron-data-parallel", "2", "--megatron-expert-parallel", "2"
+        tmp_path,
+        "--trainer",
+        "megatron",
+        "--megatron-data-parallel",
+        "2",
+        "--megatron-expert-parallel",
+        "2",
+        "--weight-transfer-mode",
+        "disk",
+        "--weight-transfer-settings",
+        json.dumps({"work_dir": str(work_dir), "keep_versions": 1}),
     )
     assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
+    (last,) = work_dir.glob("v*")
+    shards = sorted(last.glob("model-*.safetensors"))
+    writers = set()
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as opened:
+            writers.add((opened.metadata()["holder"], opened.metadata()["holder_pid"]))
+    index = json.loads((last / "model.safetensors.index.json").read_text())["weight_map"]
+    assert [shard.name for shard in shards] == sorted(set(index.values())) and len(shards) == 2
+    assert {holder for holder, _ in writers} == {"0", "1"} and len({pid for _, pid in writers}) == 2  # two ranks
     final = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
     saved = load_file(str(final / "model.safetensors"))
     experts = transformers.AutoConfig.from_pretrained(final).num_experts

@@ -13,11 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from miles_core.config.sections import TrainSection
+from miles_core.engines.weights import checksum, combine_digests
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.weight_transfer import disk
 from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.numerics import assert_same_sgd_step, assert_within_first_adam_step
 
@@ -181,6 +184,15 @@ def test_tp2_export_loads_into_transformers_with_equal_logits(tmp_path: Path, mo
         megatron_logits = trainer.logits(input_ids)
         exported = hf_weights(trainer)
         saved = trainer.save_checkpoint(tmp_path / "checkpoint")
+        (tmp_path / "shards").mkdir()
+        written = trainer.weight_holders().run_task(f"{disk.__name__}:write_shard", directory=str(tmp_path / "shards"))
+    # the ranks as weight holders: each wrote a disjoint share whose union is the driver's export, with its digests
+    shares = [load_file(str(tmp_path / "shards" / result["file"])) for result in written]
+    assert len(shares) == 2 and all(shares) and not set(shares[0]) & set(shares[1])
+    assert {**shares[0], **shares[1]}.keys() == exported.keys()
+    assert all(torch.equal(tensor, exported[name]) for share in shares for name, tensor in share.items())
+    digests = {name: digest for result in written for name, digest in result["digests"].items()}
+    assert combine_digests(digests) == checksum(exported.items())
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     hf.load_state_dict(exported, strict=not hf.config.tie_word_embeddings)
     with torch.no_grad():

@@ -283,7 +283,9 @@ class InferenceController:
         for attempt in range(1, attempts + 1):
             try:
                 await self._connect(force=attempt > 1)
-                report = await self.protocol.transfer_from_holders(holders, version=version)
+                report = await self.protocol.transfer_from_holders(
+                    holders, version=version, checksum=self.config.weight_transfer.verify_checksum
+                )
                 break
             except (EngineError, MilesError, OSError) as exc:
                 if attempt == attempts:

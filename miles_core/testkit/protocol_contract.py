@@ -244,7 +244,7 @@ class ProtocolContract:
             try:
                 model = self.trainer_model(contract_engines, 6)
                 holders = SplitHolders(model)
-                report = await protocol.transfer_from_holders(holders, version=401)
+                report = await protocol.transfer_from_holders(holders, version=401, checksum=True)
                 expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
                 named = list(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())
                 assert holders.handed_out == len(named)  # every tensor handed to exactly one holder

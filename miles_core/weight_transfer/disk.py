@@ -41,16 +41,18 @@ def shard_file_name(holder: int, holders: int) -> str:
     return f"model-{holder + 1:05d}-of-{holders:05d}.safetensors"
 
 
-def write_shard(share: NamedTensorShare, *, holder: int, holders: int, directory: str) -> dict[str, Any]:
+def write_shard(
+    share: NamedTensorShare, *, holder: int, holders: int, directory: str, digests: bool = True
+) -> dict[str, Any]:
     """The holder task of ``disk``: write this holder's share to its shard in ``directory``; the names written, each
-    with its digest, and the bytes."""
+    with its digest (``None`` without ``digests``), and the bytes."""
     tensors = {name: tensor.detach().contiguous().cpu() for name, tensor in share}
     file = shard_file_name(holder, holders)
     metadata = {"format": "pt", "holder": str(holder), "holder_pid": str(os.getpid())}
     save_file(tensors, str(Path(directory) / file), metadata=metadata)
     return {
         "file": file,
-        "digests": {name: tensor_digest(name, tensor) for name, tensor in tensors.items()},
+        "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors.items()},
         "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
     }
 
@@ -87,11 +89,15 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
             version=version, num_bytes=sum(t.numel() * t.element_size() for t in tensors.values()), started=started
         )
 
-    async def transfer_from_holders(self, holders: WeightHolders, *, version: int) -> TransferReport:
+    async def transfer_from_holders(
+        self, holders: WeightHolders, *, version: int, checksum: bool = False
+    ) -> TransferReport:
         """Each holder writes its shard, the driver the index of the shards, then every engine loads them."""
         started = time.perf_counter()
         partial = self._partial_dir(version)
-        results = await asyncio.to_thread(holders.run_task, f"{__name__}:write_shard", directory=str(partial))
+        results = await asyncio.to_thread(
+            holders.run_task, f"{__name__}:write_shard", directory=str(partial), digests=checksum
+        )
         weight_map: dict[str, str] = {}
         digests: dict[str, str] = {}
         for result in results:
@@ -104,7 +110,7 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
         (partial / INDEX_FILE).write_text(json.dumps(index, indent=1))
         await self._publish(partial, version)
         report = self.report(version=version, num_bytes=num_bytes, started=started)
-        return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests)})
+        return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests) if checksum else None})
 
     async def republish(self, version: int) -> None:
         """Every engine loads ``version`` again from its directory (kept on disk for restarted engines)."""

@@ -86,9 +86,10 @@ class SendsFromHolders(abc.ABC):
     comes back without them (from what the protocol keeps outside the driver, or from the holders)."""
 
     @abc.abstractmethod
-    async def transfer_from_holders(self, holders: Any, *, version: int) -> TransferReport:
-        """Have every holder send its share to every engine and publish ``version``; the report carries the
-        checksum of the weights sent (:func:`~miles_core.engines.weights.combine_digests` of the holders' digests)."""
+    async def transfer_from_holders(self, holders: Any, *, version: int, checksum: bool = False) -> TransferReport:
+        """Have every holder send its share to every engine and publish ``version``; with ``checksum``, the report
+        carries the checksum of the weights sent (:func:`~miles_core.engines.weights.combine_digests` of digests the
+        holders compute)."""
 
     @abc.abstractmethod
     async def republish(self, version: int) -> None:

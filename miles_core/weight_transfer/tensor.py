@@ -12,6 +12,11 @@ memory, ``/update_weights_from_staging``).
   the engines point their parameters at it instead of copying: one memory copy per transfer. Two such files
   alternate between transfers, so the trainer never writes the file the engines serve from; after a failed
   transfer both are replaced by new files (engines keep their mapping of the old ones).
+* From the trainer's holders (:meth:`TensorProtocol.transfer_from_holders`), each holder (a Megatron rank) sends its
+  own share (:func:`stage_and_send`, run where the weights are): it stages the share into a staging file of its own
+  and hands the engines on its machine the file's layout, the others the bytes; the driver then publishes the
+  version. A holder keeps its file of the published version, from which :meth:`TensorProtocol.republish` has it send
+  the share again to an engine that restarted.
 """
 
 from __future__ import annotations
@@ -30,9 +35,17 @@ import torch
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import map_staging_file
+from miles_core.engines.weights import combine_digests, map_staging_file, tensor_digest
+from miles_core.errors import MilesError
+from miles_core.weight_transfer.holders import InProcessHolders, NamedTensorShare, WeightHolders
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import TransferReport, WeightBucket, check_setting
+from miles_core.weight_transfer.protocol import (
+    EngineEndpoint,
+    SendsFromHolders,
+    TransferReport,
+    WeightBucket,
+    check_setting,
+)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -46,7 +59,7 @@ class Staged:
     layout: StagingLayout
 
 
-class TensorProtocol(HttpEngineProtocol):
+class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "tensor"
 
     def __init__(
@@ -80,7 +93,7 @@ class TensorProtocol(HttpEngineProtocol):
         return urlparse(client.url).hostname in LOOPBACK
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
-        if self.zero_copy and self.clients and all(map(self._local, self.clients)):
+        if self._zero_copy_applies():
             return await self._transfer_zero_copy(buckets, version=version)
         started = time.perf_counter()
         num_bytes = 0
@@ -115,10 +128,72 @@ class TensorProtocol(HttpEngineProtocol):
                 self._drop_staging(index)  # unlinking keeps the pages valid for whoever maps them
             raise
         self._next_slot = 1 - slot
+        self._served_zero_copy = staged
         await self.publish_version(version)
         return self.report(
             version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors), started=started
         )
+
+    async def transfer_from_holders(
+        self, holders: WeightHolders, *, version: int, checksum: bool = False
+    ) -> TransferReport:
+        """Every holder stages and sends its share (:func:`stage_and_send`); the driver publishes the version. The
+        one holder that is the driver itself (the torch trainer) sends as :meth:`transfer` does, zero-copy included."""
+        if isinstance(holders, InProcessHolders) and self._zero_copy_applies():
+            return await self._transfer_in_process(holders, version=version, checksum=checksum)
+        started = time.perf_counter()
+        results = await asyncio.to_thread(
+            holders.run_task, f"{__name__}:stage_and_send", digests=checksum, **self._holder_arguments(version)
+        )
+        digests: dict[str, str | None] = {}
+        for result in results:
+            for name, digest in result["digests"].items():
+                if name in digests:
+                    raise MilesError(f"two weight holders sent {name!r}")
+                digests[name] = digest
+        await self.publish_version(version)
+        self._published_by_holders = (holders, version, [result["staged"] for result in results])
+        report = self.report(version=version, num_bytes=sum(r["bytes"] for r in results), started=started)
+        return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests) if checksum else None})
+
+    async def _transfer_in_process(self, holders: InProcessHolders, *, version: int, checksum: bool) -> TransferReport:
+        tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in holders.named_tensors()]
+        report = await self._transfer_zero_copy([tensors], version=version)
+        self._published_by_holders = (holders, version, None)  # the engines serve from the staged file: it is kept
+        if not checksum:
+            return report
+        digest = combine_digests({name: tensor_digest(name, tensor) for name, tensor in tensors})
+        return TransferReport(**{**report.__dict__, "checksum": digest})
+
+    async def republish(self, version: int) -> None:
+        """The holders send the shares they kept of ``version`` again (or, for the driver's own zero-copy transfer,
+        the engines map the file they served it from), and every engine serves it."""
+        holders, published, staged = getattr(self, "_published_by_holders", (None, None, None))
+        if holders is None or published != version:
+            raise MilesError(f"tensor: version {version} was not sent by the trainer's holders, nothing to resend")
+        if staged is None:
+            served = self._served_zero_copy
+            await self.on_each_engine(
+                lambda client: client.update_weights_from_staging(
+                    staging_path=str(served.path), buffer_size=served.buffer_size, layout=served.layout, swap=True
+                )
+            )
+        else:
+            await asyncio.to_thread(
+                holders.run_task, f"{__name__}:resend_staged", staged=staged, **self._holder_arguments(version)
+            )
+        await self.publish_version(version)
+
+    def _zero_copy_applies(self) -> bool:
+        return self.zero_copy and bool(self.clients) and all(map(self._local, self.clients))
+
+    def _holder_arguments(self, version: int) -> dict:
+        return {
+            "engines": [dataclasses.asdict(endpoint) for endpoint in self.engines],
+            "shm_dir": str(self.shm_dir),
+            "shared_memory": self.shared_memory,
+            "version": version,
+        }
 
     def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> Staged:
         """Copy the bucket into staging file ``slot`` (grown when too small); returns where it lies."""
@@ -166,3 +241,98 @@ def _remove_orphans(directory: Path) -> None:
         pid = path.name.split("-")[2]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             path.unlink(missing_ok=True)
+
+
+# -- the holders' side ------------------------------------------------------------------------------------------
+
+HOLDER_SEND_BYTES = 64 << 20
+"""The most bytes a holder sends an engine on another machine in one request."""
+
+
+def stage_and_send(
+    share: NamedTensorShare,
+    *,
+    holder: int,
+    holders: int,
+    engines: list[dict],
+    shm_dir: str,
+    shared_memory: bool | None,
+    version: int,
+    digests: bool = True,
+) -> dict:
+    """The holder task of ``tensor``: stage this holder's share into a staging file of its own, kept until its next
+    version, and send it to every engine; the staged file, the names' digests (``None`` without ``digests``) and the
+    bytes."""
+    tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in share]
+    directory = Path(shm_dir)
+    for old in directory.glob(f"miles-staging-{os.getpid()}-holder{holder}-v*"):
+        old.unlink(missing_ok=True)  # the previous version's: its engines are on this one now, or will be
+    layout = StagingLayout.of(tensors)
+    path = directory / f"miles-staging-{os.getpid()}-holder{holder}-v{version}"
+    with open(path, "wb") as staging_file:
+        staging_file.truncate(max(layout.size, 1))
+    buffer = map_staging_file(path, max(layout.size, 1))
+    for (_, tensor), target in zip(tensors, layout.views(buffer).values(), strict=True):
+        target.copy_(tensor)
+    staged = {"path": str(path), "buffer_size": buffer.numel(), "layout": layout.to_wire()}
+    asyncio.run(_send_share(engines, tensors, staged, shared_memory))
+    return {
+        "staged": staged,
+        "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors},
+        "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+    }
+
+
+def resend_staged(
+    share: NamedTensorShare,
+    *,
+    holder: int,
+    holders: int,
+    staged: list[dict],
+    engines: list[dict],
+    shm_dir: str,
+    shared_memory: bool | None,
+    version: int,
+) -> dict:
+    """The holder task of :meth:`TensorProtocol.republish`: send the staged file of this holder's share again (its
+    share, the weights as they are now, is not read: they may have moved on since ``version``)."""
+    mine = staged[holder]
+    layout = StagingLayout.from_wire(mine["layout"])
+    buffer = map_staging_file(mine["path"], mine["buffer_size"])
+    tensors = [(name, view.clone()) for name, view in layout.views(buffer).items()]
+    asyncio.run(_send_share(engines, tensors, mine, shared_memory))
+    return {"resent": len(tensors)}
+
+
+async def _send_share(
+    engines: list[dict], tensors: list[tuple[str, torch.Tensor]], staged: dict, shared_memory: bool | None
+) -> None:
+    """The staged file's layout to engines on this machine, the tensors' bytes (in requests of at most
+    :data:`HOLDER_SEND_BYTES`) to the others."""
+    layout = StagingLayout.from_wire(staged["layout"])
+
+    async def send(endpoint: EngineEndpoint) -> None:
+        async with EngineClient(endpoint.url, admin_key=endpoint.admin_key, name=endpoint.name) as client:
+            local = shared_memory if shared_memory is not None else urlparse(endpoint.url).hostname in LOOPBACK
+            if local:
+                await client.update_weights_from_staging(
+                    staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout
+                )
+                return
+            for chunk in _chunks(tensors, HOLDER_SEND_BYTES):
+                await client.update_weights_from_tensor(dict(chunk))
+
+    await asyncio.gather(*(send(EngineEndpoint(**engine)) for engine in engines))
+
+
+def _chunks(tensors: list[tuple[str, torch.Tensor]], limit: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
+    chunk, size = [], 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += nbytes
+    if chunk:
+        yield chunk

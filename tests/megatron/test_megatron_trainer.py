@@ -140,7 +140,7 @@ def test_one_step_equals_the_torch_trainer(reference_steps, tmp_path: Path, mode
         assert all(torch.equal(exported[name], initial[name]) for name in exported) and len(exported) == len(initial)
         step_metrics = trainer.train_step(training_batch())
         assert_same_step(step_metrics, hf_weights(trainer), metrics, weights, exported)
-        assert step_metrics["export_gb_per_s"] > 0
+        assert trainer.export_report["gb_per_s"] > 0  # hf_weights gathered the weights into the driver
 
 
 def test_a_tis_step_with_masked_tokens_equals_the_torch_trainer(reference_step, tmp_path: Path) -> None:

@@ -339,13 +339,20 @@ class _Ranks:
             + (f"\n--- {self.names[rank]} log tail ---\n{tail}" if tail else "")
         )
 
-    async def _root_cause(self, failed: list[tuple[int, BaseException]]) -> tuple[int, BaseException | str]:
+    async def _root_cause(
+        self, failed: list[tuple[int, BaseException]], *, grace_s: float = 1.0
+    ) -> tuple[int, BaseException | str]:
         """The rank to blame: one whose process died (its peers' collective errors are the consequence, and may
-        arrive first), else the first rank that raised."""
-        for rank, name in enumerate(self.names):
-            if not await self.provider.is_alive(name):
-                return rank, dict(failed).get(rank) or "its process died"
-        return failed[0]
+        arrive first: a dying process closes its sockets before it can be reaped, so it is given ``grace_s`` to show
+        as dead), else the first rank that raised."""
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while True:
+            for rank, name in enumerate(self.names):
+                if not await self.provider.is_alive(name):
+                    return rank, dict(failed).get(rank) or "its process died"
+            if asyncio.get_running_loop().time() > deadline:
+                return failed[0]
+            await asyncio.sleep(0.05)
 
     async def _stop_all(self) -> None:
         for handle in self.handles:

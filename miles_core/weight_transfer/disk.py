@@ -57,6 +57,22 @@ def write_shard(
     }
 
 
+def write_index(directory: str | Path, results: list[dict[str, Any]]) -> dict[str, str | None]:
+    """Write ``model.safetensors.index.json`` for the shards :func:`write_shard` wrote (``results``, one per holder);
+    the digests by name. A name two holders wrote is a :class:`MilesError`."""
+    weight_map: dict[str, str] = {}
+    digests: dict[str, str | None] = {}
+    for result in results:
+        for name, digest in result["digests"].items():
+            if name in weight_map:
+                raise MilesError(f"two weight holders wrote {name!r} ({weight_map[name]}, {result['file']})")
+            weight_map[name], digests[name] = result["file"], digest
+    total = sum(result["bytes"] for result in results)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(directory) / INDEX_FILE).write_text(json.dumps(index, indent=1))
+    return digests
+
+
 class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "disk"
 
@@ -98,16 +114,8 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
         results = await asyncio.to_thread(
             holders.run_task, f"{__name__}:write_shard", directory=str(partial), digests=checksum
         )
-        weight_map: dict[str, str] = {}
-        digests: dict[str, str] = {}
-        for result in results:
-            for name, digest in result["digests"].items():
-                if name in weight_map:
-                    raise MilesError(f"two weight holders wrote {name!r} ({weight_map[name]}, {result['file']})")
-                weight_map[name], digests[name] = result["file"], digest
+        digests = write_index(partial, results)
         num_bytes = sum(result["bytes"] for result in results)
-        index = {"metadata": {"total_size": num_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (partial / INDEX_FILE).write_text(json.dumps(index, indent=1))
         await self._publish(partial, version)
         report = self.report(version=version, num_bytes=num_bytes, started=started)
         return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests) if checksum else None})

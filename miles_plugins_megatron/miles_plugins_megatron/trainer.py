@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import save_hf_checkpoint
+from miles_core.models.hf_checkpoint import copy_tokenizer_files
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.workers.handle import WorkerHandle
@@ -160,9 +160,7 @@ class MegatronTrainer:
             raise MilesError(f"checkpoint {directory} already exists")
         partial = directory.with_name(directory.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        if self._weights is None:
-            self._export()
-        save_hf_checkpoint(partial, dict(self._weights), self.hf_config, tokenizer_from=self.tokenizer_from)
+        self._save_sharded_weights(partial)
         self.ranks.call("save_optimizer", str(partial))
         state = {
             "step": self.step,
@@ -174,6 +172,18 @@ class MegatronTrainer:
         (partial / STATE_FILE).write_text(json.dumps(state))
         partial.rename(directory)
         return directory
+
+    def _save_sharded_weights(self, directory: Path) -> None:
+        """The HF checkpoint's weights as one shard per rank (written by the ranks, as the ``disk`` protocol's, so no
+        weight passes through the driver), its index, ``config.json`` and the tokenizer files."""
+        from miles_core.weight_transfer import disk
+
+        directory.mkdir(parents=True)
+        self.hf_config.save_pretrained(directory)
+        if self.tokenizer_from is not None:
+            copy_tokenizer_files(self.tokenizer_from, directory)
+        task = f"{disk.__name__}:write_shard"
+        disk.write_index(directory, self.weight_holders().run_task(task, directory=str(directory), digests=False))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and step on every rank from :meth:`save_checkpoint`'s directory."""

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import transformers
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from miles_core.default.tokenizer import DigitTokenizer
+from miles_core.engines.weights import read_checkpoint_dir
 from miles_core.run_setup import load_tokenizer
 from tests.conftest import run_miles
 from tests.test_train_moe import LEARNING_MARGIN, held_out_rewards
@@ -51,7 +51,7 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
     assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row)
     final = tmp_path / "checkpoints" / "step_000110"
-    assert (final / "model.safetensors").is_file()
+    assert (final / "model.safetensors.index.json").is_file()  # one shard per rank, written by the ranks
     ranks = int(tensor_parallel)
     assert sorted(p.name for p in final.glob("optimizer_rank*.pt")) == [
         f"optimizer_rank{r:03d}.pt" for r in range(ranks)
@@ -123,7 +123,7 @@ def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "miles: torch trainer, model llama/megatron" in result.stdout
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3]
-    assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors").is_file()
+    assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors.index.json").is_file()
 
 
 def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:
@@ -179,7 +179,7 @@ def test_the_megatron_trainer_learns_on_a_tiny_qwen3_moe_at_ep2(tmp_path: Path) 
     assert [shard.name for shard in shards] == sorted(set(index.values())) and len(shards) == 2
     assert {holder for holder, _ in writers} == {"0", "1"} and len({pid for _, pid in writers}) == 2  # two ranks
     final = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
-    saved = load_file(str(final / "model.safetensors"))
+    saved = read_checkpoint_dir(final)
     experts = transformers.AutoConfig.from_pretrained(final).num_experts
     assert {f"model.layers.1.mlp.experts.{j}.down_proj.weight" for j in range(experts)} <= set(saved)  # both EP ranks'
 

@@ -29,7 +29,7 @@ from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, 
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
-from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
+from miles_core.workers.specs import ENGINE, ROUTER, CommandWorkerSpec, PythonWorkerSpec, WorkerSpec, with_role
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class InferenceController:
                 f"engine backend {self.config.engine.backend!r} returned {spec!r:.80} as its router; "
                 "expected a CommandWorkerSpec or PythonWorkerSpec, or None"
             )
-        self.router = await self.provider.start(spec)
+        self.router = await self.provider.start(with_role(spec, ROUTER))
         self.router_client = EngineClient(
             self.router.url, name=self.router.name, admin_key=self.provider.token, is_router=True
         )
@@ -147,7 +147,7 @@ class InferenceController:
                 f"engine backend {self.config.engine.backend!r} returned {specs!r:.80} for {cell_id}; "
                 "expected a non-empty list of CommandWorkerSpec or PythonWorkerSpec"
             )
-        return specs
+        return [with_role(spec, ENGINE) for spec in specs]
 
     # -- engines ----------------------------------------------------------------------------------------------
 

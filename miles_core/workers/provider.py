@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +39,12 @@ class BaseWorkerProvider(abc.ABC):
         self.token = token
         self.workers: dict[str, WorkerInfo] = {}
         self.specs: dict[str, WorkerSpec] = {}
+
+    @classmethod
+    def for_run(cls, run: Any, *, token: str, run_dir: str | Path) -> BaseWorkerProvider:
+        """The provider of a ``miles train`` run, made from the config's ``run`` section; a provider with settings
+        there (the Ray provider's ``ray_*``) overrides this to read them."""
+        return cls(token=token, run_dir=run_dir)
 
     @abc.abstractmethod
     async def start(self, spec: WorkerSpec) -> WorkerInfo:

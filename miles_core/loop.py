@@ -129,6 +129,10 @@ async def _run_with_trainer(
     sessions: SessionServers | None = None
     try:
         await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
+        print(
+            f"miles: engines by the {config.run.worker_provider} provider: {controller.describe_placement()}",
+            flush=True,
+        )
         if agent is not None:
             sessions = await _start_session_servers(config, provider, controller, setup)
         executor = RolloutExecutor(

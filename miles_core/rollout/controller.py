@@ -177,6 +177,12 @@ class InferenceController:
             for cell in self.cells.cells.values()
         ]
 
+    def describe_placement(self) -> str:
+        """Where the router and each engine worker run (:meth:`WorkerInfo.describe`), in start order."""
+        workers = [self.router] if self.router is not None else []
+        workers += [worker for cell in self.cells.cells.values() for worker in cell.workers]
+        return ", ".join(worker.describe() for worker in workers)
+
     def _refresh_clients(self) -> None:
         for cell in self.cells.running():
             url = cell.workers[0].url

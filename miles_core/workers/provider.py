@@ -31,6 +31,15 @@ class WorkerInfo:
     health_url: str | None = None  # answers 200 while the worker is healthy (a Python worker's needs the token)
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)  # provider-specific (bundle index, ...)
 
+    def describe(self) -> str:
+        """``NAME pid N``, and where a provider placed it on a node (Ray): ``node ADDRESS (id ABCDEF12) bundle I``."""
+        text = f"{self.name} pid {self.pid}"
+        if "node_id" in self.placement:
+            text += f" node {self.node} (id {self.placement['node_id'][:8]})"
+        if "bundle_index" in self.placement:
+            text += f" bundle {self.placement['bundle_index']}"
+        return text
+
 
 class BaseWorkerProvider(abc.ABC):
     """Starts workers from specs and supervises them. All methods are safe to call from one event loop."""

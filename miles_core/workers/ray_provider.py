@@ -24,6 +24,7 @@ import dataclasses
 import ipaddress
 import os
 import signal
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,13 @@ from miles_core.workers.errors import WorkerError, WorkerStartError
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
-from miles_core.workers.ray_settings import RESERVED_RESOURCES, check_ray_address, check_resources, is_loopback_address
+from miles_core.workers.ray_settings import (
+    RESERVED_RESOURCES,
+    check_ray_address,
+    check_resources,
+    is_loopback_address,
+    split_address,
+)
 from miles_core.workers.rpc.wire import HEALTH_PATH, TOKEN_ENV
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
@@ -325,17 +332,46 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
         check_ray_address(address)
     except ValueError as exc:
         raise WorkerError(f"{source} = {address!r}: {exc}") from None
+    if address != "auto":
+        _check_listening(address, source)
     loopback = _loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
     try:
         with loopback:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
     except (ConnectionError, RayAuthenticationError) as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, RayAuthenticationError) else exc
+        raise WorkerError(f"cannot join the Ray cluster at {address} ({source}): {_join_failure(exc)}") from None
+
+
+JOIN_PROBE_TIMEOUT_S = 10.0
+"""How long the head's port may take to accept a connection before joining is given up (``ray.init`` itself waits
+for an absent GCS without end)."""
+
+
+def _check_listening(address: str, source: str) -> None:
+    host, port = split_address(address)
+    try:
+        socket.create_connection((host, port), timeout=JOIN_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
         raise WorkerError(
-            f"cannot join the Ray cluster at {address} ({source}): {type(cause).__name__}: {str(cause)[:600]}\n"
-            "  is a head node running there (`ray start --head`)? A cluster with token authentication needs "
-            "RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+            f"cannot join the Ray cluster at {address} ({source}): nothing accepts connections there "
+            f"({type(exc).__name__}: {exc}); start its head with `ray start --head --port {port}` or fix the address"
         ) from None
+
+
+def _join_failure(exc: BaseException) -> str:
+    """Why ``ray.init`` could not join, and what to do: Ray reports a refused token as text in a RuntimeError
+    under its ConnectionError."""
+    chain = []
+    while exc is not None and len(chain) < 5:
+        chain.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    if any("InvalidAuthToken" in text or "AuthenticationError" in text for text in chain):
+        return (
+            "the cluster refused this driver's authentication token. A cluster with token authentication needs "
+            "RAY_AUTH_MODE=token here (Ray sends no token to an explicit address otherwise) and the cluster's "
+            "token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+        )
+    return f"{chain[0][:600]}; is a Ray head node (`ray start --head`) listening there?"
 
 
 @contextlib.contextmanager

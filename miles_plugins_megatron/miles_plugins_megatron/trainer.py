@@ -307,13 +307,8 @@ class _Ranks:
         return await self._on_every_rank("setup")
 
     def describe(self) -> str:
-        """Where each rank runs: ``name pid N [node ADDRESS bundle I]``."""
-        parts = []
-        for name in self.names:
-            info = self.provider.workers[name]
-            where = f" node {info.node} bundle {info.placement['bundle_index']}" if info.placement else ""
-            parts.append(f"{name} pid {info.pid}{where}")
-        return ", ".join(parts)
+        """Where each rank runs: ``name pid N [node ADDRESS (id ABCDEF12) bundle I]``."""
+        return ", ".join(self.provider.workers[name].describe() for name in self.names)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """``method`` on every rank at once; the results in rank order."""

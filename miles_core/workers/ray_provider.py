@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import ipaddress
 import os
+import re
 import signal
 import socket
 from collections.abc import Mapping
@@ -200,8 +201,9 @@ class RayWorkerProvider(BaseWorkerProvider):
         except TimeoutError:
             remove_placement_group(group)
             raise WorkerStartError(
-                f"cannot place {len(specs)} workers ({names}) of {bundle} each within {timeout_s:.0f} s; the "
-                f"cluster has {ray.available_resources()} free of {ray.cluster_resources()}"
+                f"cannot place {_workers(len(specs))} ({names}) of {bundle} each within {timeout_s:.0f} s; the "
+                f"cluster has {_node_resources(ray.available_resources())} free of "
+                f"{_node_resources(ray.cluster_resources())}"
             ) from None
         self.groups.append(group)
         num_cpus, num_gpus = specs[0].num_cpus, specs[0].num_gpus
@@ -311,7 +313,7 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
     if os.environ.get("RAY_ADDRESS"):
         _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
         return
-    with _loopback_node_address():
+    with loopback_node_address():
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
         )
@@ -334,7 +336,7 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
         raise WorkerError(f"{source} = {address!r}: {exc}") from None
     if address != "auto":
         _check_listening(address, source)
-    loopback = _loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
+    loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
     try:
         with loopback:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
@@ -375,7 +377,7 @@ def _join_failure(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _loopback_node_address():
+def loopback_node_address():
     """While a local Ray starts: Ray turns a node address of 127.0.0.1 into the machine's routable address (and
     its servers bind the node address) unless clusters are switched off, as they are by default on macOS and
     Windows. Its constant is read at import in this process, and from the environment in the processes it
@@ -401,17 +403,30 @@ def check_cluster_offers(bundle: Mapping[str, float], *, count: int, names: str)
         if name in ("CPU", "GPU"):
             continue  # the placement timeout reports these with the cluster's free resources
         if offered.get(name, 0.0) + 1e-9 < amount * count:
-            custom = {key: value for key, value in offered.items() if _is_custom(key)}
+            custom = {key: value for key, value in _node_resources(offered).items() if _is_custom(key)}
             raise WorkerStartError(
-                f"cannot place {count} workers ({names}): each asks for {amount} of the custom resource {name!r}, "
+                f"cannot place {_workers(count)} ({names}): each asks for {amount:g} of the custom resource {name!r}, "
                 f"{amount * count:g} in all, and the cluster's nodes offer {offered.get(name, 0.0):g}; start nodes "
                 f"with --resources='{{\"{name}\": N}}' or change run.ray_*_resources (custom resources offered: "
                 f"{custom or 'none'})"
             )
 
 
+_GROUP_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{36}$")
+"""What Ray appends to a resource's name for the share that a placement group (or one bundle of it) holds."""
+
+
+def _node_resources(resources: Mapping[str, float]) -> dict[str, float]:
+    """``resources`` without the shares that placement groups hold (Ray lists each under a name of its own), sorted."""
+    return {name: amount for name, amount in sorted(resources.items()) if not _GROUP_RESOURCE.search(name)}
+
+
 def _is_custom(resource: str) -> bool:
     return resource not in RESERVED_RESOURCES and not resource.startswith(("node:", "accelerator_type:"))
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker{'s' if count != 1 else ''}"
 
 
 def _running(pid: int) -> bool:

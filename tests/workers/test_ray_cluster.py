@@ -20,6 +20,7 @@ from ray._private.authentication.authentication_token_setup import (
     enable_token_auth_by_default,
     ensure_token_if_auth_enabled,
 )
+from ray._private.utils import get_ray_address_file, read_ray_address
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
@@ -52,6 +53,7 @@ class TwoNodes:
 def cluster() -> Iterator[TwoNodes]:
     enable_token_auth_by_default()  # what ray.init does for a new local cluster: RAY_AUTH_MODE=token ...
     ensure_token_if_auth_enabled({}, create_token_if_missing=True)  # ... and a token in ~/.ray/auth_token
+    previous = read_ray_address()
     with loopback_node_address():  # every node's address (and so its ports) on 127.0.0.1
         cluster = Cluster(
             initialize_head=True,
@@ -59,11 +61,23 @@ def cluster() -> Iterator[TwoNodes]:
         )
         trainer = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, num_gpus=2, resources={"trainer_node": 4})
         engine = cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, num_gpus=2, resources={"engine_node": 4})
+    _restore_address_file(previous, written=cluster.address)
     try:
         cluster.wait_for_nodes()
         yield TwoNodes(cluster.address, cluster.head_node.node_id, trainer.node_id, engine.node_id)
     finally:
         cluster.shutdown()
+
+
+def _restore_address_file(previous: str | None, *, written: str) -> None:
+    """Put back the address Ray keeps in ``/tmp/ray/ray_current_cluster``, which the head just overwrote: this cluster
+    is joined by its address only, and a ``ray.init()`` elsewhere on the machine must not find it there."""
+    if read_ray_address() != written:
+        return
+    if previous is None:
+        Path(get_ray_address_file(None)).unlink(missing_ok=True)
+    else:
+        Path(get_ray_address_file(None)).write_text(previous)
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,9 @@ def provide_engine_backends() -> list[Implementation] | None:
 def provide_worker_providers() -> list[Implementation] | None:
     """Worker providers (``--run-worker-provider NAME``), such as ``local`` (subprocesses) or ``ray``.
 
-    Called once when the registries are built. Each entry's target is a ``BaseWorkerProvider`` subclass.
+    Called once when the registries are built. Each entry's target is a ``BaseWorkerProvider`` subclass; a run makes
+    its providers with ``for_run(config.run, token=..., run_dir=...)``, which by default calls the constructor with
+    ``token`` and ``run_dir``.
     """
 
 

@@ -108,8 +108,10 @@ async def _run_with_trainer(
     config: Any, manager: Any, setup: RunSetup, trainer: Any, protocol: WeightTransferProtocol, *, progress: bool
 ) -> RunReporter:
     registries: Registries = manager.registries
-    provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()(
-        token=setup.token, run_dir=setup.run_dir
+    provider = (
+        registries.worker_providers.get_or_raise(config.run.worker_provider)
+        .load()
+        .for_run(config.run, token=setup.token, run_dir=setup.run_dir)
     )
     backend = load_engine_backend(registries, config.engine.backend)
     controller = InferenceController(
@@ -127,6 +129,10 @@ async def _run_with_trainer(
     sessions: SessionServers | None = None
     try:
         await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
+        print(
+            f"miles: engines by the {config.run.worker_provider} provider: {controller.describe_placement()}",
+            flush=True,
+        )
         if agent is not None:
             sessions = await _start_session_servers(config, provider, controller, setup)
         executor = RolloutExecutor(

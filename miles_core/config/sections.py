@@ -8,6 +8,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import pydantic
 
 from miles_core.config.section import Section
+from miles_core.workers.ray_settings import check_ray_address, check_resources
+from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
 
 FamilyName = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z0-9_]+$")]
 
@@ -28,6 +30,61 @@ class RunSection(Section):
     checkpoint_every: int = pydantic.Field(default=50, ge=0, description="Checkpoint every N steps (0: at end).")
     resume: bool = pydantic.Field(default=False, description="Continue from the newest checkpoint in output_dir.")
     worker_provider: str = pydantic.Field(default="local", description="Worker provider (`miles plugins`).")
+    ray_address: str | None = pydantic.Field(
+        default=None,
+        description="With --run-worker-provider ray: the Ray cluster to join, HOST:PORT of its head (GCS) or 'auto'; "
+        "None: RAY_ADDRESS if set, else a local Ray on 127.0.0.1. A cluster with token authentication also needs "
+        "RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).",
+    )
+    ray_trainer_resources: dict[str, float] = pydantic.Field(
+        default_factory=dict,
+        description="Custom Ray resources each trainer rank's bundle asks for besides its CPUs and GPUs, pinning the "
+        "ranks to the nodes that offer them, e.g. {trainer_node: 0.001}.",
+    )
+    ray_engine_resources: dict[str, float] = pydantic.Field(
+        default_factory=dict,
+        description="Custom Ray resources each engine worker's bundle asks for, pinning engines to the nodes that "
+        "offer them, e.g. {engine_node: 0.001}.",
+    )
+    ray_router_resources: dict[str, float] = pydantic.Field(
+        default_factory=dict,
+        description="Custom Ray resources the router's bundle asks for, pinning it to the nodes that offer them.",
+    )
+
+    @pydantic.field_validator("ray_address")
+    @classmethod
+    def _known_address_form(cls, value: str | None) -> str | None:
+        return None if value is None else check_ray_address(value)
+
+    @pydantic.field_validator("ray_trainer_resources", "ray_engine_resources", "ray_router_resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return check_resources(value)
+
+    @pydantic.model_validator(mode="after")
+    def _ray_settings_need_ray(self) -> RunSection:
+        given = [name for name in RAY_FIELDS if getattr(self, name)]
+        if given and self.worker_provider != "ray":
+            flags = ", ".join(f"--run-{name.replace('_', '-')}" for name in given)
+            raise ValueError(
+                f"{', '.join(given)} ({flags}) place workers with Ray; they need worker_provider ray "
+                f"(--run-worker-provider ray), not {self.worker_provider!r}"
+            )
+        return self
+
+    @property
+    def ray_resources_by_role(self) -> dict[str, dict[str, float]]:
+        """Role (``trainer``, ``engine``, ``router``) -> the custom resources its workers' bundles ask for."""
+        by_role = {
+            TRAINER: self.ray_trainer_resources,
+            ENGINE: self.ray_engine_resources,
+            ROUTER: self.ray_router_resources,
+        }
+        return {role: resources for role, resources in by_role.items() if resources}
+
+
+RAY_FIELDS = ("ray_address", "ray_trainer_resources", "ray_engine_resources", "ray_router_resources")
+"""The ``run`` fields that only the Ray worker provider reads."""
 
 
 class ModelSection(Section):

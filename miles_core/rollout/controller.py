@@ -35,7 +35,7 @@ from miles_core.weight_transfer.protocol import (
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
-from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
+from miles_core.workers.specs import ENGINE, ROUTER, CommandWorkerSpec, PythonWorkerSpec, WorkerSpec, with_role
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class InferenceController:
                 f"engine backend {self.config.engine.backend!r} returned {spec!r:.80} as its router; "
                 "expected a CommandWorkerSpec or PythonWorkerSpec, or None"
             )
-        self.router = await self.provider.start(spec)
+        self.router = await self.provider.start(with_role(spec, ROUTER))
         self.router_client = EngineClient(
             self.router.url, name=self.router.name, admin_key=self.provider.token, is_router=True
         )
@@ -154,7 +154,7 @@ class InferenceController:
                 f"engine backend {self.config.engine.backend!r} returned {specs!r:.80} for {cell_id}; "
                 "expected a non-empty list of CommandWorkerSpec or PythonWorkerSpec"
             )
-        return specs
+        return [with_role(spec, ENGINE) for spec in specs]
 
     # -- engines ----------------------------------------------------------------------------------------------
 
@@ -183,6 +183,12 @@ class InferenceController:
             )
             for cell in self.cells.cells.values()
         ]
+
+    def describe_placement(self) -> str:
+        """Where the router and each engine worker run (:meth:`WorkerInfo.describe`), in start order."""
+        workers = [self.router] if self.router is not None else []
+        workers += [worker for cell in self.cells.cells.values() for worker in cell.workers]
+        return ", ".join(worker.describe() for worker in workers)
 
     def _refresh_clients(self) -> None:
         for cell in self.cells.running():

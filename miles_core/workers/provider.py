@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +31,15 @@ class WorkerInfo:
     health_url: str | None = None  # answers 200 while the worker is healthy (a Python worker's needs the token)
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)  # provider-specific (bundle index, ...)
 
+    def describe(self) -> str:
+        """``NAME pid N``, and where a provider placed it on a node (Ray): ``node ADDRESS (id ABCDEF12) bundle I``."""
+        text = f"{self.name} pid {self.pid}"
+        if "node_id" in self.placement:
+            text += f" node {self.node} (id {self.placement['node_id'][:8]})"
+        if "bundle_index" in self.placement:
+            text += f" bundle {self.placement['bundle_index']}"
+        return text
+
 
 class BaseWorkerProvider(abc.ABC):
     """Starts workers from specs and supervises them. All methods are safe to call from one event loop."""
@@ -38,6 +48,12 @@ class BaseWorkerProvider(abc.ABC):
         self.token = token
         self.workers: dict[str, WorkerInfo] = {}
         self.specs: dict[str, WorkerSpec] = {}
+
+    @classmethod
+    def for_run(cls, run: Any, *, token: str, run_dir: str | Path) -> BaseWorkerProvider:
+        """The provider of a ``miles train`` run, made from the config's ``run`` section; a provider with settings
+        there (the Ray provider's ``ray_*``) overrides this to read them."""
+        return cls(token=token, run_dir=run_dir)
 
     @abc.abstractmethod
     async def start(self, spec: WorkerSpec) -> WorkerInfo:

@@ -6,9 +6,14 @@ deterministic order: by node address, then device id, then bundle index. A Pytho
 actor (so it can use Ray itself, which RDT weight transfer needs); a command worker is a child process that its
 actor starts, watches and, on stop, kills with its whole process tree.
 
+Pinning: each worker spec has a role (trainer, engine, router); the bundles of a role also ask for the custom
+resources configured for it (``run.ray_{role}_resources``), so Ray puts them only on nodes that offer those. A
+resource that the cluster's nodes do not offer in the amount asked fails the placement at once, naming it.
+
 Network: with no cluster address (``address``, or Ray's own ``RAY_ADDRESS``), the provider starts a local Ray
 whose node address is 127.0.0.1, so every port Ray opens (GCS, raylet, object manager, workers, runtime-env agent)
-listens on loopback only; it starts no dashboard. Given a cluster address, it joins that cluster as configured.
+listens on loopback only; it starts no dashboard. Given a cluster address, it joins that cluster as configured
+(a cluster whose head is on loopback, such as several raylets on one machine, is joined on loopback).
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import contextlib
 import dataclasses
 import ipaddress
 import os
+import re
 import signal
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
 import ray
 from ray._private import ray_constants
+from ray.exceptions import AuthenticationError as RayAuthenticationError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,6 +41,13 @@ from miles_core.workers.errors import WorkerError, WorkerStartError
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
+from miles_core.workers.ray_settings import (
+    RESERVED_RESOURCES,
+    check_ray_address,
+    check_resources,
+    is_loopback_address,
+    split_address,
+)
 from miles_core.workers.rpc.wire import HEALTH_PATH, TOKEN_ENV
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
@@ -131,27 +147,53 @@ class _Slot:
 
 class RayWorkerProvider(BaseWorkerProvider):
     """Places workers with Ray placement groups; connects to ``address`` (or ``RAY_ADDRESS``) or starts a local
-    Ray on 127.0.0.1 (:func:`init_ray`)."""
+    Ray on 127.0.0.1 (:func:`init_ray`). ``role_resources`` maps a role (``WorkerSpec.role``: trainer, engine,
+    router) to custom Ray resources that each bundle of its workers also asks for, pinning the role to the nodes
+    that offer them."""
 
-    def __init__(self, *, token: str, run_dir: str | Path, address: str | None = None, **ray_init: Any) -> None:
+    def __init__(
+        self,
+        *,
+        token: str,
+        run_dir: str | Path,
+        address: str | None = None,
+        role_resources: Mapping[str, Mapping[str, float]] | None = None,
+        **ray_init: Any,
+    ) -> None:
         super().__init__(token=token)
         self.run_dir = Path(run_dir)
+        self.role_resources = {role: check_resources(wanted) for role, wanted in (role_resources or {}).items()}
         if not ray.is_initialized():
             init_ray(address, **ray_init)
         self.driver_ip = ray.util.get_node_ip_address()
         self.slots: dict[str, _Slot] = {}
         self.groups: list[PlacementGroup] = []
 
+    @classmethod
+    def for_run(cls, run: Any, *, token: str, run_dir: str | Path) -> RayWorkerProvider:
+        """The provider of a run: it joins ``run.ray_address`` (else ``RAY_ADDRESS``, else a local Ray) and pins
+        each role to the nodes that offer ``run.ray_{role}_resources``."""
+        return cls(token=token, run_dir=run_dir, address=run.ray_address, role_resources=run.ray_resources_by_role)
+
+    def bundle(self, spec: WorkerSpec) -> dict[str, float]:
+        """The resources of ``spec``'s bundle: its CPUs and GPUs, and its role's custom resources."""
+        # Ray refuses an all-zero bundle; a worker that reserves nothing (a CPU engine sharing cores) gets a token
+        return {
+            "CPU": spec.num_cpus or ZERO_CPU_BUNDLE,
+            **({"GPU": spec.num_gpus} if spec.num_gpus else {}),
+            **self.role_resources.get(spec.role or "", {}),
+        }
+
     async def place(self, specs: list[WorkerSpec], *, strategy: str = "PACK") -> list[_Slot]:
         """Reserve one bundle per spec in one placement group and assign them in the documented order."""
         if not specs:
             return []
-        shapes = {(spec.num_cpus, spec.num_gpus) for spec in specs}
+        shapes = {tuple(sorted(self.bundle(spec).items())) for spec in specs}
         if len(shapes) > 1:
             raise WorkerError(f"workers placed together need the same resources; got {sorted(shapes)}")
-        num_cpus, num_gpus = shapes.pop()
-        # Ray refuses an all-zero bundle; a worker that reserves nothing (a CPU engine sharing cores) gets a token
-        bundle = {"CPU": num_cpus or ZERO_CPU_BUNDLE, **({"GPU": num_gpus} if num_gpus else {})}
+        bundle = dict(shapes.pop())
+        names = ", ".join(spec.name for spec in specs)
+        check_cluster_offers(bundle, count=len(specs), names=names)
         group = placement_group([dict(bundle) for _ in specs], strategy=strategy)
         timeout_s = max(spec.startup_timeout_s for spec in specs)
         try:
@@ -159,11 +201,12 @@ class RayWorkerProvider(BaseWorkerProvider):
         except TimeoutError:
             remove_placement_group(group)
             raise WorkerStartError(
-                f"cannot place {len(specs)} workers ({', '.join(spec.name for spec in specs)}) of {bundle} each "
-                f"within {timeout_s:.0f} s; the cluster has {ray.available_resources()} free of "
-                f"{ray.cluster_resources()}"
+                f"cannot place {_workers(len(specs))} ({names}) of {bundle} each within {timeout_s:.0f} s; the "
+                f"cluster has {_node_resources(ray.available_resources())} free of "
+                f"{_node_resources(ray.cluster_resources())}"
             ) from None
         self.groups.append(group)
+        num_cpus, num_gpus = specs[0].num_cpus, specs[0].num_gpus
         actors = [self._new_actor(group, index, num_cpus, num_gpus) for index in range(len(specs))]
         locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))
         slots = [
@@ -262,12 +305,15 @@ CLUSTER_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 def init_ray(address: str | None = None, **ray_init: Any) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``); with neither, start a local Ray (never one that a
-    ``ray start`` left running) whose node address, and so every port, is on 127.0.0.1 only."""
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    ``ray start`` left running) whose node address, and so every port, is on 127.0.0.1 only. An address of the
+    wrong form, or a cluster that cannot be joined, is a :class:`WorkerError` that names the address and its source."""
     if address is not None:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
+        _join_cluster(address, "run.ray_address (--run-ray-address)", ray_init)
         return
-    with _loopback_node_address():
+    if os.environ.get("RAY_ADDRESS"):
+        _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
+        return
+    with loopback_node_address():
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
         )
@@ -280,8 +326,58 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
         )
 
 
+def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
+    """Connect to the cluster at ``address`` (named by ``source`` in errors). A cluster on loopback is joined with
+    clusters switched off, as it was started: otherwise Ray rewrites 127.0.0.1 into the machine's routable address
+    and waits for a GCS and a raylet that are not there."""
+    try:
+        check_ray_address(address)
+    except ValueError as exc:
+        raise WorkerError(f"{source} = {address!r}: {exc}") from None
+    if address != "auto":
+        _check_listening(address, source)
+    loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
+    try:
+        with loopback:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
+    except (ConnectionError, RayAuthenticationError) as exc:
+        raise WorkerError(f"cannot join the Ray cluster at {address} ({source}): {_join_failure(exc)}") from None
+
+
+JOIN_PROBE_TIMEOUT_S = 10.0
+"""How long the head's port may take to accept a connection before joining is given up (``ray.init`` itself waits
+for an absent GCS without end)."""
+
+
+def _check_listening(address: str, source: str) -> None:
+    host, port = split_address(address)
+    try:
+        socket.create_connection((host, port), timeout=JOIN_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise WorkerError(
+            f"cannot join the Ray cluster at {address} ({source}): nothing accepts connections there "
+            f"({type(exc).__name__}: {exc}); start its head with `ray start --head --port {port}` or fix the address"
+        ) from None
+
+
+def _join_failure(exc: BaseException) -> str:
+    """Why ``ray.init`` could not join, and what to do: Ray reports a refused token as text in a RuntimeError
+    under its ConnectionError."""
+    chain = []
+    while exc is not None and len(chain) < 5:
+        chain.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or exc.__context__
+    if any("InvalidAuthToken" in text or "AuthenticationError" in text for text in chain):
+        return (
+            "the cluster refused this driver's authentication token. A cluster with token authentication needs "
+            "RAY_AUTH_MODE=token here (Ray sends no token to an explicit address otherwise) and the cluster's "
+            "token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
+        )
+    return f"{chain[0][:600]}; is a Ray head node (`ray start --head`) listening there?"
+
+
 @contextlib.contextmanager
-def _loopback_node_address():
+def loopback_node_address():
     """While a local Ray starts: Ray turns a node address of 127.0.0.1 into the machine's routable address (and
     its servers bind the node address) unless clusters are switched off, as they are by default on macOS and
     Windows. Its constant is read at import in this process, and from the environment in the processes it
@@ -297,6 +393,40 @@ def _loopback_node_address():
             os.environ.pop(CLUSTER_ENV, None)
         else:
             os.environ[CLUSTER_ENV] = saved_env
+
+
+def check_cluster_offers(bundle: Mapping[str, float], *, count: int, names: str) -> None:
+    """Fail at once, naming the resource, when the cluster's nodes together cannot hold ``count`` bundles of the
+    custom resources in ``bundle`` (a placement group would wait for them forever)."""
+    offered = ray.cluster_resources()
+    for name, amount in bundle.items():
+        if name in ("CPU", "GPU"):
+            continue  # the placement timeout reports these with the cluster's free resources
+        if offered.get(name, 0.0) + 1e-9 < amount * count:
+            custom = {key: value for key, value in _node_resources(offered).items() if _is_custom(key)}
+            raise WorkerStartError(
+                f"cannot place {_workers(count)} ({names}): each asks for {amount:g} of the custom resource {name!r}, "
+                f"{amount * count:g} in all, and the cluster's nodes offer {offered.get(name, 0.0):g}; start nodes "
+                f"with --resources='{{\"{name}\": N}}' or change run.ray_*_resources (custom resources offered: "
+                f"{custom or 'none'})"
+            )
+
+
+_GROUP_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{36}$")
+"""What Ray appends to a resource's name for the share that a placement group (or one bundle of it) holds."""
+
+
+def _node_resources(resources: Mapping[str, float]) -> dict[str, float]:
+    """``resources`` without the shares that placement groups hold (Ray lists each under a name of its own), sorted."""
+    return {name: amount for name, amount in sorted(resources.items()) if not _GROUP_RESOURCE.search(name)}
+
+
+def _is_custom(resource: str) -> bool:
+    return resource not in RESERVED_RESOURCES and not resource.startswith(("node:", "accelerator_type:"))
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker{'s' if count != 1 else ''}"
 
 
 def _running(pid: int) -> bool:

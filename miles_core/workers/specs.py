@@ -12,6 +12,10 @@ from typing import Annotated, Any
 import pydantic
 
 WorkerName = Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
+WorkerRole = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+TRAINER, ENGINE, ROUTER = "trainer", "engine", "router"
+"""The roles the core gives: trainer ranks, engine workers (set by the controller unless the backend set one) and
+routers."""
 
 
 class _Spec(pydantic.BaseModel):
@@ -23,6 +27,11 @@ class _Spec(pydantic.BaseModel):
     num_gpus: float = pydantic.Field(default=0.0, ge=0, description="GPUs reserved for the worker.")
     startup_timeout_s: float = pydantic.Field(default=120.0, gt=0, description="Time allowed to become healthy.")
     log_file: str | None = pydantic.Field(default=None, description="Log path; default: RUN_DIR/logs/NAME.log.")
+    role: WorkerRole | None = pydantic.Field(
+        default=None,
+        description="What the worker is to the run (trainer, engine, router, ...); providers may place by role "
+        "(the Ray provider pins a role to the nodes that offer its custom resources).",
+    )
 
 
 class PythonWorkerSpec(_Spec):
@@ -77,3 +86,8 @@ class ResolvedCommand:
 
 
 WorkerSpec = PythonWorkerSpec | CommandWorkerSpec
+
+
+def with_role(spec: WorkerSpec, role: str) -> WorkerSpec:
+    """``spec`` with ``role``, unless its maker gave it one already."""
+    return spec if spec.role is not None else spec.model_copy(update={"role": role})

@@ -29,7 +29,7 @@ from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.process import free_ports
-from miles_core.workers.specs import PythonWorkerSpec
+from miles_core.workers.specs import TRAINER, PythonWorkerSpec
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
@@ -71,7 +71,7 @@ class MegatronTrainer:
             train=config.train,
             layout=config.megatron,
             seed=config.run.seed,
-            provider_factory=lambda: provider_cls(token=token, run_dir=run_dir),
+            provider_factory=lambda: provider_cls.for_run(config.run, token=token, run_dir=run_dir),
             reference_path=initial_model_path,
             tokenizer_from=initial_model_path,
         )
@@ -279,6 +279,7 @@ def _rank_specs(
             num_cpus=layout.cpus_per_rank,
             num_gpus=1.0 if backend == "nccl" else 0.0,
             startup_timeout_s=layout.startup_timeout_s,
+            role=TRAINER,
         )
         for rank in range(layout.world_size)
     ]
@@ -321,13 +322,8 @@ class _Ranks:
         return await self._on_every_rank("setup")
 
     def describe(self) -> str:
-        """Where each rank runs: ``name pid N [node ADDRESS bundle I]``."""
-        parts = []
-        for name in self.names:
-            info = self.provider.workers[name]
-            where = f" node {info.node} bundle {info.placement['bundle_index']}" if info.placement else ""
-            parts.append(f"{name} pid {info.pid}{where}")
-        return ", ".join(parts)
+        """Where each rank runs: ``name pid N [node ADDRESS (id ABCDEF12) bundle I]``."""
+        return ", ".join(self.provider.workers[name].describe() for name in self.names)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         """``method`` on every rank at once; the results in rank order."""

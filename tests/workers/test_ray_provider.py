@@ -158,7 +158,7 @@ def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(
         assert info.placement["bundle_index"] == 0
         await provider.stop("no-cpu")
         too_big = echo_spec("too-big").model_copy(update={"num_cpus": 64.0, "startup_timeout_s": 2.0})
-        with pytest.raises(WorkerStartError, match=r"cannot place 1 workers \(too-big\) of \{'CPU': 64.0\}"):
+        with pytest.raises(WorkerStartError, match=r"cannot place 1 worker \(too-big\) of \{'CPU': 64.0\}"):
             await provider.place([too_big])
 
     loop.run_until_complete(scenario())

@@ -14,6 +14,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -170,8 +171,13 @@ def _float_settings() -> list[str]:
         f"{section_name}.{field_name}"
         for section_name, section in model.model_fields.items()
         for field_name, field in section.annotation.model_fields.items()
-        if field.annotation is float or float in typing.get_args(field.annotation)
+        if field.annotation is float or (_is_union(field.annotation) and float in typing.get_args(field.annotation))
     ]
+
+
+def _is_union(annotation: object) -> bool:
+    """``float | None`` and the like (a ``dict[str, float]`` is a mapping, checked by its own validator)."""
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
 def test_every_float_setting_refuses_inf_and_nan() -> None:

@@ -232,6 +232,9 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     async def close(self) -> None:
         for slot in range(len(self._staging)):
             self._drop_staging(slot)
+        _, _, staged = getattr(self, "_published_by_holders", (None, None, None))
+        for share in staged or []:  # the holders' files on this machine (elsewhere: removed as orphans later)
+            Path(share["path"]).unlink(missing_ok=True)
         await super().close()
 
 

@@ -91,13 +91,45 @@ def routing_replay_server_args(config: Any) -> dict[str, Any]:
 
 
 def cpu_server_args(config: Any, model_path: str) -> dict[str, Any]:
-    """:data:`CPU_SERVER_ARGS`, a KV pool sized for this machine and the model, and at most
-    ``engine.max_batch_size`` requests at once."""
+    """:data:`CPU_SERVER_ARGS`, a KV pool sized for this machine and the model, at most ``engine.max_batch_size``
+    requests at once, and ``dtype: bfloat16`` where SGLang's CPU float16 matmul is wrong on this machine
+    (:func:`cpu_float16_is_wrong`; ``dtype: auto`` would serve a float32 checkpoint in float16)."""
+    bfloat16 = {"dtype": "bfloat16"} if cpu_float16_is_wrong(config.sglang.sglang_python()) else {}
     return {
         **CPU_SERVER_ARGS,
+        **bfloat16,
         "max_total_tokens": kv_token_budget(model_path),
         "max_running_requests": config.engine.max_batch_size,
     }
+
+
+FLOAT16_PROBE = """
+import torch, sgl_kernel
+torch.manual_seed(0)
+x, w = torch.randn(8, 64), torch.randn(128, 64) * 0.1
+out = torch.ops.sgl_kernel.weight_packed_linear(
+    x.half(), torch.ops.sgl_kernel.convert_weight_packed(w.half()), None, True
+)
+print((out.float() - x.half().float() @ w.half().float().t()).abs().max().item())
+"""
+"""SGLang's CPU linear kernel (packed weights) in float16 against the same product in float32: float16 rounding
+leaves about 1e-3 here; the broken kernel is off by as much as the values (measured 3.9 on a Xeon with AMX-BF16 and
+AVX512-FP16 but no AMX-FP16, where the bfloat16 kernel is off by 0.008)."""
+
+
+@functools.cache  # asked once per interpreter
+def cpu_float16_is_wrong(python: str) -> bool:
+    """Whether SGLang's CPU float16 matmul in the environment ``python`` is wrong on this machine (see
+    :data:`FLOAT16_PROBE`); ``False`` where it cannot be asked (the server's own start-up then reports why)."""
+    import subprocess  # deferred: only before engines start
+
+    try:
+        done = subprocess.run(
+            [python, "-c", FLOAT16_PROBE], capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ENV}
+        )
+        return done.returncode == 0 and float(done.stdout.strip().splitlines()[-1]) > 0.1
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return False
 
 
 def kv_token_budget(model_path: str) -> int:

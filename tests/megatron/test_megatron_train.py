@@ -11,6 +11,7 @@ import transformers
 from safetensors import safe_open
 
 from miles_core.default.tokenizer import DigitTokenizer
+from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.weights import read_checkpoint_dir
 from miles_core.run_setup import load_tokenizer
 from tests.conftest import run_miles
@@ -50,6 +51,7 @@ def test_default_run_learns_with_megatron(tmp_path: Path) -> None:
     assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals
     assert [row["step"] for row in rows if "train/loss" in row] == list(range(1, 111))
     assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows if "train/loss" in row)
+    assert not list(weight_staging_dir().glob("miles-staging-*-holder*")), "the ranks' staged shares were left"
     final = tmp_path / "checkpoints" / "step_000110"
     assert (final / "model.safetensors.index.json").is_file()  # one shard per rank, written by the ranks
     ranks = int(tensor_parallel)
@@ -123,7 +125,7 @@ def test_torch_trainer_trains_the_chosen_megatron_implementation(tmp_path: Path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "miles: torch trainer, model llama/megatron" in result.stdout
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2, 3]
-    assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors.index.json").is_file()
+    assert (tmp_path / "checkpoints" / "step_000003" / "model.safetensors").is_file()  # the torch trainer's, one file
 
 
 def test_ranks_placed_by_the_ray_provider(tmp_path: Path) -> None:

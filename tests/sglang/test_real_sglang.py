@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from miles_plugins_sglang.launch import cpu_float16_is_wrong
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.testkit.tiny_models import save_tiny_llama
@@ -38,8 +39,14 @@ MODEL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
-SERVED_DTYPE = torch.float16
-"""Pinned (``server_args.dtype``) so that the tolerance knows it; SGLang's CPU kernels have no float32."""
+
+
+def served_dtype() -> torch.dtype:
+    """Pinned (``server_args.dtype``) so that the tolerance knows it: SGLang's CPU kernels have no float32, and float16
+    only where its float16 matmul is right on this machine (as the plugin chooses; asked when a test runs)."""
+    return torch.bfloat16 if cpu_float16_is_wrong(sglang_python()) else torch.float16
+
+
 PROMPTS = [[2, 17, 33, 9, 41], [5, 6, 7], [100, 200, 300, 400, 11, 12]]
 
 
@@ -82,7 +89,7 @@ async def max_difference(client: EngineClient, model: transformers.PreTrainedMod
             assert len(output) == 12
             difference = (logprobs - trainer_logprobs(model, prompt, output)).abs().max().item()
             scale = largest_logit(model, prompt, output)
-            bound = served_logprob_tolerance(SERVED_DTYPE, num_layers=MODEL["num_hidden_layers"], largest_logit=scale)
+            bound = served_logprob_tolerance(served_dtype(), num_layers=MODEL["num_hidden_layers"], largest_logit=scale)
             worst, worst_ratio = max(worst, difference), max(worst_ratio, difference / bound)
     return worst, worst_ratio
 
@@ -106,7 +113,7 @@ def engine(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     run_dir = tmp_path_factory.mktemp("real-sglang-run")
     loop = asyncio.new_event_loop()
     server = real_sglang_server(
-        run_dir, checkpoints["initial"], token=TOKEN, **{"sglang.server_args": {"dtype": "float16"}}
+        run_dir, checkpoints["initial"], token=TOKEN, **{"sglang.server_args": {"dtype": str(served_dtype())[6:]}}
     )
     info = loop.run_until_complete(server.__aenter__())
     try:
@@ -133,7 +140,7 @@ def test_served_logprobs_equal_the_trainers_before_and_after_updates(engine, che
             assert await client.weight_version() == "1"
             measured["disk"] = await max_difference(client, models["disk"])
             _stale, stale_ratio = await max_difference(client, models["initial"])
-            assert stale_ratio > 10  # the update changed what is served, by far more than the bound
+            assert stale_ratio > 5  # the update changed what is served, by far more than the bound
             protocol = BroadcastProtocol(backend="gloo", timeout_s=60)
             await protocol.connect([EngineEndpoint("engine-0", engine[0], TOKEN)])
             try:

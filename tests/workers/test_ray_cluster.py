@@ -290,3 +290,29 @@ def test_a_run_on_the_cluster_refuses_a_resource_no_node_offers(cluster: TwoNode
     assert "cannot place 1 worker (engine-0)" in result.stderr
     assert "the custom resource 'a100_node', 1 in all, and the cluster's nodes offer 0" in result.stderr
     assert "'engine_node': 4.0" in result.stderr and "'trainer_node': 4.0" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["disk", "broadcast", "rdt"])
+def test_each_protocol_moves_the_weights_to_engines_on_another_node(
+    cluster: TwoNodes, tmp_path: Path, mode: str
+) -> None:
+    """The torch trainer in the driver (on the head node) and two engines pinned to the engine node: every protocol
+    carries each step's weights across the raylets (``rdt``: NIXL between the driver and the engines' actors),
+    checksums verified on both engines."""
+    steps = 2
+    result = run_miles(
+        *("train", "--output-dir", str(tmp_path), "--no-progress", "--run-worker-provider", "ray"),
+        *("--run-ray-address", cluster.address, "--run-ray-engine-resources", "{engine_node: 1}"),
+        *("--weight-transfer-mode", mode, "--weight-transfer-verify-checksum", "true", "--engine-num-engines", "2"),
+        *("--num-steps", str(steps), "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"),
+        env={"RAY_AUTH_MODE": "token"},
+        timeout_s=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for cell in ("engine-0", "engine-1"):
+        assert f"{cell} pid {_pid(result.stdout, cell)} node 127.0.0.1 (id {cluster.engine[:8]})" in result.stdout
+    with open_for_reading(tmp_path / DB_NAME) as db:
+        updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
+        engines = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
+    assert [tuple(row) for row in updates] == [(version, 2, 1, mode) for version in range(1, steps + 1)]
+    assert [tuple(row) for row in engines] == [("engine-0", steps), ("engine-1", steps)]

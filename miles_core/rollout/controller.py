@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 WeightSource = Callable[[], Iterable[list]]
 """Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
 NamedTensors = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
 WORKER_SPECS = (CommandWorkerSpec, PythonWorkerSpec)
 
 
@@ -260,17 +261,11 @@ class InferenceController:
     async def _transfer_all(
         self, weights: WeightSource, version: int, *, attempts: int = 2
     ) -> tuple[TransferReport, NamedTensors]:
-        for attempt in range(1, attempts + 1):
-            try:
-                await self._connect(force=attempt > 1)
-                recorded = RecordedWeights(weights())
-                report = await self.protocol.transfer(iter(recorded), version=version)
-                break
-            except (EngineError, MilesError, OSError) as exc:
-                if attempt == attempts:
-                    raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
-                logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
-                await self.wait_for_engines(self.config.engine.startup_timeout_s)
+        async def send() -> tuple[TransferReport, RecordedWeights]:
+            recorded = RecordedWeights(weights())
+            return await self.protocol.transfer(iter(recorded), version=version), recorded
+
+        report, recorded = await self._retried(send, version, attempts)
         if not recorded.complete:
             raise MilesError(
                 f"the {type(self.protocol).__name__} protocol reported v{version} sent before taking "
@@ -286,24 +281,32 @@ class InferenceController:
     ) -> TransferReport:
         """The holders send (retried once after re-syncing the engines); checked against the checksum combined from
         their digests when asked."""
+        verify = self.config.weight_transfer.verify_checksum
+
+        async def send() -> TransferReport:
+            return await self.protocol.transfer_from_holders(holders, version=version, checksum=verify)
+
+        report = await self._retried(send, version, attempts)
+        self.version = version
+        if verify:
+            if report.checksum is None:
+                raise MilesError(f"the {type(self.protocol).__name__} protocol reported no checksum of what it sent")
+            report = await self._verify_digest(report, report.checksum)
+        return report
+
+    async def _retried(self, send: Callable[[], Awaitable[T]], version: int, attempts: int) -> T:
+        """``send()`` after (re)connecting the protocol; a failure re-syncs every engine and tries again, up to
+        ``attempts`` times (at least 1)."""
         for attempt in range(1, attempts + 1):
             try:
                 await self._connect(force=attempt > 1)
-                report = await self.protocol.transfer_from_holders(
-                    holders, version=version, checksum=self.config.weight_transfer.verify_checksum
-                )
-                break
+                return await send()
             except (EngineError, MilesError, OSError) as exc:
                 if attempt == attempts:
                     raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
                 logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
                 await self.wait_for_engines(self.config.engine.startup_timeout_s)
-        self.version = version
-        if self.config.weight_transfer.verify_checksum:
-            if report.checksum is None:
-                raise MilesError(f"the {type(self.protocol).__name__} protocol reported no checksum of what it sent")
-            report = await self._verify_digest(report, report.checksum)
-        return report
+        raise ValueError(f"attempts must be at least 1, got {attempts}")
 
     async def _connect(self, *, force: bool = False) -> None:
         """(Re)connect the protocol when the set of engines changed (or after a failure)."""

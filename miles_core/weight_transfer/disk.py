@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from miles_core.engines.weights import combine_digests, tensor_digest
 from miles_core.errors import MilesError
-from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders
+from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import (
     SendsFromHolders,
@@ -60,13 +60,8 @@ def write_shard(
 def write_index(directory: str | Path, results: list[dict[str, Any]]) -> dict[str, str | None]:
     """Write ``model.safetensors.index.json`` for the shards :func:`write_shard` wrote (``results``, one per holder);
     the digests by name. A name two holders wrote is a :class:`MilesError`."""
-    weight_map: dict[str, str] = {}
-    digests: dict[str, str | None] = {}
-    for result in results:
-        for name, digest in result["digests"].items():
-            if name in weight_map:
-                raise MilesError(f"two weight holders wrote {name!r} ({weight_map[name]}, {result['file']})")
-            weight_map[name], digests[name] = result["file"], digest
+    digests = merged_digests(results)
+    weight_map = {name: result["file"] for result in results for name in result["digests"]}
     total = sum(result["bytes"] for result in results)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (Path(directory) / INDEX_FILE).write_text(json.dumps(index, indent=1))

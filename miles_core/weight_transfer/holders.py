@@ -69,6 +69,18 @@ def round_robin_share(tensors: NamedTensorShare, *, holder: int, holders: int) -
             yield item
 
 
+def merged_digests(results: list[dict[str, Any]]) -> dict[str, str | None]:
+    """The ``digests`` (name -> digest, ``None`` where none was asked) of every holder's result, in one mapping; a name
+    two holders reported is a :class:`MilesError` (their shares must be disjoint)."""
+    merged: dict[str, str | None] = {}
+    for holder, result in enumerate(results):
+        for name, digest in result["digests"].items():
+            if name in merged:
+                raise MilesError(f"weight holder {holder} sent {name!r}, which another holder sent too")
+            merged[name] = digest
+    return merged
+
+
 class InProcessHolders:
     """The degenerate case: one holder, this process (the torch trainer, whose model lives in the driver)."""
 

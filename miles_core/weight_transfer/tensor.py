@@ -37,7 +37,8 @@ from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import combine_digests, map_staging_file, tensor_digest
 from miles_core.errors import MilesError
-from miles_core.weight_transfer.holders import InProcessHolders, NamedTensorShare, WeightHolders
+from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.holders import InProcessHolders, NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import (
     EngineEndpoint,
@@ -86,6 +87,9 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         self._next_slot = 0  # zero copy: the staging file the engines do not serve from
         self.shm_dir = Path(shm_dir) if shm_dir else weight_staging_dir()  # where the engines accept them
         self._staging: list[tuple[Path, torch.Tensor] | None] = [None, None]  # double buffering
+        self._served_zero_copy: Staged | None = None  # zero copy: the file the engines serve from
+        # the last version the holders sent, and each holder's staged file (None: the driver's zero-copy file)
+        self._published_by_holders: tuple[WeightHolders, int, list[dict] | None] | None = None
 
     def _local(self, client: EngineClient) -> bool:
         if self.shared_memory is not None:
@@ -145,12 +149,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         results = await asyncio.to_thread(
             holders.run_task, f"{__name__}:stage_and_send", digests=checksum, **self._holder_arguments(version)
         )
-        digests: dict[str, str | None] = {}
-        for result in results:
-            for name, digest in result["digests"].items():
-                if name in digests:
-                    raise MilesError(f"two weight holders sent {name!r}")
-                digests[name] = digest
+        digests = merged_digests(results)
         await self.publish_version(version)
         self._published_by_holders = (holders, version, [result["staged"] for result in results])
         report = self.report(version=version, num_bytes=sum(r["bytes"] for r in results), started=started)
@@ -168,9 +167,9 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     async def republish(self, version: int) -> None:
         """The holders send the shares they kept of ``version`` again (or, for the driver's own zero-copy transfer,
         the engines map the file they served it from), and every engine serves it."""
-        holders, published, staged = getattr(self, "_published_by_holders", (None, None, None))
-        if holders is None or published != version:
+        if self._published_by_holders is None or self._published_by_holders[1] != version:
             raise MilesError(f"tensor: version {version} was not sent by the trainer's holders, nothing to resend")
+        holders, _, staged = self._published_by_holders
         if staged is None:
             served = self._served_zero_copy
             await self.on_each_engine(
@@ -203,13 +202,9 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
             self._drop_staging(slot)
             _remove_orphans(self.shm_dir)
             path = self.shm_dir / f"miles-staging-{os.getpid()}-{uuid.uuid4().hex}"
-            size = max(layout.size, 1)  # a file of no bytes cannot be mapped
-            with open(path, "wb") as staging_file:
-                staging_file.truncate(size)
-            self._staging[slot] = (path, map_staging_file(path, size))
+            self._staging[slot] = (path, _new_staging_file(path, layout.size))
         path, buffer = self._staging[slot]
-        for (_, tensor), target in zip(tensors, layout.views(buffer).values(), strict=True):
-            target.copy_(tensor)
+        _copy_into(buffer, layout, tensors)
         return Staged(path=path, buffer_size=buffer.numel(), layout=layout)
 
     async def _send_all(self, tensors: list, staged: Staged | None) -> None:
@@ -232,7 +227,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     async def close(self) -> None:
         for slot in range(len(self._staging)):
             self._drop_staging(slot)
-        _, _, staged = getattr(self, "_published_by_holders", (None, None, None))
+        staged = self._published_by_holders[2] if self._published_by_holders else None
         for share in staged or []:  # the holders' files on this machine (elsewhere: removed as orphans later)
             Path(share["path"]).unlink(missing_ok=True)
         await super().close()
@@ -272,11 +267,8 @@ def stage_and_send(
         old.unlink(missing_ok=True)  # the previous version's: its engines are on this one now, or will be
     layout = StagingLayout.of(tensors)
     path = directory / f"miles-staging-{os.getpid()}-holder{holder}-v{version}"
-    with open(path, "wb") as staging_file:
-        staging_file.truncate(max(layout.size, 1))
-    buffer = map_staging_file(path, max(layout.size, 1))
-    for (_, tensor), target in zip(tensors, layout.views(buffer).values(), strict=True):
-        target.copy_(tensor)
+    buffer = _new_staging_file(path, layout.size)
+    _copy_into(buffer, layout, tensors)
     staged = {"path": str(path), "buffer_size": buffer.numel(), "layout": layout.to_wire()}
     asyncio.run(_send_share(engines, tensors, staged, shared_memory))
     return {
@@ -322,20 +314,20 @@ async def _send_share(
                     staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout
                 )
                 return
-            for chunk in _chunks(tensors, HOLDER_SEND_BYTES):
+            for chunk in bucketize(tensors, HOLDER_SEND_BYTES):
                 await client.update_weights_from_tensor(dict(chunk))
 
     await asyncio.gather(*(send(EngineEndpoint(**engine)) for engine in engines))
 
 
-def _chunks(tensors: list[tuple[str, torch.Tensor]], limit: int) -> Iterable[list[tuple[str, torch.Tensor]]]:
-    chunk, size = [], 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, tensor))
-        size += nbytes
-    if chunk:
-        yield chunk
+def _new_staging_file(path: Path, size: int) -> torch.Tensor:
+    """A new staging file of ``size`` bytes at ``path``, mapped (a file of no bytes cannot be mapped: at least 1)."""
+    size = max(size, 1)
+    with open(path, "wb") as staging_file:
+        staging_file.truncate(size)
+    return map_staging_file(path, size)
+
+
+def _copy_into(buffer: torch.Tensor, layout: StagingLayout, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    for (_, tensor), target in zip(tensors, layout.views(buffer).values(), strict=True):
+        target.copy_(tensor)

@@ -25,12 +25,13 @@ from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
 from miles_core.dashboard.store import DB_NAME, open_for_reading
-from miles_core.testkit.echo_worker import ECHO_GROUPS, EchoWorker
+from miles_core.testkit.echo_worker import EchoWorker
 from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address, placement_order
-from miles_core.workers.specs import ENGINE, ROUTER, TRAINER, PythonWorkerSpec
+from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
 from tests.conftest import run_miles
+from tests.workers.test_ray_provider import echo_spec
 
 pytestmark = pytest.mark.slow
 
@@ -97,18 +98,6 @@ def provider(joined: Path, loop) -> Iterator[RayWorkerProvider]:
     provider = RayWorkerProvider(token=TOKEN, run_dir=joined, role_resources=PINS)
     yield provider
     loop.run_until_complete(provider.shutdown())
-
-
-def echo_spec(name: str, *, role: str | None = None, num_gpus: float = 0.0) -> PythonWorkerSpec:
-    return PythonWorkerSpec(
-        name=name,
-        target="miles_core.testkit.echo_worker:EchoWorker",
-        kwargs={"label": name},
-        rpc_groups=ECHO_GROUPS,
-        num_cpus=0.25,
-        num_gpus=num_gpus,
-        role=role,
-    )
 
 
 def test_the_provider_joined_the_cluster_on_loopback(cluster: TwoNodes, provider: RayWorkerProvider) -> None:

@@ -32,13 +32,15 @@ def provider(tmp_path_factory: pytest.TempPathFactory, loop):
     ray.shutdown()
 
 
-def echo_spec(name: str) -> PythonWorkerSpec:
+def echo_spec(name: str, *, role: str | None = None, num_gpus: float = 0.0) -> PythonWorkerSpec:
     return PythonWorkerSpec(
         name=name,
         target="miles_core.testkit.echo_worker:EchoWorker",
         kwargs={"label": name},
         rpc_groups=ECHO_GROUPS,
         num_cpus=0.25,
+        num_gpus=num_gpus,
+        role=role,
     )
 
 

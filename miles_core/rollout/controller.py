@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import torch
 
 from miles_core.engines.backend import EngineBackend
@@ -234,7 +235,9 @@ class InferenceController:
         sends from them (:class:`SendsFromHolders`), the holders send and the driver only coordinates, keeping no
         copy; otherwise the driver reads ``weights()`` once (again only to retry a failed transfer) and keeps a copy
         for engines that restart."""
-        from_holders = holders is not None and isinstance(self.protocol, SendsFromHolders)
+        from_holders = (
+            holders is not None and isinstance(self.protocol, SendsFromHolders) and self.protocol.sends_from_holders()
+        )
         self._updating = True
         try:
             report, published = await self._update(weights if not from_holders else holders, version, from_holders)
@@ -301,7 +304,7 @@ class InferenceController:
             try:
                 await self._connect(force=attempt > 1)
                 return await send()
-            except (EngineError, MilesError, OSError) as exc:
+            except (EngineError, MilesError, OSError, httpx.TransportError) as exc:  # an engine that died, say
                 if attempt == attempts:
                     raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
                 logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)

@@ -235,8 +235,11 @@ class ProtocolContract:
         """For a protocol that sends from the trainer's holders: three holders' shares make exactly the trainer's
         weights on every engine, the report's checksum (combined from the holders' digests) is the engines', and
         after an engine restarts, :meth:`republish` brings it back to that version."""
-        if not issubclass(type(self.make_protocol()), SendsFromHolders):
+        protocol = self.make_protocol()
+        if not isinstance(protocol, SendsFromHolders):
             pytest.skip(f"{self.protocol_name} sends from the driver only (it is not a SendsFromHolders protocol)")
+        if not protocol.sends_from_holders():
+            pytest.skip(f"{self.protocol_name} with {self.protocol_settings} sends from the driver only")
 
         async def scenario() -> None:
             protocol = self.make_protocol()

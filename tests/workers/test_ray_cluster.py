@@ -9,8 +9,10 @@ The cluster uses token authentication, as Ray 2.60 sets up a new local cluster: 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +39,9 @@ from tests.workers.test_ray_provider import echo_spec
 pytestmark = pytest.mark.slow
 
 TOKEN = "cluster-token"
+UCX_TCP_ONLY = {"UCX_TLS": "tcp"}
+"""For the raylets' workers and the drivers that join: ``rdt`` moves weights between raylets over TCP, not the
+cross-memory attach or shared memory that UCX would pick between processes of one machine."""
 PINS = {TRAINER: {"trainer_node": 1.0}, ENGINE: {"engine_node": 1.0}, ROUTER: {"engine_node": 0.5}}
 
 
@@ -56,7 +61,8 @@ def cluster() -> Iterator[TwoNodes]:
     enable_token_auth_by_default()  # what ray.init does for a new local cluster: RAY_AUTH_MODE=token ...
     ensure_token_if_auth_enabled({}, create_token_if_missing=True)  # ... and a token in ~/.ray/auth_token
     previous = read_ray_address()
-    with loopback_node_address():  # every node's address (and so its ports) on 127.0.0.1
+    # NIXL's UCX over TCP only, as between two machines without RDMA: the raylets' workers take this environment
+    with loopback_node_address(), _environment(UCX_TCP_ONLY):  # every node's address (and ports) on 127.0.0.1
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 2, "include_dashboard": False},
@@ -69,6 +75,21 @@ def cluster() -> Iterator[TwoNodes]:
         yield TwoNodes(cluster.address, cluster.head_node.node_id, trainer.node_id, engine.node_id)
     finally:
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment for the body (the raylets started there inherit them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _restore_address_file(previous: str | None, *, written: str) -> None:
@@ -287,15 +308,15 @@ def test_each_protocol_moves_the_weights_to_engines_on_another_node(
     cluster: TwoNodes, tmp_path: Path, mode: str
 ) -> None:
     """The torch trainer in the driver (on the head node) and two engines pinned to the engine node: every protocol
-    carries each step's weights across the raylets (``rdt``: NIXL between the driver and the engines' actors),
-    checksums verified on both engines."""
+    carries each step's weights across the raylets (``rdt``: NIXL over TCP between the driver and the engines'
+    actors), checksums verified on both engines."""
     steps = 2
     result = run_miles(
         *("train", "--output-dir", str(tmp_path), "--no-progress", "--run-worker-provider", "ray"),
         *("--run-ray-address", cluster.address, "--run-ray-engine-resources", "{engine_node: 1}"),
         *("--weight-transfer-mode", mode, "--weight-transfer-verify-checksum", "true", "--engine-num-engines", "2"),
         *("--num-steps", str(steps), "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"),
-        env={"RAY_AUTH_MODE": "token"},
+        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
         timeout_s=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -340,7 +361,7 @@ def test_megatron_ranks_send_over_each_protocol_across_nodes_learn_and_recover_a
     """Two Megatron ranks (TP=2) on the trainer node send every version themselves to two engines on the engine
     node (the driver keeps no copy: ``published_by_holders``), checksums verified; engine-1 is killed as the third
     rollout starts and comes back with the published version from the ranks (``republish``); the held-out reward
-    of the echo-last task rises."""
+    of the echo-last task rises. ``rdt`` reads the ranks' memory over NIXL with UCX held to TCP."""
     model_dir, train_prompts, eval_prompts = save_echo_last_moe(tmp_path)
     killer = tmp_path / "killer.py"
     killer.write_text(ENGINE_KILLER)
@@ -352,7 +373,7 @@ def test_megatron_ranks_send_over_each_protocol_across_nodes_learn_and_recover_a
         *("--run-ray-trainer-resources", json.dumps(PINS[TRAINER]), "--run-ray-engine-resources", "{engine_node: 1}"),
         *("--megatron-tensor-parallel", "2", "--megatron-cpus-per-rank", "0.5", "--engine-num-engines", "2"),
         *("--weight-transfer-mode", mode, "--plugin", str(killer)),
-        env={"RAY_AUTH_MODE": "token"},
+        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
         timeout_s=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

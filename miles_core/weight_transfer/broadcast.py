@@ -95,7 +95,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         self.key = uuid.uuid4().hex[:8]  # names this protocol's groups and its holders' kept shares
         self.generation = 0  # counts connects: every connect builds new groups
         self._engine_groups: list[str] = []  # the groups the engines joined since the last connect
-        self._holders_joined: WeightHolders | None = None  # the holders whose groups the engines joined
+        self._holders_joined: tuple[str, ...] | None = None  # the holders whose groups the engines joined
         self._kept: tuple[WeightHolders, int, list[list[BucketSpec]]] | None = None  # holders, version, buckets
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
@@ -169,8 +169,9 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
 
     async def _join_holder_groups(self, holders: WeightHolders, count: int) -> None:
         """Each holder forms its group with the engines (once per connect), one group after the other: an engine
-        joins one group at a time."""
-        if self._holders_joined is holders:
+        joins one group at a time. A trainer hands out a new holders object per update: the same holders are the
+        same processes (:meth:`WeightHolders.describe`)."""
+        if self._holders_joined == tuple(holders.describe()):
             return
         for holder in range(count):
 
@@ -178,7 +179,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
                 return holders.run_task(f"{__name__}:join_group", key=self.key, joiner=holder, **group)
 
             await self._form_group(self._holder_group(holder), join)
-        self._holders_joined = holders
+        self._holders_joined = tuple(holders.describe())
 
     def _holder_group(self, holder: int) -> str:
         return f"{GROUP_NAME}_{self.key}_{self.generation}_h{holder}"

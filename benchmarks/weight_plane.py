@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import statistics
 import sys
@@ -36,18 +35,18 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import ray
 import transformers
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.trainer import MegatronTrainer
+from ray_nodes import ray_nodes
 from weight_transfer import memcpy_rate  # the baseline of benchmarks/weight_transfer.py
 
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address
-from miles_core.workers.specs import ENGINE, TRAINER, CommandWorkerSpec
+from miles_core.workers.ray_provider import RayWorkerProvider
+from miles_core.workers.specs import ENGINE, CommandWorkerSpec
 
 TOKEN = "bench-plane"
 BUCKET_BYTES = 256 << 20
@@ -120,27 +119,6 @@ def engine_spec(model: Path) -> CommandWorkerSpec:
     )
 
 
-@contextlib.contextmanager
-def ray_nodes(two_raylets: bool):
-    """A local Ray (one node), or a head and two worker nodes on 127.0.0.1 that offer ``trainer_node`` and
-    ``engine_node``; the role resources that pin the ranks and the engine to them."""
-    if not two_raylets:
-        yield None, {}
-        return
-    from ray.cluster_utils import Cluster
-
-    with loopback_node_address():
-        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 2})
-        for resource in ("trainer_node", "engine_node"):
-            cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={resource: 4})
-    try:
-        cluster.wait_for_nodes()
-        yield cluster.address, {TRAINER: {"trainer_node": 1.0}, ENGINE: {"engine_node": 1.0}}
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 async def bench(args: argparse.Namespace, tmp: Path, address: str | None, pins: dict) -> None:
     nbytes, memcpy = save_model(tmp / "model", hidden=args.hidden, layers=args.layers, repeats=args.repeats)
     where = "ranks and engine on two raylets" if pins else "one Ray node"
@@ -157,7 +135,10 @@ async def bench(args: argparse.Namespace, tmp: Path, address: str | None, pins: 
     ) as trainer:
         print(f"ranks: {trainer.ranks.describe()}; engine: {provider.workers[engine.name].describe()}", flush=True)
         for name in args.protocols.split(","):
-            settings = {"work_dir": str(tmp / "disk")} if name == "disk" else {}
+            settings = {
+                "disk": {"work_dir": str(tmp / "disk")},
+                "rdt": {"staging_bucket_mb": nbytes // 2**20 + 64},  # a staging bucket holds a whole version
+            }.get(name, {})
             protocol = registries.weight_transfer_protocols.get_or_raise(name).load()(**settings)
             await protocol.connect([endpoint])
             version = 0

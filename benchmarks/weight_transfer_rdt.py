@@ -13,6 +13,10 @@ runs), so only the second compares a protocol with a copy made at the same time.
 NIXL with UCX held to its TCP transport (no cross-memory attach, no shared memory), ``tensor`` with the weights in
 the request body instead of a shared-memory file; ``broadcast`` and rdt over gloo already use TCP, and ``disk`` still
 writes a local directory (across machines it needs a filesystem both can see).
+
+``--two-raylets`` puts the engine on a Ray node of its own (a raylet on this machine, ``benchmarks/ray_nodes.py``)
+while the trainer (this process) joins from the head node: rdt then moves the weights between two raylets, the
+comparison with ``broadcast`` and memcpy that the cluster tests need (with ``--across-machines``, over TCP).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import ray
 import torch
 import transformers
+from ray_nodes import ray_nodes
 from weight_transfer import (  # the same baseline and warm-up as benchmarks/weight_transfer.py
     WARMUP,
     MemoryCopy,
@@ -39,7 +44,7 @@ from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.workers.ray_provider import RayWorkerProvider
-from miles_core.workers.specs import CommandWorkerSpec
+from miles_core.workers.specs import ENGINE, CommandWorkerSpec
 
 TOKEN = "bench-admin"
 BUCKET = 256 << 20
@@ -124,6 +129,7 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
         num_cpus=0,
         health_url="http://{host}:{port}/health",
         startup_timeout_s=300,
+        role=ENGINE,
     )
     info = await provider.start(spec)
     endpoint = EngineEndpoint(name=spec.name, url=info.url, admin_key=TOKEN)
@@ -152,8 +158,15 @@ async def main(args: argparse.Namespace) -> None:
     if args.across_machines:  # before any NIXL agent exists, here or in the Ray workers started below
         os.environ["UCX_TLS"] = "tcp"
         print("-- across machines: UCX over TCP only, tensor without shared memory", flush=True)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    provider = RayWorkerProvider(token=TOKEN, run_dir=workdir)
+    with ray_nodes(args.two_raylets) as (address, pins):
+        if address is None:
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        await run_sizes(args, workdir, address, pins)
+
+
+async def run_sizes(args: argparse.Namespace, workdir: Path, address: str | None, pins: dict) -> None:
+    provider = RayWorkerProvider(token=TOKEN, run_dir=workdir, address=address, role_resources=pins)
+    print(f"-- engine on {'a raylet of its own' if pins else 'the same Ray node'}", flush=True)
     table = {}
     try:
         for size in (int(s) for s in args.sizes.split(",")):
@@ -181,4 +194,5 @@ if __name__ == "__main__":
         action="store_true",
         help="every protocol as it runs between two machines (see the module docstring)",
     )
+    parser.add_argument("--two-raylets", action="store_true", help="the engine on a Ray node of its own")
     asyncio.run(main(parser.parse_args()))

@@ -1,0 +1,35 @@
+"""Ray for the benchmarks: a local Ray, or raylets of their own on this machine for the trainer's and the engines'
+workers (``ray.cluster_utils.Cluster``, as ``tests/workers/test_ray_cluster.py`` builds them), so that every byte a
+protocol moves crosses raylets."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import ray
+
+from miles_core.workers.ray_provider import loopback_node_address
+from miles_core.workers.specs import ENGINE, TRAINER
+
+
+@contextlib.contextmanager
+def ray_nodes(two_raylets: bool) -> Iterator[tuple[str | None, dict]]:
+    """Nothing started (the provider starts a local Ray), or a head and two worker nodes on 127.0.0.1 that offer
+    ``trainer_node`` and ``engine_node``: the address to join and the role resources that pin the trainer's
+    workers and the engines to them."""
+    if not two_raylets:
+        yield None, {}
+        return
+    from ray.cluster_utils import Cluster
+
+    with loopback_node_address():
+        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 2})
+        for resource in ("trainer_node", "engine_node"):
+            cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={resource: 4})
+    try:
+        cluster.wait_for_nodes()
+        yield cluster.address, {TRAINER: {"trainer_node": 1.0}, ENGINE: {"engine_node": 1.0}}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -4,6 +4,7 @@ and the config check that refuses rdt without Ray-hosted engines. No Ray needed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import miles_plugins_rdt.protocol as protocol_module
 import pytest
@@ -142,3 +143,33 @@ def test_waves_hold_contiguous_tensors() -> None:
     transposed = torch.arange(12.0).reshape(3, 4).t()
     ((name, tensor),) = next(in_waves(iter([[("w", transposed)]]), min_bytes=0))
     assert name == "w" and tensor.is_contiguous() and torch.equal(tensor, transposed)
+
+
+def test_holders_shares_are_placed_one_after_another_and_a_version_too_large_names_the_setting() -> None:
+    from miles_plugins_rdt.holders import _lane_cuts
+
+    shares = [
+        [("h0.a", torch.randn(3)), ("h0.b", torch.arange(3, dtype=torch.int8))],
+        [("h1.a", torch.randn(2, 2).to(torch.bfloat16))],
+        [],
+        [("h3.a", torch.arange(4))],
+    ]
+    layouts = [StagingLayout.of(share, alignment=1) for share in shares]
+    bases, placed = RdtProtocol(staging_bucket_mb=1)._placed(layouts)
+    assert bases == [0, 64, 128, 128]  # each share from a 64-byte boundary; the empty one takes no room
+    assert [(e.name, e.offset) for e in placed.tensors] == [("h0.a", 0), ("h0.b", 12), ("h1.a", 64), ("h3.a", 128)]
+    bucket = torch.zeros(placed.size, dtype=torch.uint8)
+    for share, layout, base in zip(shares, layouts, bases, strict=True):  # each holder's bytes where it sends them
+        holder_buffer = torch.zeros(layout.size, dtype=torch.uint8)
+        for (_, tensor), view in zip(share, layout.views(holder_buffer).values(), strict=True):
+            view.copy_(tensor)
+        bucket[base : base + layout.size] = holder_buffer
+    views = placed.views(bucket)
+    assert all(torch.equal(views[name], tensor) for share in shares for name, tensor in share)
+    big = [StagingLayout.of([("w", torch.zeros(300_000))], alignment=1)] * 2  # 2.3 MiB in a 1 MiB bucket
+    with pytest.raises(MilesError, match="raise that setting to at least 3"):
+        RdtProtocol(staging_bucket_mb=1)._placed(big)
+    for size, lanes in [(1, 2), (4096, 2), (10_000, 3), (1 << 20, 4)]:
+        cuts = _lane_cuts(size, lanes)
+        assert cuts[0][0] == 0 and cuts[-1][1] == size and len(cuts) <= lanes
+        assert all(end == start for (_, end), (start, _) in itertools.pairwise(cuts))  # contiguous

@@ -16,12 +16,18 @@ from miles_core.models.hf_checkpoint import require_checkpoint_dir
 from miles_plugins_megatron.conversion import attention_geometry
 
 
-def load_hf_config(path: str | Path) -> Any:
+def read_hf_config(path: str | Path) -> Any:
+    """The HF config of the checkpoint directory ``path``, any architecture transformers knows."""
     path = require_checkpoint_dir(path)
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config.json
         raise MilesError(f"cannot read the HF config in {str(path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The HF config of a checkpoint of an architecture that the megatron-core GPTModel path supports."""
+    config = read_hf_config(path)
     attention_geometry(config)  # unsupported architectures fail here
     return config
 

@@ -113,6 +113,19 @@ class Indexer(nn.Module):
         return chosen & visible
 
 
+class GroupedProjection(nn.Module):
+    """The first half of the grouped output projection (``wo_a``): each group of heads projected on its own,
+    ``[B, S, g, inputs] -> [B, S, g, rank]``; this rank's groups (``weight`` ``[g_local * rank, inputs]``)."""
+
+    def __init__(self, inputs: int, rank: int, *, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = sharded_parameter(torch.empty(groups * rank, inputs).normal_(std=0.02), dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bsgi,gri->bsgr", x, self.weight.view(self.groups, -1, x.shape[-1]))
+
+
 class Attention(nn.Module):
     """One layer's attention (``hf_config.layer_types[index]``), this rank's heads."""
 
@@ -131,9 +144,7 @@ class Attention(nn.Module):
         self.wq_b = column(layout, hf_config.q_lora_rank, heads * self.dim)
         self.wkv = nn.Linear(hf_config.hidden_size, self.dim, bias=False)
         self.norm = RMSNorm(self.dim, self.eps)
-        group_inputs = heads * self.dim // groups
-        self.wo_a = sharded_parameter(torch.empty(self.groups * hf_config.o_lora_rank, group_inputs), dim=0)
-        nn.init.normal_(self.wo_a, std=0.02)
+        self.wo_a = GroupedProjection(heads * self.dim // groups, hf_config.o_lora_rank, groups=self.groups)
         self.wo_b = row(layout, groups * hf_config.o_lora_rank, hf_config.hidden_size)
         self.attn_sink = sharded_parameter(torch.zeros(self.heads), dim=0)
         self.compressor = self.indexer = None
@@ -162,8 +173,7 @@ class Attention(nn.Module):
             bias = torch.cat([bias, self._bias(visible, hidden.dtype)], dim=-1)
         out = self._attend(queries, to_parallel_region(kv), bias)  # [B, h, S, D]
         out = apply_rope(out, cos, -sin).transpose(1, 2).reshape(batch, length, self.groups, -1)
-        grouped = torch.einsum("bsgi,gri->bsgr", out, self.wo_a.view(self.groups, -1, out.shape[-1]))
-        return self.wo_b(grouped.flatten(2))[0]
+        return self.wo_b(self.wo_a(out).flatten(2))[0]
 
     def _window_bias(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[B, 1, S, S]``: 0 where a query sees a key (causal, within ``sliding_window``), -inf elsewhere."""

@@ -74,7 +74,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, head_di
     return torch.cat([plain, rotated], dim=-1)
 
 
-class HyperConnection(nn.Module):
+class HyperConnection:
     """The weights that collapse ``hc_mult`` residual streams into a block's input (``pre``), spread its output back
     over them (``post``) and mix the streams (``comb``, made doubly stochastic by Sinkhorn-Knopp iterations).
 

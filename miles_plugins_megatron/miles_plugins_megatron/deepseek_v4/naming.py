@@ -28,7 +28,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def model_tensors(model: DeepseekV4Model) -> dict[str, torch.Tensor]:
     """The rank's tensors under their local names: parameters, and the routers' buffers (``gate.bias``, the
     selection bias, and ``gate.tid2eid``, the hash table), which are checkpoint tensors that the loss does not train."""
-    return dict(model.state_dict(keep_vars=True))
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if not name.endswith("._extra_state")}
 
 
 def global_name(name: str, *, first_expert: int) -> str:

@@ -41,9 +41,7 @@ class _Part:
         self.tensor.view(-1).index_copy_(0, self.indices.flatten(), value.flatten())
 
 
-_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]] = (
-    weakref.WeakKeyDictionary()
-)
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:

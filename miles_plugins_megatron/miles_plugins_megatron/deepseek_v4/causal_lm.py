@@ -11,10 +11,9 @@ import torch
 
 from miles_core.models.causal_lm import CausalLM
 from miles_plugins_megatron.checkpoint import read_hf_config, read_hf_state
-from miles_plugins_megatron.deepseek_v4.checks import check_deepseek_v4
-from miles_plugins_megatron.deepseek_v4.model import DeepseekV4Model
+from miles_plugins_megatron.deepseek_v4.model import DeepseekV4Model, build_deepseek_v4
 from miles_plugins_megatron.deepseek_v4.naming import DeepseekV4HfWeightIterator, load_hf_state
-from miles_plugins_megatron.deepseek_v4.parallel import Layout, gather_from_tensor_parallel
+from miles_plugins_megatron.deepseek_v4.parallel import gather_from_tensor_parallel
 
 
 class MilesDeepseekV4CausalLM(CausalLM):
@@ -37,9 +36,7 @@ class MilesDeepseekV4CausalLM(CausalLM):
     @classmethod
     def build(cls, hf_config: Any, path: str | Path, *, dtype: torch.dtype = torch.float32) -> MilesDeepseekV4CausalLM:
         """This rank's shard of the checkpoint directory ``path`` (megatron-core's parallel state initialised)."""
-        layout = Layout.current(dtype)
-        check_deepseek_v4(hf_config, layout=layout)
-        model = DeepseekV4Model(hf_config, layout)
+        model = build_deepseek_v4(hf_config, dtype=dtype)
         load_hf_state(model, read_hf_state(path), source=f"checkpoint {str(path)!r}")
         return cls(model.eval())
 

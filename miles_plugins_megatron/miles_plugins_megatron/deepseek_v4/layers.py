@@ -117,9 +117,7 @@ def hyper_parameters(module: nn.Module, prefix: str, hf_config: Any) -> None:
     module.register_parameter(f"{prefix}_scale", nn.Parameter(torch.ones(3)))
 
 
-def mix_streams(
-    streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
+def mix_streams(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """The next residual streams: ``post`` spreads the block's ``output`` over the streams, ``comb`` (transposed)
     mixes the incoming ``streams``."""
     dtype = streams.dtype

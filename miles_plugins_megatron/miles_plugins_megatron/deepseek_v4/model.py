@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from torch import nn
 
 from miles_plugins_megatron.deepseek_v4.attention import Attention
+from miles_plugins_megatron.deepseek_v4.checks import check_deepseek_v4
 from miles_plugins_megatron.deepseek_v4.layers import (
     HyperConnection,
     HyperHead,
@@ -78,6 +79,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, hf_config: Any, layout: Layout) -> None:
         super().__init__()
         self.hf_config, self.layout = hf_config, layout
+        self.config = layout.megatron_config()  # what the Megatron trainer reads of a model (no sequence parallelism)
         self.model = Stack(hf_config, layout)
         self.head = column(layout, hf_config.hidden_size, hf_config.vocab_size)
 
@@ -85,3 +87,11 @@ class DeepseekV4Model(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.head(self.model(input_ids, position_ids))[0]
+
+
+def build_deepseek_v4(hf_config: Any, *, dtype: torch.dtype = torch.float32) -> DeepseekV4Model:
+    """This rank's untrained shard of the model (megatron-core's parallel state initialised), after
+    :func:`~miles_plugins_megatron.deepseek_v4.checks.check_deepseek_v4`."""
+    layout = Layout.current(dtype)
+    check_deepseek_v4(hf_config, layout=layout)
+    return DeepseekV4Model(hf_config, layout)

@@ -123,7 +123,8 @@ class MoE(nn.Module):
         batch, length, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         weights, chosen = self.gate(tokens, input_ids.reshape(-1))
-        routed_in = to_parallel_region(tokens)
+        # each tensor-parallel rank uses the tokens and weights with its own expert columns: their gradients sum
+        routed_in, weights = to_parallel_region(tokens), to_parallel_region(weights)
         if self.ep_size > 1:
             group = expert_group()
             counts = token_counts(tokens.shape[0], group, tokens.device)

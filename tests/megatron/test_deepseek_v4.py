@@ -135,13 +135,19 @@ def test_every_component_moves_the_logits(one_rank, checkpoint: Path, name: str)
 
 
 @pytest.mark.parametrize(
-    "layout", [{"tensor_parallel": 2}, {"data_parallel": 2, "expert_parallel": 2}], ids=["tp2", "dp2-ep2"]
+    "layout",
+    [
+        {"tensor_parallel": 2},
+        {"data_parallel": 2, "expert_parallel": 2},
+        {"tensor_parallel": 2, "data_parallel": 2, "expert_parallel": 2},
+    ],
+    ids=["tp2", "dp2-ep2", "tp2-dp2-ep2"],
 )
 def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
     checkpoint: Path, tmp_path: Path, layout: dict
 ) -> None:
     """TP=2: each rank holds half of the heads, output groups, indexer heads, expert columns and vocabulary; DP=2 x
-    EP=2: each rank two of the four experts. The logits are transformers', and the export names every tensor once,
+    EP=2: each rank two of the four experts; TP=2 x DP=2 x EP=2 (four ranks): both. The logits are transformers', and the export names every tensor once,
     bitwise the checkpoint's (gathered shards, every expert under its global index)."""
     reference = TransformersCausalLM.from_pretrained(checkpoint)
     with torch.no_grad():
@@ -191,8 +197,13 @@ def assert_same_step(initial: dict, reference: dict, actual: dict) -> None:
 
 @pytest.mark.parametrize(
     "layout",
-    [{}, {"tensor_parallel": 2}, {"data_parallel": 2, "expert_parallel": 2}],
-    ids=["tp1", "tp2", "dp2-ep2"],
+    [
+        {},
+        {"tensor_parallel": 2},
+        {"data_parallel": 2, "expert_parallel": 2},
+        {"tensor_parallel": 2, "data_parallel": 2, "expert_parallel": 2},
+    ],
+    ids=["tp1", "tp2", "dp2-ep2", "tp2-dp2-ep2"],
 )
 def test_one_megatron_step_equals_the_torch_trainers(checkpoint: Path, torch_step, tmp_path: Path, layout) -> None:
     """Loss, KL, entropy and the clipped global gradient norm as the torch trainer's with transformers' model; every

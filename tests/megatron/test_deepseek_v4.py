@@ -147,8 +147,9 @@ def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
     checkpoint: Path, tmp_path: Path, layout: dict
 ) -> None:
     """TP=2: each rank holds half of the heads, output groups, indexer heads, expert columns and vocabulary; DP=2 x
-    EP=2: each rank two of the four experts; TP=2 x DP=2 x EP=2 (four ranks): both. The logits are transformers', and the export names every tensor once,
-    bitwise the checkpoint's (gathered shards, every expert under its global index)."""
+    EP=2: each rank two of the four experts; TP=2 x DP=2 x EP=2 (four ranks): both. The logits are transformers', and
+    the export names every tensor once, bitwise the checkpoint's (gathered shards, every expert under its global
+    index)."""
     reference = TransformersCausalLM.from_pretrained(checkpoint)
     with torch.no_grad():
         expected = reference(input_ids())

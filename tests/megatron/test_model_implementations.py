@@ -96,10 +96,10 @@ def test_dsv4_impl_is_an_explicit_error_listing_what_is_installed(registries) ->
     assert "deepseek_v4/miles" in message and "*/transformers" in message
     result = run_miles("config", "show", "--dsv4-impl", "megatron")
     assert result.returncode != 0 and "installed for deepseek_v4: miles, transformers;" in result.stderr
-    for impl in ("miles", "transformers"):
-        result = run_miles("config", "show", "--json", "--dsv4-impl", impl)
+    for flags in (["--dsv4-impl", "miles"], ["--dsv4-impl", "transformers"], ["--model-impl", "deepseek_v4=miles"]):
+        result = run_miles("config", "show", "--json", *flags)
         assert result.returncode == 0, result.stderr[-2000:]
-        assert json.loads(result.stdout)["model"]["implementations"] == {"deepseek_v4": impl}
+        assert json.loads(result.stdout)["model"]["implementations"] == {"deepseek_v4": flags[1].split("=")[-1]}
 
 
 @pytest.mark.parametrize(

@@ -171,7 +171,7 @@ def test_miles_plugins_lists_transformers_for_any_family() -> None:
     result = run_miles("plugins")
     assert result.returncode == 0, result.stderr
     core = next(row for row in result.stdout.splitlines() if row.startswith("core "))
-    assert "model_implementations: transformers: any family transformers can load;" in core
+    assert "model_implementations: transformers: any family transformers can load, deepseek_v4/transformers;" in core
 
 
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))

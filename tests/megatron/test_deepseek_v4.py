@@ -16,6 +16,7 @@ that rounding, which random weights make vanishingly unlikely.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -288,3 +289,23 @@ def test_configs_it_does_not_support_are_refused(overrides: dict, message: str) 
     layout = Layout(tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, dtype=torch.float32)
     with pytest.raises(MilesError, match=message):
         check_deepseek_v4(tiny_deepseek_v4_config(**overrides), layout=layout)
+
+
+@pytest.mark.parametrize("damage", ["missing", "unexpected", "misshapen"])
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(one_rank, checkpoint: Path, damage: str) -> None:
+    from miles_plugins_megatron.deepseek_v4 import build_deepseek_v4, load_hf_state
+
+    from miles_core.testkit.tiny_models import tiny_deepseek_v4_config
+
+    state = load_file(str(checkpoint / "model.safetensors"))
+    name = "model.layers.1.attn.indexer.wq_b.weight"
+    if damage == "missing":
+        del state[name]
+    elif damage == "unexpected":
+        state["model.layers.1.attn.wq_c.weight"] = state[name]
+    else:
+        state[name] = state[name][:-1]
+    model = build_deepseek_v4(tiny_deepseek_v4_config())
+    shown = {"missing": f"missing ['{name}']", "unexpected": "unexpected ['model.layers.1.attn.wq_c.weight']"}
+    with pytest.raises(MilesError, match=re.escape(shown.get(damage, f"{name} has shape (15, 32)"))):
+        load_hf_state(model, state, source="the damaged checkpoint")

@@ -1,10 +1,14 @@
-"""Weight updates sent by the Megatron trainer's ranks against today's path through the driver, per protocol, in one
-run: GB/s of each, and the driver's peak memory growth during the update as a fraction of the model's size.
+"""Weight updates sent by the Megatron trainer's ranks against the path through the driver, per protocol, in one
+run: GB/s of each, the ratio to a memory copy of the same bytes, and the driver's peak memory growth during the
+update as a fraction of the model's size.
 
 Usage: ``python benchmarks/weight_plane.py [--hidden 2048] [--layers 3] [--tensor-parallel 2] [--repeats 3]
-[--protocols disk,tensor]``. The model is a Llama saved on the spot (the defaults: about 1 GiB of float32
-weights, as ``benchmarks/weight_transfer.py``'s); the trainer's ranks are local worker processes at TP=2, the engine
-one local engine server. For each protocol, alternately:
+[--protocols disk,tensor,broadcast,rdt] [--two-raylets] [--ucx-tcp]``. The model is a Llama saved on the spot (the
+defaults: about 1 GiB of float32 weights, as ``benchmarks/weight_transfer.py``'s); the trainer's ranks (TP=2) and
+one local engine server are workers of the Ray provider (``rdt`` needs Ray actors on both sides). With
+``--two-raylets`` they run on two Ray nodes of their own on this machine (``ray.cluster_utils.Cluster``, as
+``tests/workers/test_ray_cluster.py``): the ranks on one, the engine on the other, so every byte crosses raylets;
+``--ucx-tcp`` also holds NIXL's UCX to TCP, as between two machines without RDMA. For each protocol, alternately:
 
 - **driver**: the ranks gather the weights into rank 0's export, the driver reads it back
   (``MegatronTrainer.weight_iterator``) and the protocol sends its buckets (``transfer``);
@@ -12,13 +16,17 @@ one local engine server. For each protocol, alternately:
 
 Each update is timed from the request to the engine's version, export included (the medians of ``--repeats`` after
 one warm-up each); the driver's resident memory is sampled every 2 ms during it, and its peak above the level before
-the update is reported against the model's bytes (the issue's aim for the ranks' path: under 10 %).
+the update is reported against the model's bytes (the issue's aim for the ranks' path: under 10 %). The memory copy
+is the median of ``--repeats`` copies of the model's tensors into tensors allocated (and touched) once, measured
+before the protocols.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -28,23 +36,26 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import ray
 import transformers
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.trainer import MegatronTrainer
+from weight_transfer import memcpy_rate  # the baseline of benchmarks/weight_transfer.py
 
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.local_provider import LocalWorkerProvider
-from miles_core.workers.specs import CommandWorkerSpec
+from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address
+from miles_core.workers.specs import ENGINE, TRAINER, CommandWorkerSpec
 
 TOKEN = "bench-plane"
 BUCKET_BYTES = 256 << 20
 
 
-def save_model(path: Path, *, hidden: int, layers: int) -> int:
-    """A Llama of ``layers`` layers of ``hidden`` (32000-token vocabulary, untied); its bytes."""
+def save_model(path: Path, *, hidden: int, layers: int, repeats: int) -> tuple[int, float]:
+    """A Llama of ``layers`` layers of ``hidden`` (32000-token vocabulary, untied); its bytes and the GB/s of a
+    memory copy of its tensors (median of ``repeats``)."""
     config = transformers.LlamaConfig(
         vocab_size=32000,
         hidden_size=hidden,
@@ -56,7 +67,7 @@ def save_model(path: Path, *, hidden: int, layers: int) -> int:
     )
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()), memcpy_rate(model, repeats)
 
 
 class PeakMemory:
@@ -104,21 +115,47 @@ async def one_update(protocol: Any, trainer: MegatronTrainer, path: str, version
 def engine_spec(model: Path) -> CommandWorkerSpec:
     argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
     argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}"]
-    return CommandWorkerSpec(name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health")
+    return CommandWorkerSpec(
+        name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health", role=ENGINE
+    )
 
 
-async def bench(args: argparse.Namespace, tmp: Path) -> None:
-    nbytes = save_model(tmp / "model", hidden=args.hidden, layers=args.layers)
-    print(f"model: Llama, {nbytes / 2**30:.2f} GiB of float32 weights; TP={args.tensor_parallel} ranks, one engine")
-    provider = LocalWorkerProvider(token=TOKEN, run_dir=tmp / "run")
+@contextlib.contextmanager
+def ray_nodes(two_raylets: bool):
+    """A local Ray (one node), or a head and two worker nodes on 127.0.0.1 that offer ``trainer_node`` and
+    ``engine_node``; the role resources that pin the ranks and the engine to them."""
+    if not two_raylets:
+        yield None, {}
+        return
+    from ray.cluster_utils import Cluster
+
+    with loopback_node_address():
+        cluster = Cluster(initialize_head=True, head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 2})
+        for resource in ("trainer_node", "engine_node"):
+            cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, resources={resource: 4})
+    try:
+        cluster.wait_for_nodes()
+        yield cluster.address, {TRAINER: {"trainer_node": 1.0}, ENGINE: {"engine_node": 1.0}}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+async def bench(args: argparse.Namespace, tmp: Path, address: str | None, pins: dict) -> None:
+    nbytes, memcpy = save_model(tmp / "model", hidden=args.hidden, layers=args.layers, repeats=args.repeats)
+    where = "ranks and engine on two raylets" if pins else "one Ray node"
+    print(f"model: Llama, {nbytes / 2**30:.2f} GiB of float32 weights; TP={args.tensor_parallel} ranks, one engine; "
+          f"{where}{'; UCX over TCP only' if args.ucx_tcp else ''}; memcpy {memcpy:.2f} GB/s", flush=True)  # fmt: skip
+    provider = RayWorkerProvider(token=TOKEN, run_dir=tmp / "run", address=address, role_resources=pins)
     engine = await provider.start(engine_spec(tmp / "model"))
     endpoint = EngineEndpoint(name=engine.name, url=engine.url, admin_key=TOKEN)
-    layout = MegatronSection(tensor_parallel=args.tensor_parallel)
+    layout = MegatronSection(tensor_parallel=args.tensor_parallel, cpus_per_rank=0.5)
     registries = MilesPluginManager.load().registries
     rows = []
     with MegatronTrainer.launch(
         tmp / "model", train=TrainSection(), layout=layout, seed=0, provider_factory=lambda: provider
     ) as trainer:
+        print(f"ranks: {trainer.ranks.describe()}; engine: {provider.workers[engine.name].describe()}", flush=True)
         for name in args.protocols.split(","):
             settings = {"work_dir": str(tmp / "disk")} if name == "disk" else {}
             protocol = registries.weight_transfer_protocols.get_or_raise(name).load()(**settings)
@@ -134,15 +171,24 @@ async def bench(args: argparse.Namespace, tmp: Path) -> None:
                 seconds = statistics.median(s for s, _ in results[1:])
                 growth = max(g for _, g in results[1:])
                 rows.append((name, path, seconds, growth))
+                print(f"{name} by {path}: {nbytes / seconds / 1e9:.2f} GB/s", flush=True)
             await protocol.close()
     await provider.shutdown()
-    print(f"{'protocol':<8} {'sent by':<8} {'seconds':>8} {'GB/s':>7} {'driver peak growth':>19} {'/ model':>8}")
+    report(rows, nbytes, memcpy, args.protocols.split(","))
+
+
+def report(rows: list[tuple[str, str, float, int]], nbytes: int, memcpy: float, protocols: list[str]) -> None:
+    print(
+        f"{'protocol':<9} {'sent by':<8} {'seconds':>8} {'GB/s':>7} {'/ memcpy':>9} {'driver peak growth':>19} "
+        f"{'/ model':>8}"
+    )
     for name, path, seconds, growth in rows:
+        rate = nbytes / seconds / 1e9
         print(
-            f"{name:<8} {path:<8} {seconds:8.2f} {nbytes / seconds / 1e9:7.2f} {growth / 2**20:15.0f} MiB "
+            f"{name:<9} {path:<8} {seconds:8.2f} {rate:7.2f} {rate / memcpy:9.3f} {growth / 2**20:15.0f} MiB "
             f"{growth / nbytes:8.1%}"
         )
-    for name in args.protocols.split(","):
+    for name in protocols:
         driver, ranks = (next(r for r in rows if r[:2] == (name, path)) for path in ("driver", "ranks"))
         print(
             f"ratio {name}: ranks GB/s / driver GB/s = {driver[2] / ranks[2]:.2f}x; driver peak growth "
@@ -156,10 +202,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--tensor-parallel", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--protocols", default="disk,tensor")
+    parser.add_argument("--protocols", default="disk,tensor,broadcast,rdt")
+    parser.add_argument("--two-raylets", action="store_true", help="ranks and engine on two Ray nodes of their own")
+    parser.add_argument("--ucx-tcp", action="store_true", help="NIXL's UCX over TCP only, as between machines")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(bench(args, Path(tmp)))
+    if args.ucx_tcp:  # before any NIXL agent exists, here or in the Ray workers started below
+        os.environ["UCX_TLS"] = "tcp"
+    with tempfile.TemporaryDirectory() as tmp, ray_nodes(args.two_raylets) as (address, pins):
+        asyncio.run(bench(args, Path(tmp), address, pins))
 
 
 if __name__ == "__main__":

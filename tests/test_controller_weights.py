@@ -21,6 +21,7 @@ from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.controller import InferenceController, RecordedWeights
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.holders import InProcessHolders
 from miles_core.workers.local_provider import LocalWorkerProvider
 
 BUCKET_BYTES = 64 << 10
@@ -107,6 +108,51 @@ def test_a_protocol_that_stops_taking_buckets_fails_the_update(tmp_path: Path) -
             with pytest.raises(MilesError, match=expected):
                 await controller.update_weights(source, version=1)
             assert controller.version == 0 and controller.published == []
+        finally:
+            await controller.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_engines_republish_and_an_update_take_turns(tmp_path: Path) -> None:
+    """An update that starts while a restarted engine is being given the published version waits for it: their
+    protocol calls (holder tasks on the same ranks, requests to the same engines) would otherwise interleave."""
+    model = save_tiny_llama(tmp_path / "model")
+    manager = MilesPluginManager.load()
+    controller = controller_for(
+        manager, build_config(manager, overrides={"weight_transfer.mode": "tensor"}), model, tmp_path
+    )
+    protocol, events = controller.protocol, []
+    weights = perturbed_state(transformers.AutoModelForCausalLM.from_pretrained(model), seed=7)
+    holders = InProcessHolders(lambda: iter(weights.items()))
+    real_republish, real_transfer = protocol.republish, protocol.transfer_from_holders
+
+    async def slow_republish(version):
+        events.append(f"republish v{version}")
+        await asyncio.sleep(0.5)  # the update below starts meanwhile
+        await real_republish(version)
+        events.append("republished")
+
+    async def recorded_transfer(holders, *, version, checksum=False):
+        events.append(f"transfer v{version}")
+        report = await real_transfer(holders, version=version, checksum=checksum)
+        events.append("transferred")
+        return report
+
+    protocol.republish, protocol.transfer_from_holders = slow_republish, recorded_transfer
+
+    async def scenario() -> None:
+        try:
+            await controller.start()
+            await controller.update_weights(CountedSource(weights), version=1, holders=holders)
+            events.clear()
+            cell = next(iter(controller.cells.cells.values()))
+            bringing_back = asyncio.ensure_future(controller._bring_back(cell))
+            await asyncio.sleep(0.1)
+            await controller.update_weights(CountedSource(weights), version=2, holders=holders)
+            await bringing_back
+            assert events == ["republish v1", "republished", "transfer v2", "transferred"]
+            assert {e.weight_version for e in controller.describe_engines()} == {2}
         finally:
             await controller.stop()
 

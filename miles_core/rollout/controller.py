@@ -17,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import httpx
 import torch
 
 from miles_core.engines.backend import EngineBackend
@@ -90,6 +91,7 @@ class InferenceController:
         self.version = 0
         self.published: NamedTensors = []  # a CPU copy of the last published weights, for restarted engines
         self.published_by_holders = False  # the last version was sent by the trainer's holders: no copy here
+        self._weights_lock = asyncio.Lock()  # one use of the protocol at a time: an update, or a restarted engine's
         self._updating = False
         self._generation_held = False  # inside _generation_paused: the engines produce nothing until it ends
         # fully_async (and --rollout-partial): generation runs through every update; the rollout sends cut requests
@@ -214,16 +216,24 @@ class InferenceController:
         update's own retry does that)."""
         self._refresh_clients()
         await self.clients[cell.cell_id].flush_cache()
-        if self.published_by_holders and not self._updating:
+        # An update in progress re-syncs every engine itself (holding the lock); one that starts meanwhile waits for
+        # the lock, since its protocol calls would interleave with these (the ranks and engines take them in turn).
+        if not self._updating:
+            async with self._weights_lock:
+                await self._republish()
+        self.hooks.register_engines(engines=self.describe_engines())
+
+    async def _republish(self) -> None:
+        """Every engine (a restarted one among them) given the published version again."""
+        if self.published_by_holders:
             await self._connect(force=True)
             await self.protocol.republish(self.version)
-        elif self.published and not self._updating:
+        elif self.published:
             published = self.published
             await self._connect(force=True)
             await self.protocol.transfer(
                 bucketize(published, self.config.weight_transfer.bucket_size_mb << 20), version=self.version
             )
-        self.hooks.register_engines(engines=self.describe_engines())
 
     # -- weights ----------------------------------------------------------------------------------------------
 
@@ -234,10 +244,13 @@ class InferenceController:
         sends from them (:class:`SendsFromHolders`), the holders send and the driver only coordinates, keeping no
         copy; otherwise the driver reads ``weights()`` once (again only to retry a failed transfer) and keeps a copy
         for engines that restart."""
-        from_holders = holders is not None and isinstance(self.protocol, SendsFromHolders)
+        from_holders = (
+            holders is not None and isinstance(self.protocol, SendsFromHolders) and self.protocol.sends_from_holders()
+        )
         self._updating = True
         try:
-            report, published = await self._update(weights if not from_holders else holders, version, from_holders)
+            async with self._weights_lock:
+                report, published = await self._update(weights if not from_holders else holders, version, from_holders)
         finally:
             self._updating = False
         self.published, self.published_by_holders = published, from_holders
@@ -301,7 +314,7 @@ class InferenceController:
             try:
                 await self._connect(force=attempt > 1)
                 return await send()
-            except (EngineError, MilesError, OSError) as exc:
+            except (EngineError, MilesError, OSError, httpx.TransportError) as exc:  # an engine that died, say
                 if attempt == attempts:
                     raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
                 logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)

@@ -235,8 +235,11 @@ class ProtocolContract:
         """For a protocol that sends from the trainer's holders: three holders' shares make exactly the trainer's
         weights on every engine, the report's checksum (combined from the holders' digests) is the engines', and
         after an engine restarts, :meth:`republish` brings it back to that version."""
-        if not issubclass(type(self.make_protocol()), SendsFromHolders):
+        protocol = self.make_protocol()
+        if not isinstance(protocol, SendsFromHolders):
             pytest.skip(f"{self.protocol_name} sends from the driver only (it is not a SendsFromHolders protocol)")
+        if not protocol.sends_from_holders():
+            pytest.skip(f"{self.protocol_name} with {self.protocol_settings} sends from the driver only")
 
         async def scenario() -> None:
             protocol = self.make_protocol()
@@ -251,6 +254,11 @@ class ProtocolContract:
                 assert report.checksum == expected and report.version == 401
                 assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in named)
                 assert await self.served(contract_engines) == [("401", expected)] * contract_engines.count
+                model = self.trainer_model(contract_engines, 7)  # the next step's weights, in the holders a trainer
+                report = await protocol.transfer_from_holders(SplitHolders(model), version=402, checksum=True)
+                expected = checksum(ModuleHfWeightIterator(model, bucket_bytes=1).named_tensors())  # hands out anew
+                assert report.checksum == expected
+                assert await self.served(contract_engines) == [("402", expected)] * contract_engines.count
                 victim = contract_engines.infos[-1].name
                 await contract_engines.provider.kill(victim)
                 for _ in range(100):
@@ -258,10 +266,10 @@ class ProtocolContract:
                         break
                     await asyncio.sleep(0.1)
                 await contract_engines.restart_dead()
-                assert (await self.served(contract_engines))[-1] != ("401", expected)  # back with its checkpoint
+                assert (await self.served(contract_engines))[-1] != ("402", expected)  # back with its checkpoint
                 await protocol.connect(contract_engines.endpoints())
-                await protocol.republish(401)
-                assert await self.served(contract_engines) == [("401", expected)] * contract_engines.count
+                await protocol.republish(402)
+                assert await self.served(contract_engines) == [("402", expected)] * contract_engines.count
             finally:
                 await protocol.close()
 

@@ -61,6 +61,42 @@ def run_holder_task(task: str, share: NamedTensorShare, *, holder: int, holders:
     return result
 
 
+class HolderTaskError(MilesError):
+    """A holder task that failed in one or more holders (the protocol's failure: the holders live on)."""
+
+
+def run_holder_task_safely(
+    task: str, share: NamedTensorShare, *, holder: int, holders: int, **kwargs: Any
+) -> dict[str, Any]:
+    """:func:`run_holder_task` for holders that must go on together (ranks that meet in collectives while they
+    iterate): a failure comes back as ``{"holder_error": message}`` instead of raising, after the rest of the
+    share was iterated if the task had started on it (so that the other holders' collectives complete).
+    :func:`raise_holder_errors` turns it into the driver's error."""
+    started = False
+
+    def watched() -> NamedTensorShare:
+        nonlocal started
+        started = True
+        yield from share
+
+    iterator = watched()
+    try:
+        return run_holder_task(task, iterator, holder=holder, holders=holders, **kwargs)
+    except Exception as exc:  # reported to the driver, which raises it
+        if started:
+            for _ in iterator:
+                pass
+        return {"holder_error": f"{type(exc).__name__}: {exc}"}
+
+
+def raise_holder_errors(task: str, results: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """``results`` when no holder failed, else a :class:`HolderTaskError` naming each holder that did."""
+    failed = [f"{names[index]}: {r['holder_error']}" for index, r in enumerate(results) if "holder_error" in r]
+    if failed:
+        raise HolderTaskError(f"holder task {task} failed in {len(failed)} holder(s): {'; '.join(failed)}")
+    return results
+
+
 def round_robin_share(tensors: NamedTensorShare, *, holder: int, holders: int) -> NamedTensorShare:
     """Holder ``holder``'s share of tensors that every holder sees in the same order: every ``holders``-th one.
     The whole iterable is consumed (each holder keeps iterating through the others' tensors)."""

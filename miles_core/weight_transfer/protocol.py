@@ -91,6 +91,11 @@ class SendsFromHolders(abc.ABC):
         carries the checksum of the weights sent (:func:`~miles_core.engines.weights.combine_digests` of digests the
         holders compute)."""
 
+    def sends_from_holders(self) -> bool:
+        """Whether this protocol, as configured, sends from the holders (the default). One that cannot with some of
+        its settings answers ``False`` there, and the controller gives it the driver's buckets instead."""
+        return True
+
     @abc.abstractmethod
     async def republish(self, version: int) -> None:
         """Load the published ``version`` into every connected engine again (after one restarted)."""

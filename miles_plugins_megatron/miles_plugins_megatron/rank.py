@@ -440,13 +440,14 @@ class MegatronRank:
     @rpc_method(group="train")
     def run_weight_task(self, task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Run a weight-transfer protocol's holder task on this rank's share of the HF tensors (every rank at once:
-        they gather each tensor together, and each keeps every world-size-th one)."""
-        from miles_core.weight_transfer.holders import round_robin_share, run_holder_task
+        they gather each tensor together, and each keeps every world-size-th one). A failing task (an engine that
+        died, say) comes back as ``holder_error``: the protocol fails, the ranks live on."""
+        from miles_core.weight_transfer.holders import round_robin_share, run_holder_task_safely
         from miles_plugins_megatron.weight_iterator import hf_weight_iterator
 
         tensors = hf_weight_iterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors()
         share = round_robin_share(tensors, holder=self.rank, holders=self.world_size)
-        return run_holder_task(task, share, holder=self.rank, holders=self.world_size, **kwargs)
+        return run_holder_task_safely(task, share, holder=self.rank, holders=self.world_size, **kwargs)
 
     @rpc_method(group="train")
     def save_optimizer(self, directory: str) -> str:

@@ -28,6 +28,7 @@ from miles_core.models.hf_checkpoint import copy_tokenizer_files
 from miles_core.models.selection import DSV4_FAMILY
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core.weight_transfer.holders import raise_holder_errors
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.process import free_ports
 from miles_core.workers.specs import TRAINER, PythonWorkerSpec
@@ -263,7 +264,7 @@ class MegatronWeightHolders:
         return list(self.ranks.names)
 
     def run_task(self, task: str, **kwargs: Any) -> list[dict[str, Any]]:
-        return self.ranks.call("run_weight_task", task, kwargs)
+        return raise_holder_errors(task, self.ranks.call("run_weight_task", task, kwargs), self.describe())
 
 
 class _ExportedWeights(HfWeightIterator):

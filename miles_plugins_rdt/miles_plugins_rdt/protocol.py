@@ -19,9 +19,13 @@ the trainer ask each engine to switch its weights to the new bucket and take the
 transfer that fails before that leaves every engine serving the old version, whole. A failure during the switch
 replaces every receiver (new buckets), so no engine's served bucket is ever written.
 
-The trainer side is the process that holds the trainer's HF weights (the driver: the torch trainer itself, or the
-reader of the Megatron ranks' export), which is one sending rank; :func:`~miles_plugins_rdt.staging.plan_routes`
-spreads engines over however many sending ranks there are.
+Where the sending side runs: with the trainer's holders (:meth:`RdtProtocol.transfer_from_holders`; the Megatron
+ranks, or the driver for the torch trainer), each holder keeps its share in a registered send buffer of its own and
+every engine's receive lanes read each holder's share P2P into its place in the staging bucket
+(:mod:`miles_plugins_rdt.holders`): nothing passes through the driver, which places the shares, switches the
+engines and publishes. The receivers are named Ray actors, so that the holders (Ray actors themselves under the Ray
+worker provider) can call them. :meth:`RdtProtocol.transfer` sends an iterator's buckets from the driver instead
+(also the path of the ``gloo`` transport, whose collective group has one sender: it does not send from holders).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,15 +45,25 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from miles_core.engines.staging_layout import StagingLayout
+from miles_core.engines.weights import combine_digests
 from miles_core.errors import MilesError
+from miles_core.weight_transfer.holders import WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket
+from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, TransferReport, WeightBucket
+from miles_plugins_rdt import holders as holder_side
 from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.ray_serializer import pickle_tensors_by_reference
 from miles_plugins_rdt.receiver import StagingReceiver
 from miles_plugins_rdt.sender import GlooSender, new_send_bucket
-from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
+from miles_plugins_rdt.staging import (
+    align_up,
+    bucket_layout,
+    byte_range,
+    in_waves,
+    plan_routes,
+    split_into_lanes,
+)
 
 TRANSPORTS = ("nixl", "gloo")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -69,7 +84,7 @@ class RdtTransferError(MilesError):
     """A transfer that did not reach every engine rank; no engine was given the new version."""
 
 
-class RdtProtocol(HttpEngineProtocol):
+class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "rdt"
 
     def __init__(
@@ -104,6 +119,9 @@ class RdtProtocol(HttpEngineProtocol):
         self._registrations = 0  # counts the changes to the registered memory: an RDT object carries a snapshot of it
         self._standing: dict[tuple, StandingObject] = {}  # the last transfer's NIXL objects, by the bytes they send
         self._dropped: list[StandingObject] = []  # objects no transfer hands out again, until Ray has freed them
+        self.key = uuid.uuid4().hex[:8]  # names the receivers' actors and the holders' kept shares
+        self.lane_names: dict[str, list[str]] = {}  # engine name -> its receive lanes' actor names
+        self._kept: tuple[WeightHolders, int, list[StagingLayout]] | None = None  # the holders' last version
 
     # -- connect --------------------------------------------------------------------------------------------
 
@@ -131,8 +149,12 @@ class RdtProtocol(HttpEngineProtocol):
             await self._form_gloo_group()
 
     def _start_receiver(self, endpoint: EngineEndpoint, paths: list[str] | None = None) -> Any:
+        """A receive lane of ``endpoint`` on its node, as a named actor (holders look it up by its name)."""
+        name = f"miles-rdt-{self.key}-{uuid.uuid4().hex[:12]}"
+        self.lane_names.setdefault(endpoint.name, []).append(name)
         return StagingReceiver.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=_node_of(endpoint.url), soft=False)
+            name=name,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=_node_of(endpoint.url), soft=False),
         ).remote(
             engine_name=endpoint.name,
             engine_url=endpoint.url,
@@ -178,7 +200,7 @@ class RdtProtocol(HttpEngineProtocol):
 
     # -- transfer -------------------------------------------------------------------------------------------
 
-    async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+    def _check_receivers(self) -> None:
         if not self.receivers:
             raise MilesError("rdt: call connect() before transfer()")
         lost = [engine.name for engine in self.engines if engine.name not in self.receivers]
@@ -187,6 +209,9 @@ class RdtProtocol(HttpEngineProtocol):
                 f"rdt: engines {', '.join(lost)} lost their receivers in a failed transfer; call "
                 f"connect() again before transfer()"
             )
+
+    async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
+        self._check_receivers()
         started = time.perf_counter()
         if self.transport == "nixl":
             pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
@@ -216,6 +241,74 @@ class RdtProtocol(HttpEngineProtocol):
         self._stand(objects)
         self._keep_registered(sent, earlier)
         return self.report(version=version, num_bytes=sum(entry.nbytes for entry in layout.tensors), started=started)
+
+    # -- from the holders -----------------------------------------------------------------------------------
+
+    def sends_from_holders(self) -> bool:
+        """Over NIXL, yes; ``gloo``'s collective group has the driver's one sender."""
+        return self.transport == "nixl"
+
+    async def transfer_from_holders(
+        self, holders: WeightHolders, *, version: int, checksum: bool = False
+    ) -> TransferReport:
+        """Every holder copies its share into its registered send buffer (:func:`~miles_plugins_rdt.holders.
+        keep_share`), then every engine's lanes read each holder's share into its place in the staging bucket
+        (:func:`~miles_plugins_rdt.holders.send_kept`); the driver switches the engines to it as ``version``."""
+        self._check_receivers()
+        started = time.perf_counter()
+        results = await asyncio.to_thread(
+            holders.run_task, f"{holder_side.__name__}:keep_share", key=self.key, version=version, digests=checksum
+        )
+        digests = merged_digests(results)
+        self._kept = (holders, version, [StagingLayout.from_wire(result["layout"]) for result in results])
+        await self._send_kept()
+        report = self.report(version=version, num_bytes=sum(r["bytes"] for r in results), started=started)
+        return dataclasses.replace(report, checksum=combine_digests(digests) if checksum else None)
+
+    async def republish(self, version: int) -> None:
+        """The holders' kept shares of ``version`` are read again by every engine, which switches to them."""
+        if self._kept is None or self._kept[1] != version:
+            raise MilesError(f"rdt: version {version} was not sent by the trainer's holders, nothing to resend")
+        self._check_receivers()
+        await self._send_kept()
+
+    async def _send_kept(self) -> None:
+        holders, version, layouts = self._kept
+        bases, layout = self._placed(layouts)
+        slot = self._next_slot
+        results = await asyncio.to_thread(
+            holders.run_task,
+            f"{holder_side.__name__}:send_kept",
+            key=self.key,
+            version=version,
+            bases=bases,
+            slot=slot,
+            lanes={name: self.lane_names[name] for name in self.receivers},
+            timeout_s=self.timeout_s,
+        )
+        failures = {engine: RuntimeError(why) for result in results for engine, why in result["failures"].items()}
+        if failures:  # no engine was switched: every one serves the bucket it served
+            for name in failures:
+                await self._drop_receiver(name)
+            raise self._transfer_error(failures)
+        await self._switch(layout, slot, version)
+        self._next_slot = 1 - slot
+
+    def _placed(self, layouts: list[StagingLayout]) -> tuple[list[int], StagingLayout]:
+        """Where each holder's share starts in the staging bucket (one after the other, 64-byte aligned) and the
+        whole version's layout there; a version larger than the bucket names the setting to raise."""
+        bases, tensors, end = [], [], 0
+        for layout in layouts:
+            base = align_up(end, 64)
+            bases.append(base)
+            tensors.extend(dataclasses.replace(entry, offset=base + entry.offset) for entry in layout.tensors)
+            end = base + layout.size
+        if end > self.capacity:
+            raise MilesError(
+                f"rdt: the trainer's weights need {end} bytes of staging, more than staging_bucket_mb = "
+                f"{self.capacity / (1 << 20):g} MiB gives; raise that setting to at least {-(-end // (1 << 20))}"
+            )
+        return bases, StagingLayout(tuple(tensors), size=end, alignment=1)
 
     async def _switch(self, layout: StagingLayout, slot: int, version: int) -> None:
         """Have every engine serve the tensors of its staging bucket ``slot`` (no copy) as ``version``, in one
@@ -383,6 +476,7 @@ class RdtProtocol(HttpEngineProtocol):
         /dev/shm)."""
         endpoint, lanes = self.receivers.pop(name)
         paths = self.staging_paths.pop(name, None)
+        self.lane_names.pop(name, None)
         # Every lane's close is awaited, even after one fails (a lane killed mid-transfer fails at once): a kill
         # before the first lane's close has run would leave its files.
         closes = asyncio.gather(*(_awaitable(lane.close.remote()) for lane in lanes), return_exceptions=True)
@@ -429,6 +523,8 @@ class RdtProtocol(HttpEngineProtocol):
             await self._drop_all_receivers()
             self._stand({})
             self._keep_registered([], set())
+            holder_side.forget(self.key)  # the driver's own kept share (the torch trainer's holder)
+        self._kept = None
         await super().close()
 
 

@@ -21,6 +21,7 @@ from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.weight_transfer import disk
+from miles_core.weight_transfer.holders import HolderTaskError
 from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.numerics import assert_same_sgd_step, assert_within_first_adam_step
 
@@ -184,7 +185,11 @@ def test_tp2_export_loads_into_transformers_with_equal_logits(tmp_path: Path, mo
         megatron_logits = trainer.logits(input_ids)
         exported = hf_weights(trainer)
         saved = trainer.save_checkpoint(tmp_path / "checkpoint")
-        (tmp_path / "shards").mkdir()
+        with pytest.raises(HolderTaskError) as failed:  # a holder task that fails is the protocol's failure ...
+            trainer.weight_holders().run_task(f"{disk.__name__}:write_shard", directory=str(tmp_path / "shards"))
+        assert "failed in 2 holder(s): megatron-rank0: " in str(failed.value)
+        assert "megatron-rank1: " in str(failed.value)
+        (tmp_path / "shards").mkdir()  # ... and the ranks live on: the same task now succeeds
         written = trainer.weight_holders().run_task(f"{disk.__name__}:write_shard", directory=str(tmp_path / "shards"))
     # the ranks as weight holders: each wrote a disjoint share whose union is the driver's export, with its digests
     shares = [load_file(str(tmp_path / "shards" / result["file"])) for result in written]

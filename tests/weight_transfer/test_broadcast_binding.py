@@ -116,12 +116,12 @@ def test_the_protocol_with_a_real_engine_listens_on_loopback_only(tmp_path: Path
         protocol = BroadcastProtocol(backend="gloo", timeout_s=60)
         try:
             await protocol.connect([EngineEndpoint(name=info.name, url=info.url, admin_key=ADMIN)])
+            state = {"model.norm.weight": torch.full((64,), 0.5)}
+            await protocol.transfer([list(state.items())], version=1)  # forms the group, which stays up
             opened = {
                 "trainer": listening(psutil.Process().pid) - trainer_before,
                 "engine": listening(engine_pid) - engine_before,
             }
-            state = {"model.norm.weight": torch.full((64,), 0.5)}
-            await protocol.transfer([list(state.items())], version=1)
             async with EngineClient(info.url, admin_key=ADMIN) as client:
                 assert await client.weight_version() == "1"  # the group carried the weights
             return opened

@@ -9,8 +9,10 @@ The cluster uses token authentication, as Ray 2.60 sets up a new local cluster: 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,11 +33,15 @@ from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address, placement_order
 from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
 from tests.conftest import run_miles
+from tests.test_train_moe import LEARNING_FLAGS, LEARNING_MARGIN, save_echo_last_moe
 from tests.workers.test_ray_provider import echo_spec
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "cluster-token"
+UCX_TCP_ONLY = {"UCX_TLS": "tcp"}
+"""For the raylets' workers and the drivers that join: ``rdt`` moves weights between raylets over TCP, not the
+cross-memory attach or shared memory that UCX would pick between processes of one machine."""
 PINS = {TRAINER: {"trainer_node": 1.0}, ENGINE: {"engine_node": 1.0}, ROUTER: {"engine_node": 0.5}}
 
 
@@ -55,7 +61,8 @@ def cluster() -> Iterator[TwoNodes]:
     enable_token_auth_by_default()  # what ray.init does for a new local cluster: RAY_AUTH_MODE=token ...
     ensure_token_if_auth_enabled({}, create_token_if_missing=True)  # ... and a token in ~/.ray/auth_token
     previous = read_ray_address()
-    with loopback_node_address():  # every node's address (and so its ports) on 127.0.0.1
+    # NIXL's UCX over TCP only, as between two machines without RDMA: the raylets' workers take this environment
+    with loopback_node_address(), _environment(UCX_TCP_ONLY):  # every node's address (and ports) on 127.0.0.1
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"node_ip_address": "127.0.0.1", "num_cpus": 2, "include_dashboard": False},
@@ -68,6 +75,21 @@ def cluster() -> Iterator[TwoNodes]:
         yield TwoNodes(cluster.address, cluster.head_node.node_id, trainer.node_id, engine.node_id)
     finally:
         cluster.shutdown()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment for the body (the raylets started there inherit them)."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _restore_address_file(previous: str | None, *, written: str) -> None:
@@ -286,15 +308,15 @@ def test_each_protocol_moves_the_weights_to_engines_on_another_node(
     cluster: TwoNodes, tmp_path: Path, mode: str
 ) -> None:
     """The torch trainer in the driver (on the head node) and two engines pinned to the engine node: every protocol
-    carries each step's weights across the raylets (``rdt``: NIXL between the driver and the engines' actors),
-    checksums verified on both engines."""
+    carries each step's weights across the raylets (``rdt``: NIXL over TCP between the driver and the engines'
+    actors), checksums verified on both engines."""
     steps = 2
     result = run_miles(
         *("train", "--output-dir", str(tmp_path), "--no-progress", "--run-worker-provider", "ray"),
         *("--run-ray-address", cluster.address, "--run-ray-engine-resources", "{engine_node: 1}"),
         *("--weight-transfer-mode", mode, "--weight-transfer-verify-checksum", "true", "--engine-num-engines", "2"),
         *("--num-steps", str(steps), "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"),
-        env={"RAY_AUTH_MODE": "token"},
+        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
         timeout_s=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -303,5 +325,70 @@ def test_each_protocol_moves_the_weights_to_engines_on_another_node(
     with open_for_reading(tmp_path / DB_NAME) as db:
         updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
         engines = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
+    assert [tuple(row) for row in updates] == [(version, 2, 1, mode) for version in range(1, steps + 1)]
+    assert [tuple(row) for row in engines] == [("engine-0", steps), ("engine-1", steps)]
+
+
+ENGINE_KILLER = """\
+import os
+import signal
+
+from miles_core import hookimpl
+
+CONTROLLER = None
+
+
+@hookimpl
+def prepare_rollout(rollout_id, controller):
+    global CONTROLLER
+    CONTROLLER = controller
+    if rollout_id == 3:  # engine-1, on the engine node, dies as a rollout starts
+        os.kill(controller.provider.workers["engine-1"].pid, signal.SIGKILL)
+
+
+@hookimpl
+def on_metrics(rollout_id, metrics):
+    restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
+    print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
+    print(f"DRIVER_COPY {len(CONTROLLER.published)} {CONTROLLER.published_by_holders}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["disk", "tensor", "broadcast", "rdt"])
+def test_megatron_ranks_send_over_each_protocol_across_nodes_learn_and_recover_a_killed_engine(
+    cluster: TwoNodes, tmp_path: Path, mode: str
+) -> None:
+    """Two Megatron ranks (TP=2) on the trainer node send every version themselves to two engines on the engine
+    node (the driver keeps no copy: ``published_by_holders``), checksums verified; engine-1 is killed as the third
+    rollout starts and comes back with the published version from the ranks (``republish``); the held-out reward
+    of the echo-last task rises. ``rdt`` reads the ranks' memory over NIXL with UCX held to TCP."""
+    model_dir, train_prompts, eval_prompts = save_echo_last_moe(tmp_path)
+    killer = tmp_path / "killer.py"
+    killer.write_text(ENGINE_KILLER)
+    run = tmp_path / "run"
+    result = run_miles(
+        *("train", "--trainer", "megatron", "--model", str(model_dir), "--output-dir", str(run)),
+        *("--prompts", str(train_prompts), "--rollout-eval-prompts", str(eval_prompts), *LEARNING_FLAGS),
+        *("--run-worker-provider", "ray", "--run-ray-address", cluster.address),
+        *("--run-ray-trainer-resources", json.dumps(PINS[TRAINER]), "--run-ray-engine-resources", "{engine_node: 1}"),
+        *("--megatron-tensor-parallel", "2", "--megatron-cpus-per-rank", "0.5", "--engine-num-engines", "2"),
+        *("--weight-transfer-mode", mode, "--plugin", str(killer)),
+        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
+        timeout_s=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for cell in ("engine-0", "engine-1"):
+        assert f"{cell} pid {_pid(result.stdout, cell)} node 127.0.0.1 (id {cluster.engine[:8]})" in result.stdout
+    restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
+    assert restarts[-1][1:] == ["0", "1"], restarts[-1]  # engine-1 was killed once and brought back
+    copies = {line for line in result.stdout.splitlines() if line.startswith("DRIVER_COPY")}
+    assert copies == {"DRIVER_COPY 0 True"}  # every version was sent by the ranks, none kept in the driver
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
+    assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
+    with open_for_reading(run / DB_NAME) as db:
+        updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
+        engines = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
+    steps = int(LEARNING_FLAGS[LEARNING_FLAGS.index("--num-steps") + 1])
     assert [tuple(row) for row in updates] == [(version, 2, 1, mode) for version in range(1, steps + 1)]
     assert [tuple(row) for row in engines] == [("engine-0", steps), ("engine-1", steps)]

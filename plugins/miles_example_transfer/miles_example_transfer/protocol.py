@@ -84,9 +84,12 @@ class ShardedDiskProtocol(WeightTransferProtocol):
     async def _load(self, engine: EngineEndpoint, version_dir: Path, version: int) -> None:
         payload: dict[str, Any] = {"model_path": str(version_dir), "weight_version": str(version)}
         async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            response = await client.post(
-                f"{engine.url}/update_weights_from_disk", json=payload, headers=engine.headers()
-            )
+            try:
+                response = await client.post(
+                    f"{engine.url}/update_weights_from_disk", json=payload, headers=engine.headers()
+                )
+            except httpx.TransportError as exc:  # the engine is down: a failed transfer, which the run retries
+                raise MilesError(f"engine {engine.name} ({engine.url}) did not take weights v{version}: {exc}") from exc
         body = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
         if response.status_code != 200 or not body.get("success", False):
             raise MilesError(

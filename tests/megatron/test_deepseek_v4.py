@@ -309,3 +309,18 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_tensor(one_rank, c
     shown = {"missing": f"missing ['{name}']", "unexpected": "unexpected ['model.layers.1.attn.wq_c.weight']"}
     with pytest.raises(MilesError, match=re.escape(shown.get(damage, f"{name} has shape (15, 32)"))):
         load_hf_state(model, state, source="the damaged checkpoint")
+
+
+@pytest.mark.parametrize("impl", ["transformers", "miles"])
+def test_dsv4_impl_chooses_what_the_torch_trainer_trains(one_rank, checkpoint: Path, tmp_path: Path, impl) -> None:
+    """``miles train --trainer torch --dsv4-impl NAME`` builds the trainer of that implementation (the model and its
+    KL reference), which sends the checkpoint's names and tensors to the engines."""
+    from miles_core.plugin_manager import MilesPluginManager
+    from tests.test_model_implementations import torch_trainer_for
+
+    flags = ("--dsv4-impl", impl, "--train-kl-coef", "0.05")
+    trainer = torch_trainer_for(MilesPluginManager.load(), checkpoint, tmp_path / "run", *flags)
+    assert trainer.implementation == f"deepseek_v4/{impl}" and trainer.reference is not None
+    sent = dict(name_and_tensor for bucket in trainer.weight_iterator(1 << 20) for name_and_tensor in bucket)
+    on_disk = load_file(str(checkpoint / "model.safetensors"))
+    assert sorted(sent) == sorted(on_disk) and all(torch.equal(sent[name], on_disk[name]) for name in on_disk)

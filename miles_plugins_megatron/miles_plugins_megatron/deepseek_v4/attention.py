@@ -182,9 +182,9 @@ class Attention(nn.Module):
 
     @staticmethod
     def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))[
-            :, None
-        ]
+        """``visible`` ``[B, S, K]`` as an additive attention bias ``[B, 1, S, K]``: 0 or -inf."""
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        return bias.masked_fill(~visible, float("-inf")).unsqueeze(1)
 
     def _attend(self, queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Softmax attention of ``queries`` ``[B, h, S, D]`` over ``kv`` ``[B, 1, K, D]`` (keys are values), with

@@ -188,9 +188,10 @@ class Attention(nn.Module):
 
     def _attend(self, queries: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Softmax attention of ``queries`` ``[B, h, S, D]`` over ``kv`` ``[B, 1, K, D]`` (keys are values), with
-        each head's sink as one more logit that takes probability but carries no value."""
+        each head's sink as one more logit that takes probability but carries no value (the softmax in the sinks'
+        float32 under bfloat16, as transformers computes it)."""
         logits = torch.matmul(queries, kv.transpose(2, 3)) * self.dim**-0.5 + bias
         sinks = self.attn_sink.reshape(1, -1, 1, 1).expand(queries.shape[0], -1, queries.shape[2], 1)
-        logits = torch.cat([logits, sinks.to(logits.dtype)], dim=-1)
+        logits = torch.cat([logits, sinks], dim=-1)
         probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
         return torch.matmul(probs.to(kv.dtype), kv)

@@ -12,9 +12,8 @@ from miles_plugins_megatron.deepseek_v4.attention import LAYER_KINDS
 from miles_plugins_megatron.deepseek_v4.moe import MLP_KINDS, SCORE_FUNCTIONS
 from miles_plugins_megatron.deepseek_v4.parallel import Layout
 
-DTYPES = (torch.float32,)
-"""The dtypes it computes in. transformers keeps DeepSeek-V4's norms, hyper-connections, sinks and router biases in
-float32 under bfloat16; this implementation does not yet, so it refuses bfloat16 rather than compute otherwise."""
+DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes it computes in (under bfloat16 the tensors transformers keeps in float32 stay float32 here too)."""
 
 
 def check_deepseek_v4(hf_config: Any, *, layout: Layout) -> None:
@@ -49,7 +48,7 @@ def _config_problems(hf_config: Any) -> list[str]:
 def _layout_problems(hf_config: Any, layout: Layout) -> list[str]:
     problems = []
     if layout.dtype not in DTYPES:
-        problems.append(f"dtype {layout.dtype} (supported: float32; use --megatron-dtype float32)")
+        problems.append(f"dtype {layout.dtype} (supported: float32, bfloat16)")
     tp_divides = {
         "num_attention_heads": hf_config.num_attention_heads,
         "o_groups": hf_config.o_groups,

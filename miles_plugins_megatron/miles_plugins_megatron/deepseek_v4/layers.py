@@ -35,24 +35,26 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """The inverse frequencies of both rope kinds (plain RoPE, or any scaling transformers knows, such as YaRN), and
-    cos/sin of one entry per rotated pair (the pairs are interleaved: channels 2i and 2i+1)."""
+    cos/sin of one entry per rotated pair (the pairs are interleaved: channels 2i and 2i+1).
+
+    The frequencies are float32 tensors held outside the module's buffers, so that casting the model to bfloat16
+    never rounds them (transformers computes them in float32 whatever the model's dtype)."""
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
         self.scaling: dict[str, float] = {}
+        self.inv_freq: dict[str, torch.Tensor] = {}
         for kind in ROPE_KINDS:
             parameters = hf_config.rope_parameters[kind]
             if parameters.get("rope_type", "default") == "default":
                 inv_freq, scaling = _default_inv_freq(hf_config, parameters), 1.0
             else:
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](hf_config, None, layer_type=kind)
-            self.register_buffer(f"{kind}_inv_freq", inv_freq, persistent=False)
-            self.scaling[kind] = float(scaling)
+            self.inv_freq[kind], self.scaling[kind] = inv_freq.float(), float(scaling)
 
     def forward(self, positions: torch.Tensor, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[B, S, rope_dim / 2]`` at ``positions`` ``[B, S]``."""
-        inv_freq = getattr(self, f"{kind}_inv_freq")
-        freqs = positions[..., None].float() * inv_freq.to(positions.device, torch.float)
+        freqs = positions[..., None].float() * self.inv_freq[kind].to(positions.device)
         return (freqs.cos() * self.scaling[kind]).to(dtype), (freqs.sin() * self.scaling[kind]).to(dtype)
 
 

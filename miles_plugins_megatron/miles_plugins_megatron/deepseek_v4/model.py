@@ -94,4 +94,20 @@ def build_deepseek_v4(hf_config: Any, *, dtype: torch.dtype = torch.float32) -> 
     :func:`~miles_plugins_megatron.deepseek_v4.checks.check_deepseek_v4`."""
     layout = Layout.current(dtype)
     check_deepseek_v4(hf_config, layout=layout)
-    return DeepseekV4Model(hf_config, layout)
+    return keep_float32(DeepseekV4Model(hf_config, layout).to(dtype))
+
+
+def keep_float32(model: DeepseekV4Model) -> DeepseekV4Model:
+    """The tensors DeepSeek-V4 keeps in float32 whatever the model's dtype, as transformers does (its
+    ``_keep_in_fp32_modules_strict``): every norm's weight, the hyper-connections and their final collapse, the
+    attention sinks, the compressors' slot biases (``ape``) and the routers' selection biases."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | HyperHead):
+            module.float()
+    for name, tensor in model.named_parameters():
+        if name.split(".")[-1].startswith(("hc_attn_", "hc_ffn_")) or name.endswith((".attn_sink", ".ape")):
+            tensor.data = tensor.data.float()
+    for name, buffer in model.named_buffers():
+        if name.endswith(".gate.bias"):
+            buffer.data = buffer.data.float()
+    return model

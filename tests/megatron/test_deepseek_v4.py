@@ -381,3 +381,14 @@ def test_bfloat16_trains_through_the_megatron_trainer(checkpoint: Path, torch_st
     relative = 4 * 4 * BFLOAT16_ROUNDOFF
     for key in ("loss", "grad_norm"):
         assert step_metrics[key] == pytest.approx(metrics[key], rel=relative), key
+
+
+def test_a_dtype_it_does_not_compute_in_is_refused() -> None:
+    from miles_plugins_megatron.deepseek_v4.checks import check_deepseek_v4
+    from miles_plugins_megatron.deepseek_v4.parallel import Layout
+
+    from miles_core.testkit.tiny_models import tiny_deepseek_v4_config
+
+    layout = Layout(tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, dtype=torch.float16)
+    with pytest.raises(MilesError, match=re.escape("dtype torch.float16 (supported: float32, bfloat16)")):
+        check_deepseek_v4(tiny_deepseek_v4_config(), layout=layout)

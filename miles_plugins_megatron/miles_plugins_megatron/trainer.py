@@ -69,7 +69,8 @@ def checked_hf_config(model_path: Path, layout: MegatronSection) -> Any:
 
 
 class MegatronTrainer:
-    """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor and data parallel)."""
+    """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor, data and expert parallel), or, for
+    DeepSeek-V4, ranks of the ``miles`` implementation on megatron-core's parallel layers."""
 
     def __init__(
         self,

@@ -84,6 +84,8 @@ class DeepseekV4Model(nn.Module):
         self.head = column(layout, hf_config.hidden_size, hf_config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+        """``[B, S, V / tp]`` for ``input_ids`` ``[B, S]`` at ``position_ids`` (default ``0..S-1``); other keywords
+        (the Megatron trainer's causal ``attention_mask``) are ignored: every layer builds its own mask."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         return self.head(self.model(input_ids, position_ids))[0]

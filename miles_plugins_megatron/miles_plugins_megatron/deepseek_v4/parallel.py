@@ -162,6 +162,7 @@ class _ReturnTokens(torch.autograd.Function):
 
 
 def expert_group() -> Any:
+    """The expert-parallel group of this rank (ranks of one tensor-parallel rank that split the experts)."""
     return parallel_state.get_expert_model_parallel_group()
 
 

@@ -164,11 +164,14 @@ def test_transformers_is_accepted_for_any_family_on_the_command_line() -> None:
 
 
 def test_miles_plugins_lists_transformers_for_any_family() -> None:
-    assert plugins_json()["core"]["provides"]["model_implementations"] == ["*/transformers"]
+    """``*/transformers`` serves every family; DeepSeek-V4's is listed by name too, beside its other implementation
+    (``deepseek_v4/miles``, miles-plugins-megatron)."""
+    provided = ["*/transformers", "deepseek_v4/transformers"]
+    assert plugins_json()["core"]["provides"]["model_implementations"] == provided
     result = run_miles("plugins")
     assert result.returncode == 0, result.stderr
     core = next(row for row in result.stdout.splitlines() if row.startswith("core "))
-    assert "model_implementations: transformers: any family transformers can load;" in core
+    assert "model_implementations: transformers: any family transformers can load, deepseek_v4/transformers;" in core
 
 
 @pytest.mark.parametrize("family", list(TINY_CONFIGS))

@@ -10,6 +10,9 @@ from 0.0 (before training) after 30 steps, run seeds 0, 1 and 1234, measured on 
 
 - Qwen3-MoE, torch trainer: 0.172, 0.094, 0.109;
 - DeepSeek-V3, torch trainer: 0.156, 0.172, 0.156;
+- DeepSeek-V4 (every layer kind, tests/megatron/test_deepseek_v4.py), torch trainer with ``deepseek_v4/transformers``,
+  from 0.020: 0.164, 0.180, 0.129 (the engine serves it by recomputing each sequence, miles_core/engines/
+  recomputing_batch.py);
 - with the megatron trainer, see tests/megatron/test_megatron_train.py.
 
 The margin asserted, 0.05, is about half the smallest rise of any of these runs.
@@ -27,7 +30,7 @@ import transformers
 
 from miles_core.default.task import echo_last_prompts
 from miles_core.default.tokenizer import DigitTokenizer
-from miles_core.testkit.tiny_models import tiny_deepseek_v3_config, tiny_qwen3_moe_config
+from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, tiny_deepseek_v3_config, tiny_qwen3_moe_config
 from tests.conftest import run_miles
 
 pytestmark = pytest.mark.slow
@@ -47,20 +50,24 @@ MOE_CONFIGS: dict[str, Callable[..., transformers.PretrainedConfig]] = {
 
 
 def save_echo_last_moe(directory: Path, *, family: str = "qwen3_moe", seed: int = 0) -> tuple[Path, Path, Path]:
-    """A tiny MoE of ``family`` (``qwen3_moe`` or ``deepseek_v3``, the testkit's configs) with the embedded default's
-    tokenizer, and the echo-last task's train and eval prompt files: (model directory, train prompts, eval prompts)."""
+    """A tiny MoE of ``family`` (``qwen3_moe``, ``deepseek_v3`` or ``deepseek_v4``, the testkit's) with the embedded
+    default's tokenizer, and the echo-last task's train and eval prompt files: (model directory, train prompts, eval
+    prompts)."""
     tokenizer = DigitTokenizer()
     model_dir = directory / "model"
     tokenizer.save_pretrained(model_dir)
-    config = MOE_CONFIGS[family](
+    special = dict(
         vocab_size=tokenizer.vocab_size,
-        tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    if family == "deepseek_v4":  # its own head (as its checkpoints have), hash tables drawn at random
+        save_tiny_deepseek_v4(model_dir, seed=seed, **special)
+    else:
+        config = MOE_CONFIGS[family](tie_word_embeddings=True, **special)
+        torch.manual_seed(seed)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     files = []
     for name, prompts in zip(("train", "eval"), echo_last_prompts(), strict=True):
         files.append(directory / f"{name}.jsonl")
@@ -92,4 +99,12 @@ def test_the_torch_trainer_learns_on_a_tiny_deepseek_v3(tmp_path: Path) -> None:
     """Multi-latent attention, sigmoid group-limited routing and a shared expert, all in transformers' implementation;
     the engine serves the routed experts by their per-expert names and the selection bias as a buffer."""
     evals = held_out_rewards(tmp_path, "--trainer", "torch", family="deepseek_v3")
+    assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
+
+
+def test_the_torch_trainer_learns_on_a_tiny_deepseek_v4(tmp_path: Path) -> None:
+    """Sliding-window, compressed sparse and heavily compressed attention, hash and top-k routing, hyper-connections,
+    in transformers' implementation; the local engine serves it (recomputing each sequence: its cache cannot be
+    merged) and loads its weights under DeepSeek-V4's checkpoint names."""
+    evals = held_out_rewards(tmp_path, "--trainer", "torch", "--dsv4-impl", "transformers", family="deepseek_v4")
     assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals

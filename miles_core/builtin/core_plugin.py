@@ -160,7 +160,13 @@ def provide_model_implementations() -> list[Implementation]:
             "transformers",
             "miles_core.models.transformers_impl:TransformersCausalLM",
             "any family transformers can load",
-        )
+        ),
+        model_implementation(
+            DSV4_FAMILY,
+            "transformers",
+            "miles_core.models.transformers_impl:TransformersCausalLM",
+            "transformers' DeepseekV4ForCausalLM, the reference (torch trainer; one process, no parallelism)",
+        ),
     ]
 
 

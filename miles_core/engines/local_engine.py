@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import transformers
 
-from miles_core.engines.running_batch import RunningBatch, result_of
+from miles_core.engines.running_batch import new_running_batch, result_of
 from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, _Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
@@ -129,7 +129,7 @@ class LocalEngine:
         self.weight_update_open = False  # SGLang's weight-update session (begin/end_weight_update)
         self._state = threading.Condition()  # guards what follows; the decode thread takes it at step boundaries
         self._waiting: collections.deque[_Pending] = collections.deque()  # queued; retracted ones go to the front
-        self._batch = RunningBatch(self.model, pad_token_id=self.pad_token_id)  # the decode thread's alone
+        self._batch = new_running_batch(self.model, pad_token_id=self.pad_token_id)  # the decode thread's alone
         self._mode: str | None = None  # the pause mode; None while serving
         self._abort: str | None = None  # a pause("abort") that the decode thread has yet to apply to the batch
         self._busy = False  # the decode thread steps requests: weights wait until it stops (paused or idle)

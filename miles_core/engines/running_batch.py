@@ -196,6 +196,18 @@ class RunningBatch:
         return list(cache.layers)
 
 
+def new_running_batch(model: torch.nn.Module, *, pad_token_id: int = 0) -> RunningBatch:
+    """The running batch that serves ``model``: continuous batching over a merged KV cache when the model's cache is
+    full attention (:class:`~transformers.cache_utils.DynamicLayer` in every layer), else a
+    :class:`~miles_core.engines.recomputing_batch.RecomputingBatch` (sliding windows, DeepSeek-V4's compressors)."""
+    from miles_core.engines.recomputing_batch import RecomputingBatch  # a cycle: it subclasses RunningBatch
+
+    config = getattr(model, "config", None)
+    layers = DynamicCache(config=config).layers if config is not None else []
+    full_attention = all(type(layer) is DynamicLayer for layer in layers)
+    return (RunningBatch if full_attention else RecomputingBatch)(model, pad_token_id=pad_token_id)
+
+
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, heads, columns, dim]`` with zero columns added in front up to ``width`` (masked out)."""
     return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
@@ -227,7 +239,7 @@ def generate_batch(
     if decode is None and any(r.params.stop for r in requests):
         raise ValueError("stop strings need a tokenizer to decode the output: pass decode")
     rows = [_Fixed(r, _Sampler(r, set(eos_token_ids), default_seed + i, decode)) for i, r in enumerate(requests)]
-    batch = RunningBatch(model, pad_token_id=pad_token_id)
+    batch = new_running_batch(model, pad_token_id=pad_token_id)
     waiting = [row for row in rows if row.sampler.finish_reason is None]
     while waiting or batch.rows:
         message = should_abort()

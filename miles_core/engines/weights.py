@@ -8,45 +8,80 @@ with a master address of 127.0.0.1, nothing of the group is reachable from anoth
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import hashlib
-import re
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 from safetensors.torch import load, load_file, save
 
 from miles_core.distributed import local_address_towards, tcp_store
 from miles_core.errors import MilesError
+from miles_core.models.hf_checkpoint import checkpoint_named_tensors
 
 
 class WeightLoadError(MilesError):
     """Weights that do not fit the model; nothing was loaded."""
 
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+class _Part:
+    """Where a checkpoint tensor lies in a model tensor held in another layout: the elements ``flat[indices]``."""
+
+    def __init__(self, tensor: torch.Tensor, indices: torch.Tensor) -> None:
+        self.tensor, self.indices = tensor, indices
+        self.shape = indices.shape
+        self.dtype, self.device = tensor.dtype, tensor.device
+
+    def copy_(self, value: torch.Tensor) -> None:
+        self.tensor.view(-1).index_copy_(0, self.indices.flatten(), value.flatten())
 
 
-def _target(state: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+_LAYOUTS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def checkpoint_layout(model: torch.nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """For a transformers model that holds some tensors in another layout than its checkpoint (a MoE's experts
+    fused, DeepSeek-V4's tensors under other names): each checkpoint name that is not a tensor of the model, with
+    the model tensor it lies in and the flat indices of its elements there. Found by running transformers' own
+    conversion (what ``save_pretrained`` does) over tensors that hold their elements' positions; computed once per
+    model (names and shapes never change)."""
+    if model in _LAYOUTS:
+        return _LAYOUTS[model]
+    state = dict(unique_named_tensors(model.state_dict().items()))
+    starts, sources, probes, total = [], [], [], 0
+    for name, tensor in state.items():
+        starts.append(total)
+        sources.append(name)
+        probes.append((name, torch.arange(total, total + tensor.numel()).view(tensor.shape)))
+        total += tensor.numel()
+    layout = {}
+    if isinstance(model, transformers.PreTrainedModel):
+        for name, probe in checkpoint_named_tensors(model, probes):
+            if name in state or probe.numel() == 0:
+                continue
+            index = bisect.bisect_right(starts, int(probe.flatten()[0])) - 1
+            layout[name] = (sources[index], probe - starts[index])
+    _LAYOUTS[model] = layout
+    return layout
+
+
+def _target(state: Mapping[str, torch.Tensor], name: str, model: torch.nn.Module) -> torch.Tensor | _Part | None:
     """The model tensor (or the part of one) that the HF tensor ``name`` fills, ``None`` if none: a parameter or
-    buffer of that name, or, for a MoE model whose experts transformers 5 holds fused (``mlp.experts.gate_up_proj``
-    ``[E, 2I, H]`` with each expert's ``[gate; up]``, ``mlp.experts.down_proj`` ``[E, H, I]``), the slice of
-    the fused tensor that a per-expert checkpoint name (``mlp.experts.{j}.gate_proj.weight``) stands for."""
+    buffer of that name, or the elements of one that the checkpoint name stands for (see
+    :func:`checkpoint_layout`), such as one expert's ``mlp.experts.{j}.gate_proj.weight`` in transformers 5's fused
+    ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``."""
     if name in state:
         return state[name]
-    match = _EXPERT.match(name)
-    if match is None:
+    placed = checkpoint_layout(model).get(name)
+    if placed is None:
         return None
-    prefix, expert, part = match.group(1), int(match.group(2)), match.group(3)
-    fused = state.get(f"{prefix}.{'down_proj' if part == 'down' else 'gate_up_proj'}")
-    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
-        return None
-    if part == "down":
-        return fused[expert]
-    gate, up = fused[expert].chunk(2, dim=0)
-    return gate if part == "gate" else up
+    source, indices = placed
+    return _Part(state[source], indices)
 
 
 def check_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -55,7 +90,7 @@ def check_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tens
     state = model.state_dict()
     problems = []
     for name, tensor in tensors.items():
-        target = _target(state, name)
+        target = _target(state, name, model)
         if target is None:
             problems.append(f"{name}: not a weight of this model")
         elif tuple(tensor.shape) != tuple(target.shape):
@@ -71,7 +106,7 @@ def load_named_tensors(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     check_named_tensors(model, tensors)
     state = model.state_dict()
     for name, tensor in tensors.items():
-        target = _target(state, name)  # a view: a per-expert tensor is copied into its part of the fused one
+        target = _target(state, name, model)  # a tensor, or the part of one it fills
         target.copy_(tensor.to(dtype=target.dtype, device=target.device))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

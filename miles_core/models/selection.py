@@ -27,7 +27,7 @@ def check_model_implementation(registries: Registries, family: str, impl: str) -
     entry = find_model_implementation(registry, family, impl)
     if entry is not None:
         return entry
-    same_family = sorted(name.split("/", 1)[1] for name in registry if name.split("/", 1)[0] in (family, ANY_FAMILY))
+    same_family = sorted({name.split("/", 1)[1] for name in registry if name.split("/", 1)[0] in (family, ANY_FAMILY)})
     raise ConfigError(
         f"model.implementations.{family} = {impl!r} ({implementation_flag(family, impl)}): no such implementation "
         f"of model family {family!r}; installed for {family}: {', '.join(same_family) or '(none)'}; "

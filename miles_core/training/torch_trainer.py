@@ -26,7 +26,7 @@ from miles_core.models.hf_checkpoint import (
     tokenizer_files,
 )
 from miles_core.models.moe_routing import replay_routing
-from miles_core.models.selection import model_implementation_for
+from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.batch import TrainBatch, trained_tokens
@@ -257,7 +257,7 @@ class CausalLMWeightIterator(HfWeightIterator):
 def _loader(entry: Implementation) -> Callable[[str | Path], CausalLM]:
     """A function loading a checkpoint with the implementation ``entry`` (the core's transformers one with the
     model's default attention, which is what the engines use too)."""
-    if entry.name == f"{ANY_FAMILY}/{DEFAULT_IMPLEMENTATION}":
+    if entry.name in (f"{ANY_FAMILY}/{DEFAULT_IMPLEMENTATION}", f"{DSV4_FAMILY}/{DEFAULT_IMPLEMENTATION}"):
         return lambda path: TransformersCausalLM(load_causal_lm(path))
     return entry.load().from_pretrained
 

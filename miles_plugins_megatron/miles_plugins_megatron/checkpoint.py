@@ -12,16 +12,22 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import require_checkpoint_dir
+from miles_core.models.hf_checkpoint import checkpoint_named_tensors, require_checkpoint_dir
 from miles_plugins_megatron.conversion import attention_geometry
 
 
-def load_hf_config(path: str | Path) -> Any:
+def read_hf_config(path: str | Path) -> Any:
+    """The HF config of the checkpoint directory ``path``, any architecture transformers knows."""
     path = require_checkpoint_dir(path)
     try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # transformers raises many types for a bad config.json
         raise MilesError(f"cannot read the HF config in {str(path)!r}: {type(exc).__name__}: {exc}") from None
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The HF config of a checkpoint of an architecture that the megatron-core GPTModel path supports."""
+    config = read_hf_config(path)
     attention_geometry(config)  # unsupported architectures fail here
     return config
 
@@ -34,29 +40,15 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def expected_hf_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of this config holds, under its checkpoint name, with its shape (built on the
-    meta device: no memory)."""
+    """Every tensor an HF checkpoint of this config holds, under its checkpoint name (as ``save_pretrained`` writes
+    it: transformers' conversion reversed, so a MoE's fused experts are one tensor per expert and DeepSeek-V4's
+    tensors have its original names), with its shape (built on the meta device: no memory)."""
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, tensor in model.state_dict().items():
-        shapes.update(_checkpoint_names(name, tuple(tensor.shape)))
+    shapes = {name: tuple(tensor.shape) for name, tensor in checkpoint_named_tensors(model)}
     if hf_config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     return shapes
-
-
-def _checkpoint_names(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The names and shapes a checkpoint stores for the in-memory tensor ``name``: transformers 5 fuses a MoE
-    layer's experts in memory (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
-    ``[E, H, I]``) but writes each expert's projections apart, as the inference engines read them."""
-    prefix, _, last = name.rpartition(".")
-    if not prefix.endswith("mlp.experts") or last not in ("gate_up_proj", "down_proj"):
-        return {name: shape}
-    experts, rows, columns = shape
-    if last == "down_proj":
-        return {f"{prefix}.{j}.down_proj.weight": (rows, columns) for j in range(experts)}
-    return {f"{prefix}.{j}.{part}_proj.weight": (rows // 2, columns) for j in range(experts) for part in ("gate", "up")}
 
 
 def check_checkpoint(path: str | Path, hf_config: Any) -> None:

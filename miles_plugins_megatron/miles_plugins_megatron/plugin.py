@@ -1,7 +1,8 @@
 """The Miles plugin module of miles-plugins-megatron, registered through the entry-point group ``miles.plugins``.
 
 Provides the training backend ``megatron``, the ``megatron`` config section, the Megatron ``HfWeightIterator`` and
-the ``megatron`` implementation of the Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 model families. Every
+the ``megatron`` implementation of the Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 model families, and the ``miles``
+implementation of DeepSeek-V4 (``--dsv4-impl miles``, on megatron-core's parallel layers). Every
 ``miles`` command imports this module, so it imports nothing heavy at the top (megatron-core takes ~10 s to import).
 """
 
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesError
 from miles_core.hookspecs import hookimpl
+from miles_core.models.selection import DSV4_FAMILY
 from miles_core.registry import Implementation, model_implementation
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+DSV4_MILES = "miles"
+"""The implementation of DeepSeek-V4 that the megatron trainer trains (tensor and expert parallel)."""
 
 
 @hookimpl
@@ -33,6 +37,36 @@ def validate_config(config: Any) -> None:
                 f"model.implementations.{family} = {impl!r}: the megatron trainer trains megatron-core GPTModel "
                 f"ranks (--model-impl {family}=megatron); {impl!r} is for --trainer torch"
             )
+    check_deepseek_v4_settings(config)
+
+
+def check_deepseek_v4_settings(config: Any) -> None:
+    """Under the megatron trainer, DeepSeek-V4 trains with its ``miles`` implementation, routing as its routers
+    choose: any other choice is refused with what would work."""
+    impl = config.model.implementations.get(DSV4_FAMILY)
+    if impl is not None and impl != DSV4_MILES:
+        raise ConfigError(
+            f"model.implementations.{DSV4_FAMILY} = {impl!r} (--dsv4-impl {impl}): the megatron trainer trains "
+            f"DeepSeek-V4 with --dsv4-impl {DSV4_MILES} (tensor and expert parallel); {impl!r} is for --trainer torch"
+        )
+    if impl is None and not _is_deepseek_v4(config.model.path):
+        return
+    if config.train.routing_replay:
+        raise ConfigError(
+            f"{DSV4_FAMILY}/{DSV4_MILES} under the megatron trainer: train.routing_replay is on (its hash and top-k "
+            "routers record no replay: turn it off)"
+        )
+
+
+def _is_deepseek_v4(model_path: str | None) -> bool:
+    from miles_core.models.hf_checkpoint import checkpoint_family  # deferred: torch and transformers
+
+    if model_path is None:
+        return False
+    try:
+        return checkpoint_family(model_path) == DSV4_FAMILY
+    except MilesError:
+        return False  # the model's own check reports a bad directory
 
 
 @hookimpl
@@ -56,4 +90,11 @@ def provide_model_implementations() -> list[Implementation]:
             f"megatron-core GPTModel ({family} layout)",
         )
         for family in FAMILIES
+    ] + [
+        model_implementation(
+            DSV4_FAMILY,
+            DSV4_MILES,
+            "miles_plugins_megatron.deepseek_v4:MilesDeepseekV4CausalLM",
+            "megatron-core parallel layers, the transformers names (torch trainer; megatron trainer with TP and EP)",
+        )
     ]

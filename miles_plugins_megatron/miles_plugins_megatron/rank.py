@@ -20,6 +20,7 @@ from miles_core.config.sections import TrainSection
 from miles_core.distributed import tcp_init_method_address, tcp_store
 from miles_core.engines.routed_experts import NOT_ROUTED
 from miles_core.errors import MilesError
+from miles_core.models.selection import DSV4_FAMILY
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
@@ -67,7 +68,7 @@ class MegatronRank:
         """Join the process group, build this rank's shard of the model and load the checkpoint into it."""
         from megatron.core import parallel_state  # deferred: megatron-core takes ~10 s to import
 
-        from miles_plugins_megatron.checkpoint import load_hf_config
+        from miles_plugins_megatron.checkpoint import read_hf_config
         from miles_plugins_megatron.cpu_compat import seed_model_parallel_rng
 
         if self.threads:
@@ -85,7 +86,7 @@ class MegatronRank:
             tensor_model_parallel_size=self.tensor_parallel, expert_model_parallel_size=self.expert_parallel
         )
         seed_model_parallel_rng(self.seed)
-        self.hf_config = load_hf_config(self.model_path)
+        self.hf_config = read_hf_config(self.model_path)  # the driver checked that it is supported
         self.model = self._build_model()
         self.model.to(self.device)
         self.load_weights(str(self.model_path))
@@ -105,6 +106,10 @@ class MegatronRank:
     def _build_model(self) -> torch.nn.Module:
         from miles_plugins_megatron.model import build_gpt_model
 
+        if self.hf_config.model_type == DSV4_FAMILY:
+            from miles_plugins_megatron.deepseek_v4 import build_deepseek_v4  # megatron-core's parallel layers
+
+            return build_deepseek_v4(self.hf_config, dtype=self.dtype)
         return build_gpt_model(
             self.hf_config,
             tensor_parallel=self.tensor_parallel,
@@ -141,6 +146,10 @@ class MegatronRank:
             shard_for_rank,
         )
 
+        if self.hf_config.model_type == DSV4_FAMILY:
+            from miles_plugins_megatron.deepseek_v4 import load_hf_state
+
+            return load_hf_state(model, read_hf_state(path), source=f"checkpoint {path!r}")
         full = hf_to_megatron(read_hf_state(path), self.hf_config)
         local = {name: t for name, t in model.state_dict().items() if not name.endswith("_extra_state")}
         ep_rank, local_experts = (
@@ -333,12 +342,10 @@ class MegatronRank:
         returns the norm before clipping."""
         from megatron.core import parallel_state
 
-        from miles_plugins_megatron.conversion import is_expert_parameter
-
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        expert = [is_expert_parameter(name) for name, _ in named]
+        expert = [_is_expert(name, p) for name, p in named]
         dense_grads = [grad for grad, is_expert in zip(grads, expert, strict=True) if not is_expert]
         expert_grads = [grad for grad, is_expert in zip(grads, expert, strict=True) if is_expert]
         if parallel_state.get_data_parallel_world_size() > 1:
@@ -406,10 +413,10 @@ class MegatronRank:
         """Gather the HF weights (every rank takes part); rank 0 writes them to ``export_dir/weights.safetensors``."""
         from safetensors.torch import save_file
 
-        from miles_plugins_megatron.weight_iterator import MegatronHfWeightIterator
+        from miles_plugins_megatron.weight_iterator import hf_weight_iterator
 
         started = time.perf_counter()
-        tensors = dict(MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
+        tensors = dict(hf_weight_iterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors())
         gathered = time.perf_counter()
         if self.rank != 0:
             return {}
@@ -436,9 +443,9 @@ class MegatronRank:
         they gather each tensor together, and each keeps every world-size-th one). A failing task (an engine that
         died, say) comes back as ``holder_error``: the protocol fails, the ranks live on."""
         from miles_core.weight_transfer.holders import round_robin_share, run_holder_task_safely
-        from miles_plugins_megatron.weight_iterator import MegatronHfWeightIterator
+        from miles_plugins_megatron.weight_iterator import hf_weight_iterator
 
-        tensors = MegatronHfWeightIterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors()
+        tensors = hf_weight_iterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors()
         share = round_robin_share(tensors, holder=self.rank, holders=self.world_size)
         return run_holder_task_safely(task, share, holder=self.rank, holders=self.world_size, **kwargs)
 
@@ -481,6 +488,14 @@ class MegatronRank:
         """Leave the process group (the worker process is stopped by its provider afterwards)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _is_expert(name: str, param: torch.Tensor) -> bool:
+    """Whether ``param`` is a routed expert's (held by one expert-parallel rank only): megatron-core's experts by
+    name, the ``miles`` DeepSeek-V4's by megatron-core's mark, ``allreduce=False``."""
+    from miles_plugins_megatron.conversion import is_expert_parameter
+
+    return is_expert_parameter(name) or getattr(param, "allreduce", True) is False
 
 
 def _all_reduce_in_place(tensors: list[torch.Tensor], group: Any) -> None:

@@ -25,13 +25,14 @@ from safetensors import safe_open
 
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import copy_tokenizer_files
+from miles_core.models.selection import DSV4_FAMILY
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.weight_transfer.holders import raise_holder_errors
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.process import free_ports
 from miles_core.workers.specs import TRAINER, PythonWorkerSpec
-from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config
+from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_config
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
@@ -40,8 +41,36 @@ STATE_FILE = "trainer_state.json"
 RANK_TARGET = "miles_plugins_megatron.rank:MegatronRank"
 
 
+def implementation_of(family: str) -> str:
+    """The model implementation the Megatron trainer trains a family with: ``miles`` for DeepSeek-V4 (on
+    megatron-core's parallel layers), ``megatron`` (megatron-core's ``GPTModel``) for the others."""
+    return "miles" if family == DSV4_FAMILY else "megatron"
+
+
+def checked_hf_config(model_path: Path, layout: MegatronSection) -> Any:
+    """The checkpoint's HF config, once the model, the parallel layout and the checkpoint's tensors are known to
+    fit (a :class:`MilesError` saying what would work otherwise)."""
+    hf_config = read_hf_config(model_path)
+    if hf_config.model_type == DSV4_FAMILY:
+        from miles_plugins_megatron.deepseek_v4.checks import check_deepseek_v4  # megatron-core's layers
+        from miles_plugins_megatron.deepseek_v4.parallel import Layout
+
+        dtype = torch.bfloat16 if layout.dtype == "bfloat16" else torch.float32
+        planned = Layout(
+            tp_size=layout.tensor_parallel, tp_rank=0, ep_size=layout.expert_parallel, ep_rank=0, dtype=dtype
+        )
+        check_deepseek_v4(hf_config, layout=planned)
+    else:
+        hf_config = load_hf_config(model_path)
+        check_tensor_parallel(hf_config, layout.tensor_parallel)
+        check_expert_parallel(hf_config, layout.expert_parallel, data_parallel=layout.data_parallel)
+    check_checkpoint(model_path, hf_config)
+    return hf_config
+
+
 class MegatronTrainer:
-    """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor and data parallel)."""
+    """Trains an HF checkpoint with megatron-core ``GPTModel`` ranks (tensor, data and expert parallel), or, for
+    DeepSeek-V4, ranks of the ``miles`` implementation on megatron-core's parallel layers."""
 
     def __init__(
         self,
@@ -57,7 +86,7 @@ class MegatronTrainer:
         self.tokenizer_from = tokenizer_from  # checkpoints copy this model directory's tokenizer files
         self.ranks, self.export_dir = ranks, export_dir
         self.step = 0
-        self.implementation = f"{hf_config.model_type}/megatron"
+        self.implementation = f"{hf_config.model_type}/{implementation_of(hf_config.model_type)}"
         self.export_report: dict[str, Any] = {}
         self._weights: list[tuple[str, torch.Tensor]] | None = None
 
@@ -99,10 +128,7 @@ class MegatronTrainer:
         is ``reference_path`` (default: the checkpoint itself); checkpoints copy the tokenizer files of the model
         directory ``tokenizer_from`` (none when ``None``)."""
         model_path = Path(model_path)
-        hf_config = load_hf_config(model_path)
-        check_tensor_parallel(hf_config, layout.tensor_parallel)
-        check_expert_parallel(hf_config, layout.expert_parallel, data_parallel=layout.data_parallel)
-        check_checkpoint(model_path, hf_config)
+        hf_config = checked_hf_config(model_path, layout)
         export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=_shared_memory_dir()))
         ranks = _Ranks(provider_factory)
         try:

@@ -61,6 +61,8 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
     num_gpus = _gpus_per_engine(sglang)
     on_cpu = sglang.cpu_launch == "on" or (sglang.cpu_launch == "auto" and num_gpus == 0 and sglang.runs_stock_sglang())
     defaults = STOCK_SERVER_ARGS if sglang.runs_stock_sglang() else {}
+    if on_cpu:
+        check_cpu_servable(model_path)
     cpu = cpu_server_args(config, model_path) if on_cpu else {}
     server_args = {**defaults, **cpu, **routing_replay_server_args(config), **sglang.server_args}
     argv = [
@@ -82,6 +84,30 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
         num_cpus=0,
         num_gpus=num_gpus,
     )
+
+
+CPU_MISSING_KERNELS = {
+    "deepseek_v4": (
+        "SGLang's DeepSeek-V4 (sglang/srt/models/deepseek_v4.py) calls kernels that exist for CUDA and NPU only: its "
+        "sparse attention (sglang.kernels.ops.attention.dsv4: fused_q_norm_rope, fused_norm_rope_inplace, the "
+        "compressed and indexed attention; flash_mla_sm120), the grouped output projection "
+        "(sglang.kernels.ops.gemm.dsv4_wo_a, fused_rope_wo_a_bf16) and FP8 group quantisation "
+        "(sglang_per_token_group_quant_fp8); sgl-kernel's CPU build has none of them"
+    ),
+}
+"""Model families whose SGLang implementation has no CPU kernels, with what is missing."""
+
+
+def check_cpu_servable(model_path: str) -> None:
+    """Refuse, before any engine starts, a model family that SGLang cannot serve on a CPU, naming the missing
+    kernels and what would work."""
+    family = read_model_config(model_path).get("model_type")
+    missing = CPU_MISSING_KERNELS.get(family)
+    if missing is not None:
+        raise ConfigError(
+            f"engine.backend = 'sglang' on CPU cannot serve the {family} model {model_path!r}: {missing}; serve it "
+            "with SGLang on GPUs (sglang.gpus_per_engine) or with the local engine (--engine local)"
+        )
 
 
 def routing_replay_server_args(config: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``FAMILY/megatron`` (megatron-core GPTModel) and ``FAMILY/transformers``: the same checkpoint, the same HF names
 and tensors, the same logits, and the same training step under the torch trainer; ``--dsv4-impl`` resolves in the
-same registry and, with no DeepSeek-V4 implementation installed, is an error listing what is installed."""
+same registry: ``deepseek_v4/transformers`` (the core's) and ``deepseek_v4/miles`` (this plugin's), anything else an
+error listing what is installed (tests/megatron/test_deepseek_v4.py compares the two)."""
 
 from __future__ import annotations
 
@@ -91,10 +92,34 @@ def test_dsv4_impl_is_an_explicit_error_listing_what_is_installed(registries) ->
     with pytest.raises(ConfigError) as error:
         check_model_implementation(registries, "deepseek_v4", "megatron")
     message = str(error.value)
-    assert "(--dsv4-impl megatron)" in message and "installed for deepseek_v4: transformers;" in message
-    assert "qwen3/megatron" in message and "*/transformers" in message
+    assert "(--dsv4-impl megatron)" in message and "installed for deepseek_v4: miles, transformers;" in message
+    assert "deepseek_v4/miles" in message and "*/transformers" in message
     result = run_miles("config", "show", "--dsv4-impl", "megatron")
-    assert result.returncode != 0 and "qwen3/megatron" in result.stderr
+    assert result.returncode != 0 and "installed for deepseek_v4: miles, transformers;" in result.stderr
+    for flags in (["--dsv4-impl", "miles"], ["--dsv4-impl", "transformers"], ["--model-impl", "deepseek_v4=miles"]):
+        result = run_miles("config", "show", "--json", *flags)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout)["model"]["implementations"] == {"deepseek_v4": flags[1].split("=")[-1]}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--dsv4-impl", "transformers"],
+            "the megatron trainer trains DeepSeek-V4 with --dsv4-impl miles (tensor and expert parallel); "
+            "'transformers' is for --trainer torch",
+        ),
+        (["--train-routing-replay", "true"], "train.routing_replay is on (its hash and top-k routers record no"),
+    ],
+    ids=["transformers-under-megatron", "routing-replay"],
+)
+def test_dsv4_combinations_the_megatron_trainer_cannot_train_are_refused(tmp_path: Path, flags, message) -> None:
+    from miles_core.testkit.tiny_models import save_tiny_deepseek_v4
+
+    checkpoint = save_tiny_deepseek_v4(tmp_path / "dsv4")
+    result = run_miles("config", "show", "--model", str(checkpoint), "--trainer", "megatron", *flags)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_miles_plugins_lists_the_megatron_plugin() -> None:
@@ -102,7 +127,14 @@ def test_miles_plugins_lists_the_megatron_plugin() -> None:
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "megatron" in line]
     assert any("miles-plugins-megatron" in line for line in lines), result.stdout
-    for provided in ("qwen3/megatron", "llama/megatron", "qwen2/megatron", "qwen3_moe/megatron"):
+    for provided in (
+        "qwen3/megatron",
+        "llama/megatron",
+        "qwen2/megatron",
+        "qwen3_moe/megatron",
+        "deepseek_v4/miles",
+        "deepseek_v4/transformers",
+    ):
         assert provided in result.stdout
 
 

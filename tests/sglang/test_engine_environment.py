@@ -166,3 +166,18 @@ def test_the_kv_budget_follows_the_model_and_the_memory(tmp_path: Path, monkeypa
     )
     bytes_per_token = 2 * 8 * 8 * 64 * 2  # keys and values, 8 layers, 8 heads of 64, 2 bytes
     assert small == KV_TOKENS_RANGE[1] and large == int((1 << 30) * launch.KV_MEMORY_FRACTION) // bytes_per_token
+
+
+def test_a_model_sglang_cannot_serve_on_cpu_is_refused_naming_the_missing_kernels(manager, tmp_path: Path) -> None:
+    """SGLang's DeepSeek-V4 runs on CUDA and NPU kernels only: on CPU the engine is refused before it starts, with the
+    kernels it lacks and what would serve the model; off CPU the same checkpoint gets its command line."""
+    from miles_core.testkit.tiny_models import save_tiny_deepseek_v4
+
+    dsv4 = save_tiny_deepseek_v4(tmp_path / "dsv4")
+    with pytest.raises(ConfigError) as error:
+        sglang_engine_spec(config(manager, **{"sglang.python": "/env/bin/python"}), cell_id="e", model_path=str(dsv4))
+    message = str(error.value)
+    assert "cannot serve the deepseek_v4 model" in message and "sglang.kernels.ops.attention.dsv4" in message
+    assert "dsv4_wo_a" in message and "--engine local" in message
+    on_gpus = config(manager, **{"sglang.cpu_launch": "off"})
+    assert "--model-path" in sglang_engine_spec(on_gpus, cell_id="e", model_path=str(dsv4)).argv

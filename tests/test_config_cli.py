@@ -134,10 +134,10 @@ def test_unknown_model_implementation_lists_installed_ones() -> None:
     assert "installed for llama: megatron, minimal, transformers" in stderr
 
 
-def test_dsv4_impl_without_any_deepseek_v4_implementation() -> None:
-    stderr = show_error("--dsv4-impl", "miles")
-    assert "model.implementations.deepseek_v4 = 'miles' (--dsv4-impl miles)" in stderr
-    assert "installed for deepseek_v4: transformers;" in stderr  # the transformers implementation serves every family
+def test_dsv4_impl_that_is_not_installed_lists_the_ones_that_are() -> None:
+    stderr = show_error("--dsv4-impl", "megatron")
+    assert "model.implementations.deepseek_v4 = 'megatron' (--dsv4-impl megatron)" in stderr
+    assert "installed for deepseek_v4: miles, transformers;" in stderr  # the megatron plugin's and the core's
     assert "llama/minimal" in stderr
 
 

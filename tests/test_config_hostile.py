@@ -374,6 +374,9 @@ OTHER_PROGRAMS = {
     "--prometheus-host": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to the sglang-router
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
+    "--two-raylets": "benchmarks/weight_transfer_rdt.py",
+    "--protocols": "benchmarks/weight_transfer_rdt.py",
+    "--ucx-tcp": "benchmarks/weight_plane.py",
     "--split": "benchmarks/schedules.py",
     "--sessions": "benchmarks/session_server.py",
     "--enable-return-routed-experts": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # SGLang's, for R3

@@ -107,18 +107,22 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()
-        if self.group is None:
-            self.group = await self._form_group(GROUP_NAME, new_weight_update_group)
+        await self._driver_group()
         num_bytes = 0
         async with self._weight_update_session():
             for bucket in buckets:
                 tensors = [(name, tensor.detach().to(self.device).contiguous()) for name, tensor in bucket]
                 num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
                 send = asyncio.ensure_future(asyncio.to_thread(self._send, tensors))
-                await self._receive(_spec_of(tensors), GROUP_NAME, send)
+                await self._receive(bucket_spec(tensors), GROUP_NAME, send)
                 await send
         await self.publish_version(version)
         return self.report(version=version, num_bytes=num_bytes, started=started)
+
+    async def _driver_group(self) -> None:
+        """The driver's own group with the engines, formed at the first transfer after a connect."""
+        if self.group is None:
+            self.group = await self._form_group(GROUP_NAME, new_weight_update_group)
 
     def _send(self, tensors: list) -> None:
         for _, tensor in tensors:
@@ -296,7 +300,8 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         self.generation += 1
 
 
-def _spec_of(tensors: list[tuple[str, torch.Tensor]]) -> BucketSpec:
+def bucket_spec(tensors: list[tuple[str, torch.Tensor]]) -> BucketSpec:
+    """A bucket's names, dtype names and shapes, as ``/update_weights_from_distributed`` takes them."""
     return (
         [name for name, _ in tensors],
         [str(tensor.dtype).removeprefix("torch.") for _, tensor in tensors],
@@ -344,7 +349,7 @@ def keep_share(
     tensors = [(name, tensor.detach().cpu().clone(memory_format=torch.contiguous_format)) for name, tensor in share]
     state.tensors, state.version = tensors, version
     return {
-        "buckets": [_spec_of(bucket) for bucket in bucketize(tensors, bucket_bytes)],
+        "buckets": [bucket_spec(bucket) for bucket in bucketize(tensors, bucket_bytes)],
         "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors},
         "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
     }

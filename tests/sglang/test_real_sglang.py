@@ -21,7 +21,7 @@ from miles_core.engines.client import EngineClient, EngineError
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.training.losses import token_logprobs
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
-from miles_core.weight_transfer.broadcast import GROUP_NAME, BroadcastProtocol
+from miles_core.weight_transfer.broadcast import GROUP_NAME, BroadcastProtocol, bucket_spec
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.workers.errors import WorkerStartError
 from tests.conftest import run_miles
@@ -172,6 +172,7 @@ def test_a_distributed_update_outside_a_session_is_refused_and_the_protocol_stop
             protocol = BroadcastProtocol(backend="gloo", timeout_s=60)
             await protocol.connect([EngineEndpoint("engine-0", engine[0], TOKEN)])
             try:
+                await protocol._driver_group()  # as a transfer forms it
                 tensor = torch.zeros(MODEL["vocab_size"], MODEL["hidden_size"])
                 with pytest.raises(EngineError, match="begin_weight_update"):
                     await client.update_weights_from_distributed(
@@ -180,8 +181,10 @@ def test_a_distributed_update_outside_a_session_is_refused_and_the_protocol_stop
                         shapes=[list(tensor.shape)],
                         group_name=GROUP_NAME,
                     )
+                bucket = [("model.embed_tokens.weight", tensor)]
+                send = asyncio.ensure_future(asyncio.to_thread(protocol._send, bucket))
                 with pytest.raises(EngineError, match=r"engine engine-0 did not join the broadcast"):
-                    await asyncio.wait_for(protocol._broadcast_bucket([("model.embed_tokens.weight", tensor)]), 30)
+                    await asyncio.wait_for(protocol._receive(bucket_spec(bucket), GROUP_NAME, send), 30)
             finally:
                 await protocol.close()
 

@@ -20,28 +20,17 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.torch_trainer import TorchTrainer
 from tests.megatron.test_megatron_trainer import launch
-from tests.megatron.test_moe import exported_names_and_tensors
+from tests.megatron.test_moe import SETTINGS, assert_exported_once_as_on_disk, exported_names_and_tensors
 from tests.numerics import assert_same_sgd_step
 
 pytestmark = pytest.mark.slow
 
 VOCAB = 96
 TOLERANCE = 1e-5
-SETTINGS = TrainSection(
-    backend="megatron",
-    optimizer="sgd",
-    lr=0.1,
-    micro_batch_size=3,
-    kl_coef=0.05,
-    entropy_coef=0.01,
-    max_grad_norm=0.5,
-)
-"""As tests/megatron/test_moe.py: SGD (a step linear in the gradient), clipping active, KL on."""
 
 
 def dsv3_config(**overrides) -> transformers.PretrainedConfig:
@@ -221,9 +210,7 @@ def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
         logits = trainer.logits(input_ids())
         exported = exported_names_and_tensors(trainer)
     assert (logits - expected).abs().max().item() < TOLERANCE
-    names = [name for name, _ in exported]
-    assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)
-    assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)
+    assert_exported_once_as_on_disk(exported, on_disk)
 
 
 @pytest.fixture(scope="module")

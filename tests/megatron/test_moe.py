@@ -145,6 +145,13 @@ def exported_names_and_tensors(trainer) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor) for bucket in trainer.weight_iterator(1 << 20) for name, tensor in bucket]
 
 
+def assert_exported_once_as_on_disk(exported: list[tuple[str, torch.Tensor]], on_disk: dict[str, torch.Tensor]) -> None:
+    """The export names every checkpoint tensor once, each bitwise the checkpoint's."""
+    names = [name for name, _ in exported]
+    assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)
+    assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)
+
+
 @pytest.mark.parametrize(
     "layout",
     [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
@@ -161,9 +168,7 @@ def test_parallel_logits_equal_transformers_and_every_expert_is_exported_once(
         logits = trainer.logits(input_ids())
         exported = exported_names_and_tensors(trainer)
     assert (logits - expected).abs().max().item() < TOLERANCE
-    names = [name for name, _ in exported]
-    assert len(names) == len(set(names)) and sorted(names) == sorted(on_disk)
-    assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)
+    assert_exported_once_as_on_disk(exported, on_disk)
 
 
 @pytest.fixture(scope="module")

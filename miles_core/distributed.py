@@ -13,6 +13,7 @@ import urllib.parse
 
 import torch.distributed as dist
 
+from miles_core.workers.node import url_host
 from miles_core.workers.process import listening_socket
 
 
@@ -24,11 +25,29 @@ def local_address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
-def tcp_store(host: str, port: int, *, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.Store:
-    """A ``TCPStore`` at ``host:port``; the master's listens on ``host`` only (it takes the socket over and closes
-    it when the store goes)."""
-    listen_fd = listening_socket(host, port).detach() if is_master else None
+def tcp_store(
+    host: str,
+    port: int,
+    *,
+    world_size: int,
+    is_master: bool,
+    timeout: datetime.timedelta,
+    listener: socket.socket | None = None,
+) -> dist.Store:
+    """A ``TCPStore`` at ``host:port``; the master's listens on ``host`` only (it takes the socket over, ``listener``
+    when one was opened there ahead, and closes it when the store goes)."""
+    listen_fd = None
+    if is_master:
+        listen_fd = (listener or listening_socket(host, port)).detach()
     return dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timeout, master_listen_fd=listen_fd)
+
+
+def reserve_rendezvous(host: str) -> tuple[str, socket.socket]:
+    """A ``tcp://HOST:PORT`` init method on a free port of ``host`` and the socket already listening there, kept
+    open until the master's store takes it over (:func:`tcp_store`'s ``listener``): no other process can take the
+    port between choosing it and the group forming."""
+    listener = listening_socket(host, 0)
+    return f"tcp://{url_host(host)}:{listener.getsockname()[1]}", listener
 
 
 def tcp_init_method_address(init_method: str) -> tuple[str, int]:

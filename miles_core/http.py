@@ -40,6 +40,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from miles_core.workers.node import url_host
+
 MAX_JSON_DEPTH = 64
 """The deepest nesting of arrays and objects a request may have (Miles' own requests use at most 4)."""
 
@@ -185,10 +187,8 @@ def bearer_token_matches(authorization: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), expected.encode())
 
 
-def url_name(host: str) -> str:
-    """``host`` as a URL and a ``Host`` header write it: lower case, an IPv6 address in brackets."""
-    host = host.lower().strip("[]")
-    return f"[{host}]" if ":" in host else host
+url_name = url_host
+"""``host`` as a URL and a ``Host`` header write it (:func:`miles_core.workers.node.url_host`)."""
 
 
 def allowed_host_names(host: str) -> frozenset[str]:

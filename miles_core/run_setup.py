@@ -53,8 +53,9 @@ def prepare_run(config: Any, registries: Registries) -> RunSetup:
     """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
     changes, so a refused run moves no earlier run aside."""
     check_model_family(config)  # before an earlier run is moved aside: nothing moves for a refused run
-    run_dir = Path(config.run.output_dir)
-    model_path = Path(config.model.path) if config.model.path is not None else None
+    # absolute: workers on other nodes start in directories of their own, so every path they are given must be
+    run_dir = Path(config.run.output_dir).absolute()
+    model_path = Path(config.model.path).absolute() if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
     train_prompts, eval_prompts = load_prompts(config, registries)
     check_prompts_encode(

@@ -3,7 +3,8 @@
 Tensors travel as safetensors bytes (never pickle). A weight-update group for ``update_weights_from_distributed``
 is a gloo (CPU) or NCCL (GPU) process group of its own, so it never touches a default process group. Its store
 (unauthenticated) listens on the master address alone, and its gloo connections on the address that reaches it:
-with a master address of 127.0.0.1, nothing of the group is reachable from another machine.
+a group meets at its sender's node address (loopback on one machine, where nothing of it is reachable from
+another).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import hashlib
+import socket
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -237,14 +239,18 @@ def new_weight_update_group(
     group_name: str,
     timeout_s: float = 120.0,
     backend: str = "gloo",
+    listener: socket.socket | None = None,
 ) -> dist.ProcessGroup:
     """A process group of its own (rank 0 hosts the store) for broadcasting weights to engines: gloo over CPU
     tensors, or NCCL over CUDA tensors (every rank on a GPU of its own). It meets SGLang's side of the group (see
-    :func:`group_store`), so engines may be Miles' local engine or stock SGLang servers."""
+    :func:`group_store`), so engines may be Miles' local engine or stock SGLang servers. Rank 0 may pass the store's
+    ``listener``, opened on the master address ahead (see :func:`~miles_core.distributed.tcp_store`)."""
     backend = resolve_group_backend(backend)
     timeout = datetime.timedelta(seconds=timeout_s)
     # rank 0's store listens on the master address alone (torch's own socket would take every interface)
-    store = tcp_store(master_address, master_port, world_size=world_size, is_master=rank == 0, timeout=timeout)
+    store = tcp_store(
+        master_address, master_port, world_size=world_size, is_master=rank == 0, timeout=timeout, listener=listener
+    )
     prefixed = group_store(store, group_name=group_name, backend=backend)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()

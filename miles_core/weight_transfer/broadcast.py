@@ -21,8 +21,11 @@ the next connect.
 
 The groups' backend is the setting ``backend``: ``auto`` (the default) is NCCL where the trainer process has a CUDA
 device and gloo otherwise; ``nccl`` and ``gloo`` force one. NCCL needs every rank (sender and each engine) on a GPU
-of its own. Every sender and engine meets on ``master_address`` (a holder's group listens there too), so today the
-holders must run on the machine of that address.
+of its own. Each group meets at its sender's node address (:func:`~miles_core.workers.node.node_address`): a
+holder's group at the holder's node, the driver's at the driver's node unless ``master_address`` names another of the
+driver machine's addresses. The sender opens the group's store socket on a free port there before the engines are
+asked to join (:func:`reserve_master`), so the port cannot be taken in between; the store has no authentication and
+listens on that one address alone.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -58,7 +62,8 @@ from miles_core.weight_transfer.protocol import (
     check_setting,
     is_positive_number,
 )
-from miles_core.workers.process import free_ports
+from miles_core.workers.node import node_address
+from miles_core.workers.process import listening_socket
 
 GROUP_NAME = "miles_weight_update"
 HOLDER_BUCKET_BYTES = 64 << 20
@@ -71,13 +76,14 @@ BucketSpec = tuple[list[str], list[str], list[list[int]]]
 class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "broadcast"
 
-    def __init__(self, *, master_address: str = "127.0.0.1", timeout_s: float = 120.0, backend: str = "auto") -> None:
+    def __init__(self, *, master_address: str | None = None, timeout_s: float = 120.0, backend: str = "auto") -> None:
         check_setting(
             "broadcast",
             "master_address",
             master_address,
-            valid=isinstance(master_address, str) and bool(master_address),
-            allowed="this machine's address that the engines can reach (a non-empty string)",
+            valid=master_address is None or (isinstance(master_address, str) and bool(master_address)),
+            allowed="null (the driver's node address) or an address of the driver's machine that the engines can "
+            "reach (a non-empty string)",
         )
         check_setting(
             "broadcast",
@@ -122,7 +128,12 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _driver_group(self) -> None:
         """The driver's own group with the engines, formed at the first transfer after a connect."""
         if self.group is None:
-            self.group = await self._form_group(GROUP_NAME, new_weight_update_group)
+            address, listener = reserve_master(self.master_address or node_address())
+
+            def join(**group: Any) -> Any:
+                return new_weight_update_group(**group, listener=listener)
+
+            self.group = await self._form_group(GROUP_NAME, join, address=address, port=listener.getsockname()[1])
 
     def _send(self, tensors: list) -> None:
         for _, tensor in tensors:
@@ -178,11 +189,14 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         if self._holders_joined == tuple(holders.describe()):
             return
         for holder in range(count):
+            reserved = await asyncio.to_thread(
+                holders.run_task, f"{__name__}:reserve_holder_master", key=self.key, joiner=holder
+            )
 
             def join(holder: int = holder, **group: Any) -> list[dict]:
                 return holders.run_task(f"{__name__}:join_group", key=self.key, joiner=holder, **group)
 
-            await self._form_group(self._holder_group(holder), join)
+            await self._form_group(self._holder_group(holder), join, **reserved[holder])
         self._holders_joined = tuple(holders.describe())
 
     def _holder_group(self, holder: int) -> str:
@@ -190,12 +204,11 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
 
     # -- groups and sessions --------------------------------------------------------------------------------
 
-    async def _form_group(self, group_name: str, sender_joins: Any) -> Any:
-        """Form ``group_name``: the sender (``sender_joins(**group)``, run in a thread) as rank 0, the engines as
-        ranks 1..N; what the sender's join returns."""
-        (port,) = free_ports(1, self.master_address)
+    async def _form_group(self, group_name: str, sender_joins: Any, *, address: str, port: int) -> Any:
+        """Form ``group_name`` at the sender's ``address:port`` (reserved there): the sender (``sender_joins(**group)``,
+        run in a thread) as rank 0, the engines as ranks 1..N; what the sender's join returns."""
         group = dict(
-            master_address=self.master_address,
+            master_address=address,
             master_port=port,
             world_size=len(self.engines) + 1,
             group_name=group_name,
@@ -204,7 +217,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         )
         joins = [
             client.init_weights_update_group(
-                master_address=self.master_address,
+                master_address=address,
                 master_port=port,
                 rank_offset=rank + 1,
                 world_size=len(self.engines) + 1,
@@ -317,6 +330,7 @@ class _HolderState:
     """What one holder keeps for one protocol: its group with the engines and its copy of the last version."""
 
     group: Any = None
+    listener: socket.socket | None = None  # the next group's store socket, between reserve and join
     device: str = "cpu"
     version: int | None = None
     tensors: list[tuple[str, torch.Tensor]] = dataclasses.field(default_factory=list)
@@ -326,14 +340,34 @@ _HOLDER_STATE: dict[tuple[str, int], _HolderState] = {}
 """By (protocol key, holder index): one process may be several holders (tests) or the driver too."""
 
 
+def reserve_master(address: str) -> tuple[str, socket.socket]:
+    """A group's store socket, listening on a free port of ``address`` (this process's node address) until the group
+    forms: the address and the socket."""
+    return address, listening_socket(address, 0)
+
+
+def reserve_holder_master(share: NamedTensorShare, *, holder: int, holders: int, key: str, joiner: int) -> dict:
+    """The holder task in which holder ``joiner`` opens its group's store socket on its node's address (the others
+    return at once): ``{"address", "port"}`` for the engines to join at."""
+    if holder != joiner:
+        return {}
+    state = _HOLDER_STATE.setdefault((key, holder), _HolderState())
+    address, state.listener = reserve_master(node_address())
+    return {"address": address, "port": state.listener.getsockname()[1]}
+
+
 def join_group(share: NamedTensorShare, *, holder: int, holders: int, key: str, joiner: int, **group: Any) -> dict:
-    """The holder task that forms holder ``joiner``'s group with the engines (the others return at once, their
-    shares untouched): ``group`` is :func:`new_weight_update_group`'s arguments."""
+    """The holder task that forms holder ``joiner``'s group with the engines at the socket that
+    :func:`reserve_holder_master` opened (the others return at once, their shares untouched): ``group`` is
+    :func:`new_weight_update_group`'s arguments."""
     if holder != joiner:
         return {}
     state = _HOLDER_STATE.setdefault((key, holder), _HolderState())
     state.group = None  # the last connect's group goes first
-    state.group = new_weight_update_group(**group)
+    listener, state.listener = state.listener, None
+    if listener is None:
+        raise MilesError(f"broadcast holder {holder} has no reserved group address (reserve_holder_master first)")
+    state.group = new_weight_update_group(**group, listener=listener)
     state.device = str(group_device(group["backend"]))
     return {"group": group["group_name"]}
 

@@ -2,7 +2,8 @@
 memory, ``/update_weights_from_staging``).
 
 * Engines on other machines get the bucket as safetensors bytes in the request body.
-* Engines on this machine (``shared_memory``, the default when an engine's host is loopback) share staging files in
+* Engines on this machine (``shared_memory``, the default when an engine's host is the sender's node address or
+  loopback: :func:`~miles_core.workers.node.is_this_node`) share staging files in
   the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept them from)
   with the trainer: the trainer copies a bucket into one once, every engine copies it out into its weights, and the
   request carries only the file and its :class:`~miles_core.engines.staging_layout.StagingLayout`. Two files
@@ -47,8 +48,7 @@ from miles_core.weight_transfer.protocol import (
     WeightBucket,
     check_setting,
 )
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from miles_core.workers.node import is_this_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     def _local(self, client: EngineClient) -> bool:
         if self.shared_memory is not None:
             return self.shared_memory
-        return urlparse(client.url).hostname in LOOPBACK
+        return is_this_node(urlparse(client.url).hostname)
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         if self._zero_copy_applies():
@@ -308,7 +308,7 @@ async def _send_share(
 
     async def send(endpoint: EngineEndpoint) -> None:
         async with EngineClient(endpoint.url, admin_key=endpoint.admin_key, name=endpoint.name) as client:
-            local = shared_memory if shared_memory is not None else urlparse(endpoint.url).hostname in LOOPBACK
+            local = shared_memory if shared_memory is not None else is_this_node(urlparse(endpoint.url).hostname)
             if local:
                 await client.update_weights_from_staging(
                     staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout

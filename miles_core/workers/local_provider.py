@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from miles_core.workers.errors import WorkerStartError
+from miles_core.workers.node import LOOPBACK, NODE_ADDRESS_ENV
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo, wait_healthy
 from miles_core.workers.python_worker import READY_FILE_ENV, SPEC_ENV
@@ -45,6 +46,7 @@ class LocalWorkerProvider(BaseWorkerProvider):
             **os.environ,
             **spec.env,
             TOKEN_ENV: self.token,
+            NODE_ADDRESS_ENV: LOOPBACK,
             SPEC_ENV: spec.model_dump_json(),
             READY_FILE_ENV: str(ready_file),
         }
@@ -77,15 +79,15 @@ class LocalWorkerProvider(BaseWorkerProvider):
             url=url,
             ports={},
             pid=process.pid,
-            node="127.0.0.1",
+            node=LOOPBACK,
             log_file=str(log_file),
             health_url=f"{url}{HEALTH_PATH}",
         )
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
-        ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        command = spec.resolve(ports, token=self.token)
-        env = {**os.environ, TOKEN_ENV: self.token, **command.env}
+        ports = dict(zip(spec.ports, free_ports(len(spec.ports), LOOPBACK), strict=True))
+        command = spec.resolve(ports, host=LOOPBACK, token=self.token)
+        env = {**os.environ, TOKEN_ENV: self.token, NODE_ADDRESS_ENV: LOOPBACK, **command.env}
         process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         self.processes[spec.name] = process
         if command.health_url is not None:
@@ -106,7 +108,7 @@ class LocalWorkerProvider(BaseWorkerProvider):
             url=command.url,
             ports=ports,
             pid=process.pid,
-            node=spec.host,
+            node=LOOPBACK,
             log_file=str(log_file),
             health_url=command.health_url,
         )

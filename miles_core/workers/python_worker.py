@@ -30,8 +30,8 @@ def build_target(spec: PythonWorkerSpec) -> Any:
     return cls(**spec.kwargs)
 
 
-def make_server(spec: PythonWorkerSpec, target: Any, *, token: str, host: str = "127.0.0.1") -> RpcServer:
-    """The RPC server for a built worker object."""
+def make_server(spec: PythonWorkerSpec, target: Any, *, token: str, host: str | None = None) -> RpcServer:
+    """The RPC server for a built worker object, on ``host`` (default: this node's address)."""
     return RpcServer(
         target, token=token, name=spec.name, host=host, groups=spec.rpc_groups, result_ttl_s=spec.result_ttl_s
     )

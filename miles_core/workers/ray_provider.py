@@ -38,6 +38,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from miles_core.workers.errors import WorkerError, WorkerStartError
+from miles_core.workers.node import set_node_address
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
@@ -74,12 +75,15 @@ class WorkerActor:
         }
 
     def start(self, spec_json: str, kind: str, *, token: str, log_file: str, host: str) -> dict[str, Any]:
+        """Start the worker, bound to ``host`` (this node's address); the worker and the processes it starts find
+        that address in ``MILES_NODE_ADDRESS``."""
         spec_class = PythonWorkerSpec if kind == "python" else CommandWorkerSpec
         spec = spec_class.model_validate_json(spec_json)
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        set_node_address(host)
         if isinstance(spec, PythonWorkerSpec):
             return self._start_python(spec, token=token, log_file=log_file, host=host)
-        return self._start_command(spec, token=token, log_file=log_file)
+        return self._start_command(spec, token=token, log_file=log_file, host=host)
 
     def _start_python(self, spec: PythonWorkerSpec, *, token: str, log_file: str, host: str) -> dict[str, Any]:
         log = open(log_file, "ab", buffering=0)  # noqa: SIM115 - lives as long as the actor process
@@ -91,9 +95,9 @@ class WorkerActor:
         url = self.server.url
         return {"url": url, "pid": os.getpid(), "ports": {}, "health_url": f"{url}{HEALTH_PATH}"}
 
-    def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str) -> dict[str, Any]:
-        ports = dict(zip(spec.ports, free_ports(len(spec.ports), spec.host), strict=True))
-        command = spec.resolve(ports, token=token)
+    def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str, host: str) -> dict[str, Any]:
+        ports = dict(zip(spec.ports, free_ports(len(spec.ports), host), strict=True))
+        command = spec.resolve(ports, host=host, token=token)
         env = {**os.environ, TOKEN_ENV: token, **command.env}
         self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         if command.health_url is not None and not self._wait_healthy(command.health_url, spec.startup_timeout_s):
@@ -166,6 +170,7 @@ class RayWorkerProvider(BaseWorkerProvider):
         if not ray.is_initialized():
             init_ray(address, **ray_init)
         self.driver_ip = ray.util.get_node_ip_address()
+        set_node_address(self.driver_ip)  # the driver's own listeners (a protocol's group) bind its node's address
         self.slots: dict[str, _Slot] = {}
         self.groups: list[PlacementGroup] = []
 
@@ -231,7 +236,7 @@ class RayWorkerProvider(BaseWorkerProvider):
         if slot.actor is None:  # restarted: a fresh actor in the same bundle
             slot.actor = self._new_actor(slot.group, slot.bundle_index, spec.num_cpus, spec.num_gpus)
         log_file = str(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
-        host = "127.0.0.1" if slot.location["node_ip"] == self.driver_ip else slot.location["node_ip"]
+        host = slot.location["node_ip"]  # loopback for a local Ray; the node's cluster address otherwise
         try:
             started = await slot.actor.start.remote(
                 spec.model_dump_json(), spec.kind, token=self.token, log_file=log_file, host=host

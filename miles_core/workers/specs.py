@@ -1,7 +1,8 @@
 """Worker specs: what to start. Every kind of worker (engine, router, trainer rank, session server) is one of these.
 
 Strings in a :class:`CommandWorkerSpec` (argv, env values, health URL) may hold ``{host}`` and ``{NAME}`` for each
-port named in ``ports``; the provider fills them in with the host and free ports it allocated.
+port named in ``ports``; the provider fills them in with the address of the worker's node (where it must bind, never
+``0.0.0.0``) and free ports there.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import dataclasses
 from typing import Annotated, Any
 
 import pydantic
+
+from miles_core.workers.node import LOOPBACK, url_host
 
 WorkerName = Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 WorkerRole = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
@@ -56,18 +59,18 @@ class CommandWorkerSpec(_Spec):
     health_url: str | None = pydantic.Field(
         default=None, description="URL that answers 200 once the worker is ready, e.g. http://{host}:{port}/health."
     )
-    host: str = "127.0.0.1"
 
-    def resolve(self, ports: dict[str, int], *, token: str = "") -> ResolvedCommand:
-        """Fill ``{host}``, ``{token}`` (the run's token, for servers that take their admin key as a flag) and the
-        port placeholders in with the allocated ``ports``."""
-        fill = {"host": self.host, "token": token, **{name: str(port) for name, port in ports.items()}}
+    def resolve(self, ports: dict[str, int], *, host: str = LOOPBACK, token: str = "") -> ResolvedCommand:
+        """Fill ``{host}`` (the address of the node the provider started the worker on: it binds there and is
+        reached there), ``{token}`` (the run's token, for servers that take their admin key as a flag) and the port
+        placeholders in with the allocated ``ports``."""
+        fill = {"host": host, "token": token, **{name: str(port) for name, port in ports.items()}}
         try:
             return ResolvedCommand(
                 argv=[arg.format(**fill) for arg in self.argv],
                 env={key: value.format(**fill) for key, value in self.env.items()},
                 health_url=self.health_url.format(**fill) if self.health_url else None,
-                url=f"http://{self.host}:{ports[self.ports[0]]}" if self.ports else None,
+                url=f"http://{url_host(host)}:{ports[self.ports[0]]}" if self.ports else None,
             )
         except (KeyError, IndexError) as exc:
             raise ValueError(

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_core.distributed import tcp_store
+from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
-from miles_core.workers.process import free_ports
+from miles_core.workers.node import LOOPBACK
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_state
 from miles_plugins_megatron.conversion import hf_to_megatron
 from miles_plugins_megatron.cpu_compat import causal_mask, seed_model_parallel_rng
@@ -70,8 +70,11 @@ def ensure_single_rank_parallel_state() -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        (port,) = free_ports(1)
-        store = tcp_store("127.0.0.1", port, world_size=1, is_master=True, timeout=datetime.timedelta(minutes=10))
+        # a world of one process: its store listens on loopback, where nothing outside this process joins
+        init_method, listener = reserve_rendezvous(LOOPBACK)
+        host, port = tcp_init_method_address(init_method)
+        timeout = datetime.timedelta(minutes=10)
+        store = tcp_store(host, port, world_size=1, is_master=True, timeout=timeout, listener=listener)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles_core.config.sections import TrainSection
-from miles_core.distributed import tcp_init_method_address, tcp_store
+from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
 from miles_core.engines.routed_experts import NOT_ROUTED
 from miles_core.errors import MilesError
 from miles_core.models.selection import DSV4_FAMILY
@@ -25,6 +26,7 @@ from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
+from miles_core.workers.node import node_address
 from miles_core.workers.rpc.server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"
@@ -39,7 +41,6 @@ class MegatronRank:
         *,
         rank: int,
         world_size: int,
-        init_method: str,
         tensor_parallel: int,
         expert_parallel: int = 1,
         model_path: str,
@@ -51,7 +52,7 @@ class MegatronRank:
         threads: int | None = None,
         reference_path: str | None = None,
     ) -> None:
-        self.rank, self.world_size, self.init_method = rank, world_size, init_method
+        self.rank, self.world_size = rank, world_size
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
         self.expert_parallel = expert_parallel
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
@@ -60,12 +61,21 @@ class MegatronRank:
         self.threads = threads
         self.reference_path = reference_path
         self.model: torch.nn.Module | None = None
+        self._rendezvous: socket.socket | None = None  # rank 0: the group's store socket, open ahead of setup
 
     # -- setup ------------------------------------------------------------------------------------------------
 
     @rpc_method(group="train")
-    def setup(self) -> dict[str, Any]:
-        """Join the process group, build this rank's shard of the model and load the checkpoint into it."""
+    def rendezvous(self) -> str:
+        """Rank 0's part before :meth:`setup`: where the ranks meet (``tcp://`` this rank's node address and a port
+        free there), its socket held open for the group's store."""
+        init_method, self._rendezvous = reserve_rendezvous(node_address())
+        return init_method
+
+    @rpc_method(group="train")
+    def setup(self, init_method: str) -> dict[str, Any]:
+        """Join the process group at ``init_method`` (what rank 0's :meth:`rendezvous` returned), build this rank's
+        shard of the model and load the checkpoint into it."""
         from megatron.core import parallel_state  # deferred: megatron-core takes ~10 s to import
 
         from miles_plugins_megatron.checkpoint import read_hf_config
@@ -79,8 +89,11 @@ class MegatronRank:
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(minutes=10)
-        host, port = tcp_init_method_address(self.init_method)
-        store = tcp_store(host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout)
+        host, port = tcp_init_method_address(init_method)
+        store = tcp_store(
+            host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout, listener=self._rendezvous
+        )
+        self._rendezvous = None  # the store owns the socket now
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=self.tensor_parallel, expert_model_parallel_size=self.expert_parallel

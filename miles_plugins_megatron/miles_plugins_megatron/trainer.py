@@ -30,7 +30,6 @@ from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.weight_transfer.holders import raise_holder_errors
 from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.process import free_ports
 from miles_core.workers.specs import TRAINER, PythonWorkerSpec
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_config
 from miles_plugins_megatron.config import MegatronSection
@@ -280,12 +279,10 @@ class _ExportedWeights(HfWeightIterator):
 def _rank_specs(
     model_path: Path, *, train: Any, layout: MegatronSection, seed: int, export_dir: Path, reference_path: Path
 ) -> list[PythonWorkerSpec]:
-    (port,) = free_ports(1)
     backend = layout.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     threads = layout.threads_per_rank or max(1, (torch.get_num_threads() or 1) // layout.world_size)
     common = dict(
         world_size=layout.world_size,
-        init_method=f"tcp://127.0.0.1:{port}",
         tensor_parallel=layout.tensor_parallel,
         expert_parallel=layout.expert_parallel,
         model_path=str(model_path),
@@ -346,7 +343,8 @@ class _Ranks:
         self.handles = [
             WorkerHandle(self.provider.client(name, timeout_s=timeout_s), MegatronRank) for name in self.names
         ]
-        return await self._on_every_rank("setup")
+        init_method = await self.handles[0].rendezvous()  # rank 0's node address, a port free there
+        return await self._on_every_rank("setup", init_method)
 
     def describe(self) -> str:
         """Where each rank runs: ``name pid N [node ADDRESS (id ABCDEF12) bundle I]``."""

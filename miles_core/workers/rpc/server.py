@@ -1,10 +1,11 @@
 """The worker RPC server: submit-poll over HTTP, with long polling, concurrency groups and an expiring call store.
 
-A worker marks the methods it serves with :func:`rpc_method`; :class:`RpcServer` serves them on 127.0.0.1 by
-default. A submit is checked whole before anything runs: its fields, the method, the arguments against the
-method's signature and, strictly, against its type hints (``true`` is not an ``int``, ``"5"`` is not an ``int``,
-non-finite numbers are refused, containers and pydantic models are checked element by element). Results are JSON.
-A call id is executed at most once: resubmitting it returns the same call.
+A worker marks the methods it serves with :func:`rpc_method`; :class:`RpcServer` serves them on its node's address
+(:func:`~miles_core.workers.node.node_address`: loopback on one machine) by default. A submit is checked whole
+before anything runs: its fields, the method, the arguments against the method's signature and, strictly, against
+its type hints (``true`` is not an ``int``, ``"5"`` is not an ``int``, non-finite numbers are refused, containers
+and pydantic models are checked element by element). Results are JSON. A call id is executed at most once:
+resubmitting it returns the same call.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from miles_core.http import (
     parse_json_object,
     read_body,
 )
+from miles_core.workers.node import node_address, url_host
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.arguments import ArgumentCheck, ArgumentError, short_repr
 from miles_core.workers.rpc.call_store import DEFAULT_RESULT_TTL_S, CallStore, StoredCall, StoreFullError
@@ -135,7 +137,7 @@ class RpcServer:
         *,
         token: str,
         name: str = "worker",
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int = 0,
         groups: dict[str, int | None] | None = None,
         result_ttl_s: float = DEFAULT_RESULT_TTL_S,
@@ -146,7 +148,7 @@ class RpcServer:
         if not token:
             raise ValueError("an RPC server needs the run's token")
         self.name = name
-        self.host = host
+        self.host = host or node_address()
         self.port = port
         self._token = token
         self._group_limits = dict(DEFAULT_GROUPS if groups is None else groups)
@@ -166,7 +168,7 @@ class RpcServer:
     @property
     def url(self) -> str:
         """The base URL, once started."""
-        return f"http://{self.host}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     def register(self, name: str, fn: Callable, *, group: str = "control") -> None:
         """Serve ``fn`` as method ``name`` in concurrency group ``group``."""

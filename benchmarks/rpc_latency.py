@@ -21,6 +21,7 @@ import ray
 
 from miles_core.testkit.echo_worker import ECHO_GROUPS
 from miles_core.workers.local_provider import LocalWorkerProvider
+from miles_core.workers.ray_provider import init_ray
 from miles_core.workers.specs import PythonWorkerSpec
 
 TOKEN = "bench-token"
@@ -66,7 +67,7 @@ async def main(calls: int, concurrency: int) -> None:
     info = await provider.start(spec)
     client = provider.client("bench")
     http = httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"})
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=2)  # a Ray of its own, never one that `ray start` left running
     actor = PingActor.remote()
     await actor.ping.remote()
 

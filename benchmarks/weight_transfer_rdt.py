@@ -43,7 +43,7 @@ from weight_transfer import (  # the same baseline and warm-up as benchmarks/wei
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.ray_provider import RayWorkerProvider
+from miles_core.workers.ray_provider import RayWorkerProvider, init_ray
 from miles_core.workers.specs import ENGINE, CommandWorkerSpec
 
 TOKEN = "bench-admin"
@@ -160,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
         print("-- across machines: UCX over TCP only, tensor without shared memory", flush=True)
     with ray_nodes(args.two_raylets) as (address, pins):
         if address is None:
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+            init_ray(num_cpus=4)  # a Ray of its own, never one that `ray start` left running
         await run_sizes(args, workdir, address, pins)
 
 

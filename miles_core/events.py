@@ -58,11 +58,13 @@ class EngineInfo:
 
 @dataclasses.dataclass(frozen=True)
 class RouterInfo:
-    """A router in front of the engines: its worker name, URL and pid."""
+    """A router in front of the engines: its worker name, URL and pid, and the key its control routes (worker
+    registration) take (never recorded: :meth:`to_dict` leaves it out)."""
 
     name: str
     url: str
     pid: int | None
+    admin_key: str = dataclasses.field(default="", repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"name": self.name, "url": self.url, "pid": self.pid}

@@ -113,6 +113,9 @@ async def _run_with_trainer(
         .load()
         .for_run(config.run, token=setup.token, run_dir=setup.run_dir)
     )
+    provider.require_shared(setup.model_path, what="the model directory", setting="model.path (--model)")
+    for shared in protocol.shared_directories():
+        provider.require_shared(shared.path, what=shared.what, setting=shared.setting)
     backend = load_engine_backend(registries, config.engine.backend)
     controller = InferenceController(
         config=config,

@@ -9,7 +9,7 @@ import pydantic
 
 from miles_core.config.section import Section
 from miles_core.workers.ray_settings import check_ray_address, check_resources
-from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
+from miles_core.workers.specs import ENGINE, ROUTER, SESSION_SERVER, TRAINER
 
 FamilyName = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z0-9_]+$")]
 
@@ -50,13 +50,20 @@ class RunSection(Section):
         default_factory=dict,
         description="Custom Ray resources the router's bundle asks for, pinning it to the nodes that offer them.",
     )
+    ray_session_resources: dict[str, float] = pydantic.Field(
+        default_factory=dict,
+        description="Custom Ray resources each session server's bundle asks for (agent runs), pinning the session "
+        "servers to the nodes that offer them.",
+    )
 
     @pydantic.field_validator("ray_address")
     @classmethod
     def _known_address_form(cls, value: str | None) -> str | None:
         return None if value is None else check_ray_address(value)
 
-    @pydantic.field_validator("ray_trainer_resources", "ray_engine_resources", "ray_router_resources")
+    @pydantic.field_validator(
+        "ray_trainer_resources", "ray_engine_resources", "ray_router_resources", "ray_session_resources"
+    )
     @classmethod
     def _custom_resources(cls, value: dict[str, float]) -> dict[str, float]:
         return check_resources(value)
@@ -74,16 +81,24 @@ class RunSection(Section):
 
     @property
     def ray_resources_by_role(self) -> dict[str, dict[str, float]]:
-        """Role (``trainer``, ``engine``, ``router``) -> the custom resources its workers' bundles ask for."""
+        """Role (``trainer``, ``engine``, ``router``, ``session_server``) -> the custom resources its workers'
+        bundles ask for."""
         by_role = {
             TRAINER: self.ray_trainer_resources,
             ENGINE: self.ray_engine_resources,
             ROUTER: self.ray_router_resources,
+            SESSION_SERVER: self.ray_session_resources,
         }
         return {role: resources for role, resources in by_role.items() if resources}
 
 
-RAY_FIELDS = ("ray_address", "ray_trainer_resources", "ray_engine_resources", "ray_router_resources")
+RAY_FIELDS = (
+    "ray_address",
+    "ray_trainer_resources",
+    "ray_engine_resources",
+    "ray_router_resources",
+    "ray_session_resources",
+)
 """The ``run`` fields that only the Ray worker provider reads."""
 
 

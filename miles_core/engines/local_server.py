@@ -68,6 +68,7 @@ from miles_core.http import (
     read_body,
     safe_message,
 )
+from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV
 
@@ -742,7 +743,7 @@ def _sampling_params(raw: Any, count: int) -> list[SamplingParams]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miles_core.engines.local_server", description=__doc__)
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument(
         "--admin-api-key",

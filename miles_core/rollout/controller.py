@@ -148,7 +148,11 @@ class InferenceController:
         self.router_client = EngineClient(
             self.router.url, name=self.router.name, admin_key=self.provider.token, is_router=True
         )
-        self.hooks.register_router(router=RouterInfo(name=self.router.name, url=self.router.url, pid=self.router.pid))
+        self.hooks.register_router(
+            router=RouterInfo(
+                name=self.router.name, url=self.router.url, pid=self.router.pid, admin_key=self.provider.token
+            )
+        )
 
     def _specs(self, cell_id: str) -> list[WorkerSpec]:
         specs = self.backend.engine_specs(self.config, cell_id=cell_id, model_path=self.model_path)

@@ -32,6 +32,7 @@ from miles_core.weight_transfer.protocol import (
     check_setting,
     is_whole_number,
 )
+from miles_core.workers.provider import SharedPath
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -89,6 +90,15 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
         super().__init__(work_dir=work_dir, keep_versions=keep_versions)
         self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
         self.keep_versions = keep_versions
+
+    def shared_directories(self) -> list[SharedPath]:
+        return [
+            SharedPath(
+                str(self.work_dir.absolute()),
+                what="the disk protocol's work directory",
+                setting="weight_transfer.settings work_dir (--weight-transfer-settings '{work_dir: DIR}')",
+            )
+        ]
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         started = time.perf_counter()

@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from miles_core.workers.provider import SharedPath
+
 if TYPE_CHECKING:  # torch is imported by the implementations; the interface stays light
     import torch
 
@@ -76,6 +78,12 @@ class WeightTransferProtocol(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional step, most protocols hold nothing to release
         """Release the channel. The default does nothing."""
+
+    def shared_directories(self) -> list[SharedPath]:
+        """Directories whose files the engines read by path (``disk``'s work directory): on a cluster, every engine's
+        node must see each as the driver does, which the worker provider checks before engines start there. The
+        default: none."""
+        return []
 
 
 class SendsFromHolders(abc.ABC):

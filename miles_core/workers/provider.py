@@ -41,6 +41,16 @@ class WorkerInfo:
         return text
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedPath:
+    """A directory that workers on other nodes must see as the driver does (shared storage): the run directory, a
+    model directory, a protocol's work directory. ``what`` names it and ``setting`` is where the user sets it."""
+
+    path: str
+    what: str
+    setting: str
+
+
 class BaseWorkerProvider(abc.ABC):
     """Starts workers from specs and supervises them. All methods are safe to call from one event loop."""
 
@@ -48,6 +58,15 @@ class BaseWorkerProvider(abc.ABC):
         self.token = token
         self.workers: dict[str, WorkerInfo] = {}
         self.specs: dict[str, WorkerSpec] = {}
+        self.shared_paths: list[SharedPath] = []
+
+    def require_shared(self, path: str | Path, *, what: str, setting: str) -> None:
+        """Workers this provider starts on another node than the driver's will read ``path``: a provider that places
+        workers on other machines checks, before it starts any there, that each such node sees it (one that runs
+        every worker on the driver's machine has nothing to check)."""
+        shared = SharedPath(str(Path(path).absolute()), what, setting)
+        if shared not in self.shared_paths:
+            self.shared_paths.append(shared)
 
     @classmethod
     def for_run(cls, run: Any, *, token: str, run_dir: str | Path) -> BaseWorkerProvider:

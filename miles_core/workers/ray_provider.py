@@ -35,10 +35,11 @@ import ray
 from ray._private import ray_constants
 from ray.exceptions import AuthenticationError as RayAuthenticationError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from miles_core.workers.errors import WorkerError, WorkerStartError
 from miles_core.workers.node import set_node_address
+from miles_core.workers.node_check import NodeCheckError, make_witnesses, miles_packages, node_problems, probe_node
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
@@ -171,6 +172,9 @@ class RayWorkerProvider(BaseWorkerProvider):
             init_ray(address, **ray_init)
         self.driver_ip = ray.util.get_node_ip_address()
         set_node_address(self.driver_ip)  # the driver's own listeners (a protocol's group) bind its node's address
+        self.require_shared(self.run_dir, what="the run directory", setting="run.output_dir (--output-dir)")
+        self.checked_nodes = {ray.get_runtime_context().get_node_id()}  # the driver's node sees what it sees
+        self.witnesses: list | None = None  # made at the first node check (the shared paths are known by then)
         self.slots: dict[str, _Slot] = {}
         self.groups: list[PlacementGroup] = []
 
@@ -213,7 +217,20 @@ class RayWorkerProvider(BaseWorkerProvider):
         self.groups.append(group)
         num_cpus, num_gpus = specs[0].num_cpus, specs[0].num_gpus
         actors = [self._new_actor(group, index, num_cpus, num_gpus) for index in range(len(specs))]
-        locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))
+        try:
+            locations = await asyncio.gather(*(actor.locate.remote() for actor in actors))
+            await self._check_nodes({location["node_id"]: location["node_ip"] for location in locations})
+        except BaseException as exc:
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(group)
+            self.groups.remove(group)
+            if isinstance(exc, ray.exceptions.RayActorError):
+                raise WorkerStartError(
+                    f"the Ray actors of {names} could not start on their nodes ({exc}); every node needs the same "
+                    "Miles and plugins installed"
+                ) from None
+            raise
         slots = [
             _Slot(group, index, location, actor)
             for index, (actor, location) in enumerate(zip(actors, locations, strict=True))
@@ -223,6 +240,37 @@ class RayWorkerProvider(BaseWorkerProvider):
             slot.location = {**slot.location, "bundle_index": slot.bundle_index, "placement_group": group.id.hex()}
             self.slots[spec.name] = slot
         return slots
+
+    async def _check_nodes(self, nodes: Mapping[str, str]) -> None:
+        """Each node (id: address) other than the driver's, the first time a worker is placed there: it sees the
+        shared directories (:meth:`require_shared`: the run directory and what the run added) and imports the
+        driver's Miles packages; one that does not is a :class:`NodeCheckError` naming it."""
+        new = {node_id: ip for node_id, ip in nodes.items() if node_id not in self.checked_nodes}
+        if not new:
+            return
+        if self.witnesses is None:
+            self.witnesses = make_witnesses(self.shared_paths)
+        wire = [(witness.file, witness.digest) for witness in self.witnesses]
+        packages = miles_packages()
+        probes = {
+            node_id: _probe_node.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            ).remote(wire, packages)
+            for node_id in new
+        }
+        for node_id, probe in probes.items():
+            try:
+                found = await asyncio.wait_for(probe, timeout=NODE_CHECK_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                raise NodeCheckError(
+                    f"node {new[node_id]} (id {node_id[:8]}) did not run the node check within "
+                    f"{NODE_CHECK_TIMEOUT_S:.0f} s ({type(exc).__name__}: {str(exc)[:500]}); every node needs the "
+                    "same Miles and plugins installed"
+                ) from None
+            problems = node_problems(f"{new[node_id]} (id {node_id[:8]})", self.witnesses, found)
+            if problems is not None:
+                raise NodeCheckError(problems)
+            self.checked_nodes.add(node_id)
 
     def _new_actor(self, group: PlacementGroup, index: int, num_cpus: float, num_gpus: float) -> Any:
         strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
@@ -294,6 +342,10 @@ class RayWorkerProvider(BaseWorkerProvider):
 
     async def shutdown(self) -> None:
         await super().shutdown()
+        for witness in self.witnesses or []:
+            if witness.probe:
+                Path(witness.file).unlink(missing_ok=True)
+        self.witnesses = None
         for group in self.groups:
             remove_placement_group(group)
         self.groups.clear()
@@ -302,6 +354,15 @@ class RayWorkerProvider(BaseWorkerProvider):
     async def _kill_actor(self, slot: _Slot) -> None:
         ray.kill(slot.actor, no_restart=True)
         slot.actor = None
+
+
+NODE_CHECK_TIMEOUT_S = 120.0
+"""How long a node may take to run its check (it imports the driver's Miles packages, some of them heavy)."""
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe_node(witnesses: list[tuple[str, str]], packages: list[str]) -> dict[str, list[str]]:
+    return probe_node(witnesses, packages)
 
 
 CLUSTER_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR

@@ -16,9 +16,9 @@ from miles_core.workers.node import LOOPBACK, url_host
 
 WorkerName = Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 WorkerRole = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
-TRAINER, ENGINE, ROUTER = "trainer", "engine", "router"
-"""The roles the core gives: trainer ranks, engine workers (set by the controller unless the backend set one) and
-routers."""
+TRAINER, ENGINE, ROUTER, SESSION_SERVER = "trainer", "engine", "router", "session_server"
+"""The roles the core gives: trainer ranks, engine workers (set by the controller unless the backend set one),
+routers and an agent run's session servers."""
 
 
 class _Spec(pydantic.BaseModel):

@@ -100,9 +100,15 @@ class MegatronTrainer:
             train=config.train,
             layout=config.megatron,
             seed=config.run.seed,
-            provider_factory=lambda: provider_cls.for_run(config.run, token=token, run_dir=run_dir),
+            provider_factory=lambda: _run_provider(
+                provider_cls.for_run(config.run, token=token, run_dir=run_dir),
+                model_path=model_path,
+                reference_path=initial_model_path,
+            ),
             reference_path=initial_model_path,
             tokenizer_from=initial_model_path,
+            # ranks on other nodes write the export where the driver reads it: the run directory (shared storage)
+            export_parent=None if config.run.worker_provider == "local" else run_dir,
         )
         print(
             f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
@@ -122,13 +128,15 @@ class MegatronTrainer:
         provider_factory: Callable[[], Any],
         reference_path: str | Path | None = None,
         tokenizer_from: str | Path | None = None,
+        export_parent: str | Path | None = None,
     ) -> MegatronTrainer:
         """Check the checkpoint and layout, start every rank and load the checkpoint into it. The KL reference
         is ``reference_path`` (default: the checkpoint itself); checkpoints copy the tokenizer files of the model
-        directory ``tokenizer_from`` (none when ``None``)."""
+        directory ``tokenizer_from`` (none when ``None``). Rank 0 writes exported weights for the driver under
+        ``export_parent`` (default: this machine's shared memory)."""
         model_path = Path(model_path)
         hf_config = checked_hf_config(model_path, layout)
-        export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=_shared_memory_dir()))
+        export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=export_parent or _shared_memory_dir()))
         ranks = _Ranks(provider_factory)
         try:
             specs = _rank_specs(
@@ -307,6 +315,13 @@ def _rank_specs(
         )
         for rank in range(layout.world_size)
     ]
+
+
+def _run_provider(provider: Any, *, model_path: Path, reference_path: Path) -> Any:
+    """The run's provider, told what the ranks read on their nodes (it checks those nodes see it)."""
+    provider.require_shared(model_path, what="the model directory", setting="model.path (--model)")
+    provider.require_shared(reference_path, what="the run's initial model (the KL reference)", setting="model.path")
+    return provider
 
 
 def _shared_memory_dir() -> str | None:

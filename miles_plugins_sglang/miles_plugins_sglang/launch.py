@@ -207,13 +207,16 @@ def _has_sglang(python: str) -> bool:
 
 
 def sglang_router_spec(config: Any) -> CommandWorkerSpec:
-    """The sglang-router, with its server and its Prometheus endpoint on the worker's host (never 0.0.0.0)."""
+    """The sglang-router, with its server and its Prometheus endpoint on the worker's node address (never 0.0.0.0),
+    its control routes keyed with the run's token."""
     sglang = config.sglang
     argv = [
         *_command(sglang.router_command, sglang_python=sglang.sglang_python()),
         *("--host", "{host}", "--port", "{port}", "--prometheus-host", "{host}", "--prometheus-port", "{prometheus}"),
         *("--policy", sglang.router_policy, "--health-check-interval-secs", str(sglang.router_health_check_interval_s)),
         *("--log-level", "warn"),
+        # worker registration and the router's other control routes take the run's token (401 without it)
+        *("--control-plane-api-keys", "miles:miles-run:admin:{token}"),
         *map(_literal, sglang.router_extra_args),
     ]
     return CommandWorkerSpec(

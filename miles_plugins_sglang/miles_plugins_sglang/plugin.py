@@ -80,7 +80,7 @@ class SglangPlugin:
         previous = self.routers.pop(router.name, None)
         if previous is not None:
             previous.close()
-        self.routers[router.name] = RouterRegistrar(router.url)
+        self.routers[router.name] = RouterRegistrar(router.url, admin_key=router.admin_key)
 
     @hookimpl
     def register_engines(self, engines: list[EngineInfo]) -> None:

@@ -2,7 +2,9 @@
 
 ``POST /workers {"url"}`` answers 202 with a ``worker_id`` and registers in the background (the router checks the
 worker's health, server and model info first); ``GET /workers`` lists the workers registered so far;
-``DELETE /workers/<worker_id>`` removes one. The registrar remembers the id of every URL it added.
+``DELETE /workers/<worker_id>`` removes one. The registrar remembers the id of every URL it added. These routes
+take the run's token as the router's control-plane admin key (``--control-plane-api-keys``): without it, the router
+answers 401.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from miles_core.errors import MilesError
 class RouterRegistrar:
     """Registers and removes engines on one router; :meth:`sync` makes the router route to exactly ``urls``."""
 
-    def __init__(self, url: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, admin_key: str = "", timeout_s: float = 60.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.client = httpx.Client(base_url=self.url, timeout=10.0)
+        headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.client = httpx.Client(base_url=self.url, timeout=10.0, headers=headers)
         self.worker_ids: dict[str, str] = {}  # engine URL -> the router's worker id
 
     def registered_urls(self) -> set[str]:

@@ -10,14 +10,14 @@ import ray
 
 from miles_core.engines.staging import weight_staging_dir
 from miles_core.testkit.protocol_contract import CONTRACT_TOKEN, ContractEngines
-from miles_core.workers.ray_provider import RayWorkerProvider
+from miles_core.workers.ray_provider import RayWorkerProvider, init_ray
 
 
 @pytest.fixture(scope="package")
 def ray_cluster():
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_ray(num_cpus=4)  # a Ray of its own, never one that `ray start` left running
     yield
     if started_here:
         ray.shutdown()

@@ -80,9 +80,10 @@ from miles_core.rollout.sessions.api import (
 from miles_core.rollout.sessions.batching import TurnBatcher
 from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
 from miles_core.rollout.sessions.session import Session
+from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV
-from miles_core.workers.specs import CommandWorkerSpec
+from miles_core.workers.specs import SESSION_SERVER, CommandWorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -457,6 +458,7 @@ def session_server_spec(
         health_url="http://{host}:{port}/health",
         startup_timeout_s=config.engine.startup_timeout_s,
         num_cpus=0,
+        role=SESSION_SERVER,
     )
 
 
@@ -482,7 +484,7 @@ def load_chat_format(name: str, model_path: str) -> ChatFormat:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.sessions.server", description=__doc__)
     parser.add_argument("--engine-url", required=True, help="an engine's (or the router's) URL")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     parser.add_argument("--chat-format", required=True, help="a registered chat format (miles plugins)")
     parser.add_argument("--model-path", required=True, help="the model directory whose tokenizer the format uses")

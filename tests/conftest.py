@@ -23,6 +23,7 @@ SERIAL_TESTS = (
     "tests/test_train_rdt.py",
     "tests/weight_transfer/test_broadcast_",
     "tests/workers/",  # RPC deadlines and health timeouts of a second or so, and Ray clusters
+    "tests/cluster/",  # hosts in network namespaces, a Ray node each, and learning runs across them
     "tests/test_train.py",  # learning runs and engine deaths mid-run
     "tests/test_train_fully_async.py",
     "tests/test_train_moe.py",  # MoE learning runs

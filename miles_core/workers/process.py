@@ -14,12 +14,15 @@ from typing import BinaryIO
 
 import psutil
 
+from miles_core.workers.node import node_address
+
 LOG_TAIL_BYTES = 4096
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that are free on ``host`` (a name, an IPv4 or an IPv6 address) right now (all held
-    open until all are chosen)."""
+def free_ports(count: int, host: str | None = None) -> list[int]:
+    """``count`` distinct ports that are free on ``host`` (a name, an IPv4 or an IPv6 address; default: this node's
+    address) right now (all held open until all are chosen)."""
+    host = host or node_address()
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     sockets = []
     try:

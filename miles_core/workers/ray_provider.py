@@ -474,7 +474,8 @@ def check_cluster_offers(bundle: Mapping[str, float], *, count: int, names: str)
                 f"cannot place {_workers(count)} ({names}): each asks for {amount:g} of the custom resource {name!r}, "
                 f"{amount * count:g} in all, and the cluster's nodes offer {offered.get(name, 0.0):g}; start nodes "
                 f"with --resources='{{\"{name}\": N}}' or change run.ray_*_resources (custom resources offered: "
-                f"{custom or 'none'})"
+                f"{custom or 'none'}; a node whose Ray started without the cluster's token never joins: `ray start` "
+                "on it says InvalidAuthToken)"
             )
 
 

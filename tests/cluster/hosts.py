@@ -50,6 +50,7 @@ class Host:
     address: str
     resources: Mapping[str, float]
     private_dirs: tuple[str, ...] = ()
+    wrong_token: bool = False  # its Ray node starts with another token than the cluster's (and so never joins)
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run in this host's network namespace (and, with private directories, behind its own mounts)."""
@@ -75,7 +76,13 @@ class Hosts:
     """``count`` hosts on a bridge of their own (``10.{subnet}.0.{1..count}/24``), a Ray node in each. Use as a
     context manager; :meth:`kill_host` stops one host's processes (a node that dies)."""
 
-    def __init__(self, resources: Sequence[Mapping[str, float]], *, private_dirs: Mapping[int, Sequence[str]] = {}):
+    def __init__(
+        self,
+        resources: Sequence[Mapping[str, float]],
+        *,
+        private_dirs: Mapping[int, Sequence[str]] = {},
+        wrong_token: Sequence[int] = (),
+    ) -> None:
         self.tag = f"m{os.getpid() % 100000}{secrets.token_hex(2)}"  # unique per harness: names of links, netns
         subnet = 200 + secrets.randbelow(50)
         self.hosts = [
@@ -85,6 +92,7 @@ class Hosts:
                 address=f"10.{subnet}.0.{index + 1}",
                 resources=dict(wanted),
                 private_dirs=tuple(private_dirs.get(index, ())),
+                wrong_token=index in wrong_token,
             )
             for index, wanted in enumerate(resources)
         ]
@@ -92,6 +100,7 @@ class Hosts:
         self.token = secrets.token_hex(16)
         self.temp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/tmp"))  # short: Ray's socket paths
         self.made: list[str] = []  # what to delete: "netns NAME", "link NAME"
+        self.started: dict[str, subprocess.CompletedProcess] = {}  # each host's `ray start`
 
     @property
     def head(self) -> Host:
@@ -141,8 +150,10 @@ class Hosts:
             "--node-ip-address", host.address, "--num-cpus", "2", "--disable-usage-stats",
             "--temp-dir", str(self.temp / host.name), "--resources", json.dumps(dict(host.resources)),
         ]  # fmt: skip
-        started = host.run(argv, env=self.env(), timeout_s=120)
-        if started.returncode != 0:
+        env = self.env(RAY_AUTH_TOKEN=secrets.token_hex(16)) if host.wrong_token else self.env()
+        started = host.run(argv, env=env, timeout_s=120)
+        self.started[host.name] = started
+        if started.returncode != 0 and not host.wrong_token:
             raise RuntimeError(
                 f"ray start on host {host.name} failed:\n{started.stdout[-2000:]}{started.stderr[-2000:]}"
             )
@@ -154,7 +165,8 @@ class Hosts:
             result = self.head.run(
                 [sys.executable, "-c", probe], env=self.env(RAY_ADDRESS=self.ray_address), timeout_s=60
             )
-            if result.returncode == 0 and result.stdout.strip().splitlines()[-1:] == [str(len(self.hosts))]:
+            joining = sum(not host.wrong_token for host in self.hosts)
+            if result.returncode == 0 and result.stdout.strip().splitlines()[-1:] == [str(joining)]:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Ray nodes did not all join within {timeout_s:.0f} s: {result.stderr[-2000:]}")

@@ -27,7 +27,13 @@ class TestTensorOverHttp(ProtocolContract):
 class TestBroadcastGloo(ProtocolContract):
     protocol_name = "broadcast"
     protocol_settings = {"timeout_s": 30.0}
-    bad_settings = [{"timeout_s": 0}, {"timeout_s": float("nan")}, {"backend": "mpi"}, {"master_address": None}]
+    bad_settings = [
+        {"timeout_s": 0},
+        {"timeout_s": float("nan")},
+        {"backend": "mpi"},
+        {"master_address": ""},
+        {"master_address": 5},
+    ]
 
 
 class TestExampleShardedDisk(ProtocolContract):

@@ -1,9 +1,9 @@
 """The Ray provider on a multi-node Ray cluster on one machine (Ray's own way to test several nodes: raylets of their
 own, each with its own resources, here from ``ray.cluster_utils.Cluster``, all on 127.0.0.1): placement across nodes
 keeps the documented order, roles are pinned to the nodes that offer their custom resources, a resource no node
-offers fails at once, and ``miles train`` runs join the cluster with ``--run-ray-address``, Megatron ranks on one
-node and engines on another: over each protocol the ranks send every version themselves, the run learns, and an
-engine killed mid-run gets the published version back from the ranks.
+offers fails at once, and ``miles train`` joins the cluster with ``--run-ray-address`` or ``RAY_ADDRESS``. Learning
+runs with the ranks and the engines on other hosts than the driver, over each protocol, are in ``tests/cluster/``
+(network namespaces: each host its own network stack, which raylets on one loopback are not).
 
 The cluster uses token authentication, as Ray 2.60 sets up a new local cluster: the token of ``~/.ray/auth_token``
 (made if missing, as ``ray.init`` does), and ``RAY_AUTH_MODE=token`` for the drivers that join it."""
@@ -27,14 +27,12 @@ from ray._private.utils import get_ray_address_file, read_ray_address
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
-from miles_core.dashboard.store import DB_NAME, open_for_reading
 from miles_core.testkit.echo_worker import EchoWorker
 from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address, placement_order
 from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
 from tests.conftest import run_miles
-from tests.test_train_moe import LEARNING_FLAGS, LEARNING_MARGIN, save_echo_last_moe
 from tests.workers.test_ray_provider import echo_spec
 
 pytestmark = pytest.mark.slow
@@ -207,8 +205,8 @@ def test_a_resource_no_node_offers_fails_at_once_naming_it(
     enough = "asks for 3 of the custom resource 'trainer_node', 6 in all, and the cluster's nodes offer 4;"
     with pytest.raises(WorkerStartError, match=enough):
         loop.run_until_complete(too_much.place(ranks))
-    offered = str(_error(loop, missing.place(ranks))).split("custom resources offered: ", 1)[1]
-    assert offered == "{'engine_node': 4.0, 'trainer_node': 4.0})"  # not the holder's share (engine_node_group_...)
+    offered = str(_error(loop, missing.place(ranks))).split("custom resources offered: ", 1)[1].split(";", 1)[0]
+    assert offered == "{'engine_node': 4.0, 'trainer_node': 4.0}"  # not the holder's share (engine_node_group_...)
     assert not missing.groups and not too_much.groups
     assert [group for group in placement_group_table().values() if group["state"] == "PENDING"] == []  # none waits
 
@@ -264,104 +262,3 @@ def test_a_run_on_the_cluster_refuses_a_resource_no_node_offers(cluster: TwoNode
     assert "cannot place 1 worker (engine-0)" in result.stderr
     assert "the custom resource 'a100_node', 1 in all, and the cluster's nodes offer 0" in result.stderr
     assert "'engine_node': 4.0" in result.stderr and "'trainer_node': 4.0" in result.stderr
-
-
-@pytest.mark.parametrize("mode", ["rdt"])
-def test_each_protocol_moves_the_weights_to_engines_on_another_node(
-    cluster: TwoNodes, tmp_path: Path, mode: str
-) -> None:
-    """The torch trainer in the driver (on the head node, its one holder) and two engines pinned to the engine node:
-    ``rdt`` carries each step's weights across the raylets (NIXL over TCP from the driver's send buffer to the
-    engines' receivers), checksums verified on both engines. The other protocols cross raylets from Megatron ranks
-    below."""
-    steps = 2
-    result = run_miles(
-        *("train", "--output-dir", str(tmp_path), "--no-progress", "--run-worker-provider", "ray"),
-        *("--run-ray-address", cluster.address, "--run-ray-engine-resources", "{engine_node: 1}"),
-        *("--weight-transfer-mode", mode, "--weight-transfer-verify-checksum", "true", "--engine-num-engines", "2"),
-        *("--num-steps", str(steps), "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"),
-        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
-        timeout_s=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for cell in ("engine-0", "engine-1"):
-        assert f"{cell} pid {_pid(result.stdout, cell)} node 127.0.0.1 (id {cluster.engine[:8]})" in result.stdout
-    with open_for_reading(tmp_path / DB_NAME) as db:
-        updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
-        engines = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
-    assert [tuple(row) for row in updates] == [(version, 2, 1, mode) for version in range(1, steps + 1)]
-    assert [tuple(row) for row in engines] == [("engine-0", steps), ("engine-1", steps)]
-
-
-ENGINE_KILLER = """\
-import os
-import signal
-
-from miles_core import hookimpl
-
-CONTROLLER = None
-
-
-@hookimpl
-def prepare_rollout(rollout_id, controller):
-    global CONTROLLER
-    CONTROLLER = controller
-    if rollout_id == 3:  # engine-1, on the engine node, dies as a rollout starts
-        os.kill(controller.provider.workers["engine-1"].pid, signal.SIGKILL)
-
-
-@hookimpl
-def on_metrics(rollout_id, metrics):
-    restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
-    print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
-    print(f"DRIVER_COPY {len(CONTROLLER.published)} {CONTROLLER.published_by_holders}", flush=True)
-"""
-
-
-@pytest.mark.parametrize("mode", ["disk", "tensor", "broadcast", "rdt"])
-def test_megatron_ranks_send_over_each_protocol_across_nodes_learn_and_recover_a_killed_engine(
-    cluster: TwoNodes, tmp_path: Path, mode: str
-) -> None:
-    """Two Megatron ranks (TP=2) on the trainer node send every version themselves to two engines on the engine
-    node (the driver keeps no copy: ``published_by_holders``), checksums verified; engine-1 is killed as the third
-    rollout starts and comes back with the published version from the ranks (``republish``); the held-out reward
-    of the echo-last task rises. ``rdt`` reads the ranks' memory over NIXL with UCX held to TCP."""
-    model_dir, train_prompts, eval_prompts = save_echo_last_moe(tmp_path)
-    killer = tmp_path / "killer.py"
-    killer.write_text(ENGINE_KILLER)
-    run = tmp_path / "run"
-    result = run_miles(
-        *("train", "--trainer", "megatron", "--model", str(model_dir), "--output-dir", str(run)),
-        *("--prompts", str(train_prompts), "--rollout-eval-prompts", str(eval_prompts), *LEARNING_FLAGS),
-        *("--run-worker-provider", "ray", "--run-ray-address", cluster.address),
-        *("--run-ray-trainer-resources", json.dumps(PINS[TRAINER]), "--run-ray-engine-resources", "{engine_node: 1}"),
-        *("--megatron-tensor-parallel", "2", "--megatron-cpus-per-rank", "0.5", "--engine-num-engines", "2"),
-        *("--weight-transfer-mode", mode, "--plugin", str(killer)),
-        env={"RAY_AUTH_MODE": "token", **UCX_TCP_ONLY},
-        timeout_s=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):  # the ranks on the trainer node, in bundle order
-        name = f"megatron-rank{rank}"
-        assert f"{name} pid {_pid(result.stdout, name)} node 127.0.0.1 (id {cluster.trainer[:8]}) bundle {rank}" in (
-            result.stdout
-        )
-    for cell in ("engine-0", "engine-1"):
-        assert f"{cell} pid {_pid(result.stdout, cell)} node 127.0.0.1 (id {cluster.engine[:8]})" in result.stdout
-    restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
-    assert restarts[-1][1:] == ["0", "1"], restarts[-1]  # engine-1 was killed once and brought back
-    copies = {line for line in result.stdout.splitlines() if line.startswith("DRIVER_COPY")}
-    assert copies == {"DRIVER_COPY 0 True"}  # every version was sent by the ranks, none kept in the driver
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
-    assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
-    with open_for_reading(run / DB_NAME) as db:
-        updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
-        engines = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
-        versions = db.execute("SELECT step, data FROM samples").fetchall()
-    steps = int(LEARNING_FLAGS[LEARNING_FLAGS.index("--num-steps") + 1])
-    assert [tuple(row) for row in updates] == [(version, 2, 1, mode) for version in range(1, steps + 1)]
-    by_step = {(row["step"], json.loads(row["data"])["weight_version"]) for row in versions}
-    assert by_step == {(1, None), *((step, step - 1) for step in range(2, steps + 1))}  # each step's samples: the
-    # version the step before sent
-    assert [tuple(row) for row in engines] == [("engine-0", steps), ("engine-1", steps)]

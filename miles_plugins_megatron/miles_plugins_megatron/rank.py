@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles_core.config.sections import TrainSection
-from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
+from miles_core.distributed import bind_collectives_to, reserve_rendezvous, tcp_init_method_address, tcp_store
 from miles_core.engines.routed_experts import NOT_ROUTED
 from miles_core.errors import MilesError
 from miles_core.models.selection import DSV4_FAMILY
@@ -89,6 +89,7 @@ class MegatronRank:
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(minutes=10)
+        bind_collectives_to(node_address())  # the ranks' gloo/NCCL pairs on this node's address, not loopback
         host, port = tcp_init_method_address(init_method)
         store = tcp_store(
             host, port, world_size=self.world_size, is_master=self.rank == 0, timeout=timeout, listener=self._rendezvous

@@ -27,6 +27,9 @@ from pathlib import Path
 RAY = Path(sys.executable).parent / "ray"
 MILES = Path(sys.executable).parent / "miles"
 RAY_PORT = 6380
+RAY_WORKER_PORTS = (10002, 19999)
+"""The ports of Ray's own worker processes (its core workers' gRPC servers, which Ray authenticates with the
+cluster's token): Ray's default range, given explicitly so that tests can tell those sockets from Miles' own."""
 UCX_TCP_ONLY = {"UCX_TLS": "tcp"}
 """NIXL's UCX over TCP, as between machines without RDMA (the namespaces share one kernel, so UCX could otherwise
 use shared memory or cross-memory attach between them)."""
@@ -149,6 +152,7 @@ class Hosts:
             RAY, "start", *role, *([] if host is self.head else ["--address", self.ray_address]),
             "--node-ip-address", host.address, "--num-cpus", "2", "--disable-usage-stats",
             "--temp-dir", str(self.temp / host.name), "--resources", json.dumps(dict(host.resources)),
+            "--min-worker-port", str(RAY_WORKER_PORTS[0]), "--max-worker-port", str(RAY_WORKER_PORTS[1]),
         ]  # fmt: skip
         env = self.env(RAY_AUTH_TOKEN=secrets.token_hex(16)) if host.wrong_token else self.env()
         started = host.run(argv, env=env, timeout_s=120)

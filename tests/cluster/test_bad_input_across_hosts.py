@@ -2,25 +2,33 @@
 nothing left running: a Ray address that answers nothing, a node whose Ray started without the cluster's token, a
 shared directory that an engine node does not see, an engine node without a plugin the run uses.
 
-Host D sees two directories differently from the others (a tmpfs over each in its mount namespace): a directory the
-test shares, and the rdt plugin's package (so on D it is not installed). Host E's Ray node started with another
+Host B sees two directories differently from the others (a tmpfs over each in its mount namespace): a directory the
+test shares, and the rdt plugin's package (so on B it is not installed). Host C's Ray node started with another
 token, so it never joined."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import miles_plugins_rdt
 from tests.cluster.hosts import MILES, Hosts, hosts_or_skip
 
 pytestmark = pytest.mark.slow
 
 BLIND, TOKENLESS = 1, 2
-RDT_PACKAGE = str(Path(miles_plugins_rdt.__file__).parent)
+
+
+def installed_package_dir(package: str) -> str:
+    """Where ``package`` is installed, as a process outside the repository imports it (from the repository's root
+    a distribution's folder of the same name would shadow it)."""
+    script = f"import {package}, os; print(os.path.dirname({package}.__file__))"
+    found = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True, check=True)
+    return found.stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +40,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hosts(shared_dir: Path) -> Iterator[Hosts]:
     with hosts_or_skip(
         [{"driver_node": 1}, {"blind_node": 4}, {"tokenless_node": 4}],
-        private_dirs={BLIND: [str(shared_dir), RDT_PACKAGE]},
+        private_dirs={BLIND: [str(shared_dir), installed_package_dir("miles_plugins_rdt")]},
         wrong_token=[TOKENLESS],
     ) as built:
         yield built
@@ -82,7 +90,8 @@ def test_a_ray_address_that_answers_nothing(hosts: Hosts, tmp_path: Path) -> Non
 def test_a_node_started_without_the_clusters_token_never_joins_and_the_run_says_so(
     hosts: Hosts, tmp_path: Path
 ) -> None:
-    assert "InvalidAuthToken" in hosts.started["E"].stderr + hosts.started["E"].stdout  # what the node itself said
+    said = hosts.started[hosts.hosts[TOKENLESS].name]
+    assert "InvalidAuthToken" in said.stderr + said.stdout  # what the node itself said
     result = train(hosts, tmp_path, "--run-ray-engine-resources", json.dumps({"tokenless_node": 1}))
     assert_refused_before_training(result, hosts, tmp_path)
     assert "the custom resource 'tokenless_node', 1 in all, and the cluster's nodes offer 0" in result.stderr
@@ -90,7 +99,7 @@ def test_a_node_started_without_the_clusters_token_never_joins_and_the_run_says_
 
 
 def test_a_shared_directory_an_engine_node_does_not_see(hosts: Hosts, tmp_path: Path, shared_dir: Path) -> None:
-    """``disk`` with its work directory where every node but D sees it: refused naming D, the directory and the
+    """``disk`` with its work directory where every node but B sees it: refused naming B, the directory and the
     setting, before any engine serves."""
     result = train(
         hosts, tmp_path, "--run-ray-engine-resources", '{"blind_node": 1}',
@@ -101,11 +110,11 @@ def test_a_shared_directory_an_engine_node_does_not_see(hosts: Hosts, tmp_path: 
     assert f"node {blind} (id " in result.stderr and "cannot host this run's workers" in result.stderr
     assert f"it does not see the disk protocol's work directory {shared_dir} as the driver does" in result.stderr
     assert "--weight-transfer-settings '{work_dir: DIR}'" in result.stderr
-    assert "the run directory" not in result.stderr  # D sees the run directory (tmp_path) like every node
+    assert "the run directory" not in result.stderr  # B sees the run directory (tmp_path) like every node
 
 
 def test_an_engine_node_without_a_plugin_the_run_uses(hosts: Hosts, tmp_path: Path) -> None:
-    """``rdt`` (the miles-plugins-rdt distribution) with engines on D, where it is not installed."""
+    """``rdt`` (the miles-plugins-rdt distribution) with engines on B, where it is not installed."""
     result = train(hosts, tmp_path, "--run-ray-engine-resources", '{"blind_node": 1}', "--weight-transfer-mode", "rdt")
     assert_refused_before_training(result, hosts, tmp_path)
     assert f"node {hosts.hosts[BLIND].address} (id " in result.stderr

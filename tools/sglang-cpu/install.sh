@@ -32,8 +32,10 @@ pip="$venv/bin/pip"
 meta=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torchvision/_meta_registrations.py
 sed -i 's|^@torch.library.register_fake("torchvision::\(q\?nms\)")|@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))|' "$meta"
 
-kernel_wheel() {  # the newest kernel wheel in folder $1, if any
-  ls -t "$1"/sglang_kernel_cpu-*-cp311-cp311-linux_x86_64.whl 2>/dev/null | head -n 1
+kernel_wheel() {  # the kernel wheel in folder $1 (the last in name order), or nothing
+  local found=""
+  for path in "$1"/sglang_kernel_cpu-*-cp311-cp311-linux_x86_64.whl; do [ -e "$path" ] && found=$path; done
+  echo "$found"
 }
 
 build_kernel() {  # build the kernel wheel from the source into $built_cache

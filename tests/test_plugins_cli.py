@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import textwrap
 from pathlib import Path
 
@@ -244,13 +245,44 @@ def test_an_entry_point_naming_a_plugin_class_is_instantiated_and_its_constructo
 
 
 def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:
+    """A run imports a protocol class only when it uses that protocol: a broken one fails the run that picks it,
+    naming its distribution, and no other. ``miles plugins`` imports them all and lists this one as broken."""
     env = with_pythonpath(broken_distributions["miles-missing-protocol"])
-    assert plugins_json(env=env)["miles-missing-protocol"]["provides"] == {"weight_transfer_protocols": ["ghost"]}
+    assert config_json(env=env)["weight_transfer"]["mode"] == "tensor"  # a run with another protocol is unaffected
     result = run_miles("config", "show", "--update-weight-transfer-mode", "ghost", env=env)
     assert result.returncode == 2
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'ghost'" in result.stderr
     assert "distribution miles-missing-protocol 9.9.9" in result.stderr
     assert "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol) failed to load" in result.stderr
+
+    listing = run_miles("plugins", "--json", env=env)
+    assert listing.returncode == 2 and listing.stderr.startswith("miles: error: 1 entry point failed to load")
+    [broken] = json.loads(listing.stdout)["broken"]
+    assert broken["name"] == "miles-missing-protocol" and broken["version"] == "9.9.9"
+    assert broken["entry_point"] == "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol"
+    assert "failed to load: AttributeError" in broken["error"]
+
+
+@pytest.mark.parametrize(
+    ("distribution", "name", "cause"),
+    [
+        ("miles-broken-import", "broken-import", "ImportError: needs a library that is not installed"),
+        ("miles-raising-class", "raising-class", "RuntimeError: no licence key"),
+        ("miles-missing-protocol", "miles-missing-protocol", "AttributeError"),
+    ],
+)
+def test_one_broken_distribution_does_not_hide_the_other_plugins(
+    broken_distributions, distribution: str, name: str, cause: str
+) -> None:
+    """`miles plugins` lists every plugin that loads, the broken one as broken with its distribution, version and
+    reason, and fails naming it (status 2)."""
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions[distribution]))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("miles: error: 1 entry point failed to load") and cause in result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
+    assert {"core", "megatron", "sglang", "rdt", "example-hooks", "miles-example-transfer"} <= set(rows)
+    assert f"{distribution} 9.9.9" in rows[name] and "BROKEN" in rows[name]
+    assert f"broken: {name} (" in result.stdout and cause in result.stdout
 
 
 def test_duplicate_protocol_from_two_distributions(broken_distributions) -> None:

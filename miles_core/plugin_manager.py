@@ -14,8 +14,9 @@ so whatever a plugin raises (``sys.exit`` and ``KeyboardInterrupt`` included) or
 error naming the plugin and its distribution. Two plugins under one name are an error too.
 
 ``MilesPluginManager.load(keep_going=True)`` (for ``miles plugins``) records a broken entry point in
-:attr:`MilesPluginManager.broken` with its error instead of raising, and loads the others; it also imports each
-protocol class of ``miles.weight_transfer``, which a run imports only when it uses that protocol.
+:attr:`MilesPluginManager.broken` with its error instead of raising, and loads the others; it also checks that the
+module of each ``miles.weight_transfer`` entry point can be found, without importing it (protocol code imports torch,
+which ``miles plugins`` does not; a run imports a protocol's class when it uses that protocol).
 """
 
 from __future__ import annotations
@@ -269,8 +270,8 @@ class MilesPluginManager:
             if ep.name not in self.blocked and (ep.distribution is None or ep.distribution not in self.blocked):
                 by_distribution.setdefault(ep.distribution or ep.module, []).append(ep)
         for dist_name, eps in sorted(by_distribution.items()):
-            if self._keep_going:  # `miles plugins`: a protocol whose class does not import is listed as broken
-                eps = [ep for ep in eps if self._protocol_loads(dist_name, ep)]
+            if self._keep_going:  # `miles plugins`: a protocol whose module is not installed is listed as broken
+                eps = [ep for ep in eps if self._protocol_module_found(dist_name, ep)]
                 if not eps:
                     continue
             info = PluginInfo(
@@ -282,9 +283,11 @@ class MilesPluginManager:
             )
             self._register(EntryPointProtocols(eps), info)
 
-    def _protocol_loads(self, dist_name: str, entry_point: DeclaredEntryPoint) -> bool:
+    def _protocol_module_found(self, dist_name: str, entry_point: DeclaredEntryPoint) -> bool:
         with self._unless_broken(dist_name, entry_point):
-            _load_entry_point(entry_point)
+            with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
+                if importlib.util.find_spec(entry_point.module) is None:  # runs the parent packages' __init__ only
+                    raise ModuleNotFoundError(f"No module named {entry_point.module!r}")
             return True
         return False
 

@@ -203,6 +203,10 @@ def broken_distributions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             '[project.entry-points."miles.weight_transfer"]\nghost = "miles_missing_protocol:NoSuchProtocol"\n',
             {"__init__.py": ""},
         ),
+        "miles-absent-protocol": (
+            '[project.entry-points."miles.weight_transfer"]\nabsent = "miles_absent_protocol.protocol:Absent"\n',
+            {"__init__.py": ""},
+        ),
         "miles-duplicate-protocol": (
             '[project.entry-points."miles.weight_transfer"]\nsharded-disk = "miles_duplicate_protocol:Other"\n',
             {"__init__.py": "class Other: ...\n"},
@@ -244,10 +248,11 @@ def test_an_entry_point_naming_a_plugin_class_is_instantiated_and_its_constructo
     assert {"provide_engine_backends", "validate_config", "register_router", "register_engines"} <= set(sglang_hooks)
 
 
-def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:
-    """A run imports a protocol class only when it uses that protocol: a broken one fails the run that picks it,
-    naming its distribution, and no other. ``miles plugins`` imports them all and lists this one as broken."""
+def test_weight_transfer_entry_point_naming_a_missing_object(broken_distributions) -> None:
+    """``miles plugins`` imports no protocol code, so a protocol class that is missing from its (installed) module is
+    found when a run picks the protocol: that run fails naming the distribution, and no other."""
     env = with_pythonpath(broken_distributions["miles-missing-protocol"])
+    assert plugins_json(env=env)["miles-missing-protocol"]["provides"] == {"weight_transfer_protocols": ["ghost"]}
     assert config_json(env=env)["weight_transfer"]["mode"] == "tensor"  # a run with another protocol is unaffected
     result = run_miles("config", "show", "--update-weight-transfer-mode", "ghost", env=env)
     assert result.returncode == 2
@@ -255,12 +260,17 @@ def test_weight_transfer_entry_point_naming_a_missing_module(broken_distribution
     assert "distribution miles-missing-protocol 9.9.9" in result.stderr
     assert "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol) failed to load" in result.stderr
 
-    listing = run_miles("plugins", "--json", env=env)
+
+def test_weight_transfer_entry_point_naming_a_module_not_installed(broken_distributions) -> None:
+    """A protocol whose module is not installed (a wheel without it) is listed by ``miles plugins`` as broken."""
+    listing = run_miles("plugins", "--json", env=with_pythonpath(broken_distributions["miles-absent-protocol"]))
     assert listing.returncode == 2 and listing.stderr.startswith("miles: error: 1 entry point failed to load")
-    [broken] = json.loads(listing.stdout)["broken"]
-    assert broken["name"] == "miles-missing-protocol" and broken["version"] == "9.9.9"
-    assert broken["entry_point"] == "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol"
-    assert "failed to load: AttributeError" in broken["error"]
+    data = json.loads(listing.stdout)
+    [broken] = data["broken"]
+    assert broken["name"] == "miles-absent-protocol" and broken["version"] == "9.9.9"
+    assert broken["entry_point"] == "miles.weight_transfer: absent = miles_absent_protocol.protocol:Absent"
+    assert "failed to load: ModuleNotFoundError: No module named 'miles_absent_protocol.protocol'" in broken["error"]
+    assert "miles-example-transfer" in {p["name"] for p in data["plugins"]}
 
 
 @pytest.mark.parametrize(
@@ -268,7 +278,7 @@ def test_weight_transfer_entry_point_naming_a_missing_module(broken_distribution
     [
         ("miles-broken-import", "broken-import", "ImportError: needs a library that is not installed"),
         ("miles-raising-class", "raising-class", "RuntimeError: no licence key"),
-        ("miles-missing-protocol", "miles-missing-protocol", "AttributeError"),
+        ("miles-absent-protocol", "miles-absent-protocol", "ModuleNotFoundError"),
     ],
 )
 def test_one_broken_distribution_does_not_hide_the_other_plugins(

@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("collect-time").add_argument("interpreters", nargs="+")
     importing = commands.add_parser("imports")
     importing.add_argument("--outside", type=Path, help="fail for a module loaded from under this folder")
+    importing.add_argument("--path", type=Path, action="append", default=[], help="a folder to put first on sys.path")
     args = parser.parse_args(argv)
     if args.command == "build":
         return build(args.wheelhouse)
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "collect-time":
         return collect_time(args.interpreters)
+    sys.path[:0] = [str(path) for path in args.path]  # a `pip install --target` folder, as the tests make
     return imports([line.strip() for line in sys.stdin if line.strip()], outside=args.outside)
 
 

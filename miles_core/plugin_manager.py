@@ -102,6 +102,7 @@ class MilesPluginManager:
         self.broken: list[BrokenPlugin] = []
         self._keep_going = False
         self._candidates: set[str] = set()  # every name a plugin goes by, loaded or blocked (for no:NAME checks)
+        self._declared: dict[str, list[DeclaredEntryPoint]] = {}  # group -> its entry points, listed once
 
     @classmethod
     def load(
@@ -181,9 +182,10 @@ class MilesPluginManager:
 
     def _note_entry_point_names(self) -> None:
         """Entry-point plugins can be blocked also when autoloading is off (blocking them is then a no-op)."""
-        for ep in entry_points.declared(PLUGIN_GROUP):
+        self._declared = {group: entry_points.declared(group) for group in (PLUGIN_GROUP, WEIGHT_TRANSFER_GROUP)}
+        for ep in self._declared[PLUGIN_GROUP]:
             self._candidates.add(ep.name)
-        for ep in entry_points.declared(WEIGHT_TRANSFER_GROUP):
+        for ep in self._declared[WEIGHT_TRANSFER_GROUP]:
             self._candidates.update((ep.name, ep.distribution or ep.module))
 
     def _check_blocked_names(self) -> None:
@@ -252,7 +254,7 @@ class MilesPluginManager:
             self.broken.append(broken)
 
     def _load_entry_point_plugins(self) -> None:
-        for ep in entry_points.declared(PLUGIN_GROUP):
+        for ep in self._declared[PLUGIN_GROUP]:
             if ep.name in self.blocked:
                 continue
             with self._unless_broken(ep.name, ep):
@@ -266,7 +268,7 @@ class MilesPluginManager:
 
     def _register_weight_transfer_entry_points(self) -> None:
         by_distribution: dict[str, list[DeclaredEntryPoint]] = {}
-        for ep in entry_points.declared(WEIGHT_TRANSFER_GROUP):
+        for ep in self._declared[WEIGHT_TRANSFER_GROUP]:
             if ep.name not in self.blocked and (ep.distribution is None or ep.distribution not in self.blocked):
                 by_distribution.setdefault(ep.distribution or ep.module, []).append(ep)
         for dist_name, eps in sorted(by_distribution.items()):

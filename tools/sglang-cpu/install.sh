@@ -43,7 +43,7 @@ build_kernel() {  # build the kernel wheel from the source into $built_cache
   [ "$(id -u)" = 0 ] || sudo=sudo
   if ! command -v g++ >/dev/null || [ ! -e /usr/include/numa.h ]; then
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends g++ libnuma-dev
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends g++ libnuma-dev >/dev/null
   fi
   "$pip" install -q scikit-build-core wheel cmake ninja
   local src

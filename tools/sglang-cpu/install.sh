@@ -9,7 +9,8 @@
 #      sglang_kernel_cpu-*.whl: a cache that machines of one kind share;
 #   2. .cache/sglang-kernel/ in the repository: the wheel an earlier run of this script built;
 #   3. a build from the source (gcc, cmake, scikit-build-core, libnuma-dev; installed when missing), whose wheel goes
-#      into .cache/sglang-kernel/. Measured: 31 min on 2 shared cores (one build job per core).
+#      into .cache/sglang-kernel/. Measured: 1143 s (19 min) on 2 cores shared with a test run (load 9-13, the
+#      build at nice 19), about 5 min of CPU time; the shared folder's note gives 4-6 min on 2 idle cores.
 # --build-kernel skips 1 and 2.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

@@ -7,7 +7,7 @@ DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sgl
 	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
-.PHONY: setup sglang browser install run test lint bench clean
+.PHONY: setup sglang browser install run test wheels lint bench clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,10 @@ test: setup browser sglang
 	$(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile; parallel=$$?; \
 	$(BIN)/python -m pytest -m serial; serial=$$?; \
 	test $$parallel -eq 0 -a $$serial -eq 0
+
+# Installed as users install it: every distribution's wheel in a fresh environment, run from outside the checkout.
+wheels: setup
+	.ci/wheels
 
 lint: setup
 	$(BIN)/ruff check .

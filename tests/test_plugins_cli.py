@@ -292,7 +292,8 @@ def test_one_broken_distribution_does_not_hide_the_other_plugins(
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
     assert {"core", "megatron", "sglang", "rdt", "example-hooks", "miles-example-transfer"} <= set(rows)
     assert f"{distribution} 9.9.9" in rows[name] and "BROKEN" in rows[name]
-    assert f"broken: {name} (" in result.stdout and cause in result.stdout
+    assert "\nbroken: plugin '" in result.stdout and f"distribution {distribution} 9.9.9" in result.stdout
+    assert cause in result.stdout
 
 
 def test_duplicate_protocol_from_two_distributions(broken_distributions) -> None:

@@ -55,7 +55,7 @@ def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
         if manager.blocked:
             print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
         for b in broken:
-            print(f"\nbroken: {b['name']} ({b['entry_point']}): {b['error']}")
+            print(f"\nbroken: {b['error']}")  # the error names the plugin, its distribution and its entry point
     if manager.broken:
         count = f"{len(manager.broken)} entry point{'s' if len(manager.broken) > 1 else ''}"
         raise PluginLoadError(

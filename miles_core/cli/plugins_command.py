@@ -58,10 +58,9 @@ def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
             print(f"\nbroken: {b['error']}")  # the error names the plugin, its distribution and its entry point
     if manager.broken:
         count = f"{len(manager.broken)} entry point{'s' if len(manager.broken) > 1 else ''}"
-        raise PluginLoadError(
-            f"{count} failed to load (listed as broken; the other plugins are loaded): "
-            + "; ".join(b.error for b in manager.broken)
-            + " (fix or uninstall the distribution, or block it with --plugin no:NAME)"
+        raise PluginLoadError(  # one error a line: each names its plugin, distribution and entry point
+            f"{count} failed to load (listed as broken; the other plugins are loaded); fix or uninstall the "
+            "distribution, or block it with --plugin no:NAME:\n" + "\n".join(f"  {b.error}" for b in manager.broken)
         )
     return 0
 

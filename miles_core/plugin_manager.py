@@ -3,7 +3,7 @@
 * Built-in plugins are modules of ``miles_core`` (:data:`BUILTIN_PLUGINS`).
 * Entry points of the group ``miles.plugins`` are plugin modules, loaded unless ``MILES_DISABLE_PLUGIN_AUTOLOAD=1``.
   Entry points of the group ``miles.weight_transfer`` name protocol classes; they are listed without importing
-  them and fed into the protocol registry.
+  them and fed into the protocol registry. stevedore finds and loads both (:mod:`miles_core.entry_points`).
 * ``MILES_PLUGINS=mod1,mod2`` and each ``--plugin MODULE`` or ``--plugin path/to/file.py`` follow, in that order.
 * ``--plugin no:NAME`` blocks the plugin registered under ``NAME`` (an entry-point name, a module name, or a
   distribution that only provides ``miles.weight_transfer`` entries). A name that no plugin has is an error, and so
@@ -12,10 +12,16 @@
 Every import of plugin code and every call of a hook implementation goes through :mod:`miles_core.plugin_guard`,
 so whatever a plugin raises (``sys.exit`` and ``KeyboardInterrupt`` included) or returns in the wrong shape is an
 error naming the plugin and its distribution. Two plugins under one name are an error too.
+
+``MilesPluginManager.load(keep_going=True)`` (for ``miles plugins``) records a broken entry point in
+:attr:`MilesPluginManager.broken` with its error instead of raising, and loads the others; it also checks that the
+module of each ``miles.weight_transfer`` entry point can be found, without importing it (protocol code imports torch,
+which ``miles plugins`` does not; a run imports a protocol's class when it uses that protocol).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -24,22 +30,20 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from importlib import metadata
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pluggy
 
-from miles_core import hook_results, hookspecs
+from miles_core import entry_points, hook_results, hookspecs
+from miles_core.entry_points import PLUGIN_GROUP, WEIGHT_TRANSFER_GROUP, DeclaredEntryPoint
 from miles_core.errors import ConfigError, PluginLoadError
 from miles_core.plugin_guard import guard_hook_calls, plugin_code
 from miles_core.registry import Implementation, Registries
 from miles_core.user_files import check_regular_file
 
-PLUGIN_GROUP = "miles.plugins"
-WEIGHT_TRANSFER_GROUP = "miles.weight_transfer"
 AUTOLOAD_ENV = "MILES_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "MILES_PLUGINS"
 BUILTIN_PLUGINS: dict[str, str] = {
@@ -72,6 +76,17 @@ class PluginInfo:
         return f"plugin {self.name!r} ({', '.join([*where, f'from {self.source}'])})"
 
 
+@dataclasses.dataclass(frozen=True)
+class BrokenPlugin:
+    """An entry point that failed to load (recorded by ``MilesPluginManager.load(keep_going=True)``)."""
+
+    name: str
+    entry_point: str  # "group: name = value"
+    distribution: str | None
+    version: str | None
+    error: str
+
+
 class MilesPluginManager:
     """A pluggy plugin manager for the project ``miles`` that knows where each plugin came from.
 
@@ -84,16 +99,23 @@ class MilesPluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
         self.blocked: set[str] = set()
+        self.broken: list[BrokenPlugin] = []
+        self._keep_going = False
         self._candidates: set[str] = set()  # every name a plugin goes by, loaded or blocked (for no:NAME checks)
+        self._declared: dict[str, list[DeclaredEntryPoint]] = {}  # group -> its entry points, listed once
 
     @classmethod
-    def load(cls, plugin_args: Sequence[str] = (), environ: dict[str, str] | None = None) -> MilesPluginManager:
-        """Load every plugin in the documented order. ``plugin_args`` are the ``--plugin`` values."""
+    def load(
+        cls, plugin_args: Sequence[str] = (), environ: dict[str, str] | None = None, *, keep_going: bool = False
+    ) -> MilesPluginManager:
+        """Load every plugin in the documented order. ``plugin_args`` are the ``--plugin`` values. With
+        ``keep_going``, an entry point that fails to load is recorded in :attr:`broken` and the others load."""
         environ = dict(os.environ if environ is None else environ)
         manager = cls()
+        manager._keep_going = keep_going
         manager._block([arg[3:] for arg in plugin_args if arg.startswith("no:")])
         for name, target in BUILTIN_PLUGINS.items():
-            info = PluginInfo(name, "builtin", CORE_DISTRIBUTION, _version_of(CORE_DISTRIBUTION), target)
+            info = PluginInfo(name, "builtin", CORE_DISTRIBUTION, entry_points.version_of(CORE_DISTRIBUTION), target)
             with plugin_code(f"built-in {info.label} failed to load", PluginLoadError):
                 plugin = _builtin_plugin(target)
             manager._register(plugin, info)
@@ -160,10 +182,11 @@ class MilesPluginManager:
 
     def _note_entry_point_names(self) -> None:
         """Entry-point plugins can be blocked also when autoloading is off (blocking them is then a no-op)."""
-        for ep in metadata.entry_points(group=PLUGIN_GROUP):
+        self._declared = {group: entry_points.declared(group) for group in (PLUGIN_GROUP, WEIGHT_TRANSFER_GROUP)}
+        for ep in self._declared[PLUGIN_GROUP]:
             self._candidates.add(ep.name)
-        for ep in metadata.entry_points(group=WEIGHT_TRANSFER_GROUP):
-            self._candidates.update(n for n in (ep.name, ep.dist.name if ep.dist else ep.module) if n)
+        for ep in self._declared[WEIGHT_TRANSFER_GROUP]:
+            self._candidates.update((ep.name, ep.distribution or ep.module))
 
     def _check_blocked_names(self) -> None:
         """``no:NAME`` for a name that no plugin has blocks nothing: a typo, to be said rather than ignored."""
@@ -200,49 +223,75 @@ class MilesPluginManager:
         self.infos[info.name] = info
         guard_hook_calls(self.pm, plugin, label=info.label, check=hook_results.problem_with)
 
-    def _register_module(self, module: Any, *, name: str, source: str, dist: Any = None) -> None:
-        distribution = dist.name if dist is not None else _distribution_of(module)
+    def _register_module(
+        self, module: Any, *, name: str, source: str, declared_by: DeclaredEntryPoint | None = None
+    ) -> None:
+        if declared_by is not None:
+            distribution = declared_by.distribution
+        elif _top_level(module) == "miles_core":  # known without reading every distribution's file list
+            distribution = CORE_DISTRIBUTION
+        else:
+            distribution = entry_points.distribution_of(module)
+        version = declared_by.version if declared_by is not None else entry_points.version_of(distribution)
         info = PluginInfo(
             name=name,
             source=source,
             distribution=distribution,
-            version=dist.version if dist is not None else _version_of(distribution),
+            version=version,
             location=str(getattr(module, "__file__", None) or type(module).__module__),
         )
         self._register(module, info)
 
+    @contextlib.contextmanager
+    def _unless_broken(self, name: str, entry_point: DeclaredEntryPoint) -> Iterator[None]:
+        """Raise a failure to load ``entry_point``; with ``keep_going``, record it in :attr:`broken` instead."""
+        try:
+            yield
+        except PluginLoadError as exc:
+            if not self._keep_going:
+                raise
+            broken = BrokenPlugin(name, entry_point.line, entry_point.distribution, entry_point.version, str(exc))
+            self.broken.append(broken)
+
     def _load_entry_point_plugins(self) -> None:
-        entry_points = sorted(
-            (ep for ep in metadata.entry_points(group=PLUGIN_GROUP) if ep.name not in self.blocked),
-            key=lambda ep: (ep.dist.name if ep.dist else "", ep.name),
-        )
-        for ep in entry_points:
-            if ep.name in BUILTIN_PLUGINS:
-                raise PluginLoadError(
-                    f"{_describe_entry_point(ep)} is named like the built-in plugin {ep.name!r}; rename the entry "
-                    f"point (the built-in plugins are {', '.join(BUILTIN_PLUGINS)})"
-                )
-            self._register_module(_load_plugin_entry_point(ep), name=ep.name, source="entry point", dist=ep.dist)
+        for ep in self._declared[PLUGIN_GROUP]:
+            if ep.name in self.blocked:
+                continue
+            with self._unless_broken(ep.name, ep):
+                if ep.name in BUILTIN_PLUGINS:
+                    raise PluginLoadError(
+                        f"{_describe_entry_point(ep)} is named like the built-in plugin {ep.name!r}; rename the "
+                        f"entry point (the built-in plugins are {', '.join(BUILTIN_PLUGINS)})"
+                    )
+                plugin = _load_plugin_entry_point(ep)
+                self._register_module(plugin, name=ep.name, source="entry point", declared_by=ep)
 
     def _register_weight_transfer_entry_points(self) -> None:
-        entry_points = [
-            ep
-            for ep in metadata.entry_points(group=WEIGHT_TRANSFER_GROUP)
-            if ep.name not in self.blocked and (ep.dist is None or ep.dist.name not in self.blocked)
-        ]
-        by_distribution: dict[str, list[metadata.EntryPoint]] = {}
-        for ep in entry_points:
-            by_distribution.setdefault(ep.dist.name if ep.dist else ep.module, []).append(ep)
+        by_distribution: dict[str, list[DeclaredEntryPoint]] = {}
+        for ep in self._declared[WEIGHT_TRANSFER_GROUP]:
+            if ep.name not in self.blocked and (ep.distribution is None or ep.distribution not in self.blocked):
+                by_distribution.setdefault(ep.distribution or ep.module, []).append(ep)
         for dist_name, eps in sorted(by_distribution.items()):
-            dist = eps[0].dist
+            if self._keep_going:  # `miles plugins`: a protocol whose module is not installed is listed as broken
+                eps = [ep for ep in eps if self._protocol_module_found(dist_name, ep)]
+                if not eps:
+                    continue
             info = PluginInfo(
                 name=dist_name,
                 source=f"entry point ({WEIGHT_TRANSFER_GROUP})",
-                distribution=dist.name if dist else None,
-                version=dist.version if dist else None,
+                distribution=eps[0].distribution,
+                version=eps[0].version,
                 location=", ".join(f"{ep.name} = {ep.value}" for ep in eps),
             )
             self._register(EntryPointProtocols(eps), info)
+
+    def _protocol_module_found(self, dist_name: str, entry_point: DeclaredEntryPoint) -> bool:
+        with self._unless_broken(dist_name, entry_point):
+            with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
+                if importlib.util.find_spec(entry_point.module) is None:  # runs the parent packages' __init__ only
+                    raise ModuleNotFoundError(f"No module named {entry_point.module!r}")
+            return True
+        return False
 
     def _load_plugin_spec(self, spec: str, *, source: str) -> None:
         if _is_file_spec(spec):
@@ -292,8 +341,8 @@ class EntryPointProtocols:
     """A plugin object that feeds one distribution's ``miles.weight_transfer`` entry points into the protocol
     registry. The classes are imported only when a protocol is used."""
 
-    def __init__(self, entry_points: Iterable[metadata.EntryPoint]) -> None:
-        self.entry_points = list(entry_points)
+    def __init__(self, declared: Iterable[DeclaredEntryPoint]) -> None:
+        self.entry_points = list(declared)
 
     @hookspecs.hookimpl
     def provide_weight_transfer_protocols(self) -> list[Implementation]:
@@ -308,13 +357,14 @@ class EntryPointProtocols:
         ]
 
 
-def _load_entry_point(entry_point: metadata.EntryPoint) -> Any:
-    """Import what ``entry_point`` names; whatever the import raises is an error naming it and its distribution."""
+def _load_entry_point(entry_point: DeclaredEntryPoint) -> Any:
+    """Import what ``entry_point`` names (through stevedore); whatever the import raises is an error naming it and its
+    distribution."""
     with plugin_code(f"{_describe_entry_point(entry_point)} failed to load", PluginLoadError):
-        return entry_point.load()
+        return entry_points.load(entry_point)
 
 
-def _load_plugin_entry_point(entry_point: metadata.EntryPoint) -> Any:
+def _load_plugin_entry_point(entry_point: DeclaredEntryPoint) -> Any:
     """A ``miles.plugins`` entry point's plugin: the module it names, or an instance of the class it names, made
     here without arguments (one per plugin manager: a plugin's state belongs to its manager, not to its module).
     Whatever the import or the constructor raises is an error naming the entry point and its distribution."""
@@ -325,17 +375,8 @@ def _load_plugin_entry_point(entry_point: metadata.EntryPoint) -> Any:
         return loaded()
 
 
-def _describe_entry_point(entry_point: metadata.EntryPoint) -> str:
-    return (
-        f"plugin {entry_point.name!r} ({_describe_source('entry point', entry_point.dist)}, "
-        f"entry point {entry_point.group}: {entry_point.name} = {entry_point.value})"
-    )
-
-
-def _describe_source(source: str, dist: Any) -> str:
-    if dist is None:
-        return f"from {source}"
-    return f"distribution {dist.name} {dist.version}"
+def _describe_entry_point(entry_point: DeclaredEntryPoint) -> str:
+    return f"plugin {entry_point.name!r} ({entry_point.origin}, entry point {entry_point.line})"
 
 
 def _import_file(path: Path, *, source: str) -> ModuleType:
@@ -368,23 +409,5 @@ def _import_file(path: Path, *, source: str) -> ModuleType:
     return module
 
 
-def _distribution_of(module: Any) -> str | None:
-    top_level = getattr(module, "__name__", type(module).__module__).split(".")[0]
-    if top_level == "miles_core":
-        return CORE_DISTRIBUTION
-    names = _packages_distributions().get(top_level)
-    return names[0] if names else None
-
-
-@functools.cache
-def _packages_distributions() -> dict[str, list[str]]:
-    return metadata.packages_distributions()
-
-
-def _version_of(distribution: str | None) -> str | None:
-    if distribution is None:
-        return None
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
+def _top_level(module: Any) -> str:
+    return getattr(module, "__name__", type(module).__module__).split(".")[0]

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# The protocol contract's fixtures (an opt-in plugin: installing miles-core registers no pytest plugin).
+pytest_plugins = ["miles_core.testkit.protocol_contract"]
+
 MILES = Path(sys.executable).parent / "miles"
 REPO = Path(__file__).resolve().parent.parent
 SERIAL_TESTS = (

@@ -381,6 +381,8 @@ OTHER_PROGRAMS = {
     "--sessions": "benchmarks/session_server.py",
     "--enable-return-routed-experts": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # SGLang's, for R3
     "--models": "benchmarks/megatron_trainer.py",
+    "--no-deps": "tools/sglang-cpu/install.sh",  # pip's: sglang without its CUDA pins
+    "--sleep-on-idle": "tests/sglang/test_engine_environment.py",  # SGLang's, among the plugin's CPU launch settings
 }
 """Flags the READMEs name in prose that belong to another program, and the file that uses each."""
 

@@ -2,8 +2,8 @@
 
 The imports are read with ``ast`` from every module of each distribution (nothing is imported). Not counted: the
 standard library (``sys.stdlib_module_names``), the distribution's own package, imports under ``if TYPE_CHECKING:``
-(never run), imports inside a ``try`` that catches ``ImportError`` (optional by construction), and ``pytest`` in a
-module that the distribution registers as a pytest plugin (``pytest11``: only pytest itself loads it).
+(never run), imports inside a ``try`` that catches ``ImportError`` (optional by construction), and ``pytest`` in the
+opt-in pytest plugins of the test kit (:data:`PYTEST_PLUGINS`: only a pytest run that names them loads them).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ DISTRIBUTION_ROOTS = [
     *sorted(path.parent for path in REPO.glob("miles_plugins_*/pyproject.toml")),
     *sorted(path.parent for path in (REPO / "plugins").glob("*/pyproject.toml")),
 ]
+PYTEST_PLUGINS = {"miles_core.testkit.protocol_contract"}
 # Import name -> distribution name, where they differ by more than '_' and '-'.
 IMPORT_TO_DISTRIBUTION = {
     "yaml": "pyyaml",
@@ -85,7 +86,6 @@ def undeclared_imports(root: Path) -> dict[str, list[str]]:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
     package = project["name"].replace("-", "_")
     declared = {requirement_name(requirement) for requirement in project.get("dependencies", [])}
-    pytest_plugins = set(project.get("entry-points", {}).get("pytest11", {}).values())
     modules = sorted((root / package).rglob("*.py"))
     assert modules, f"no modules under {root / package}"
     missing: dict[str, list[str]] = {}
@@ -94,7 +94,7 @@ def undeclared_imports(root: Path) -> dict[str, list[str]]:
         for name in required_imports(ast.parse(path.read_text(), filename=str(path))):
             if name in sys.stdlib_module_names or name in ("__future__", package):
                 continue
-            if name == "pytest" and module_name in pytest_plugins:
+            if name == "pytest" and module_name in PYTEST_PLUGINS:
                 continue
             if normalized(IMPORT_TO_DISTRIBUTION.get(name, name)) not in declared:
                 missing.setdefault(name, []).append(str(path.relative_to(REPO)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import textwrap
 from pathlib import Path
 
@@ -202,6 +203,10 @@ def broken_distributions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             '[project.entry-points."miles.weight_transfer"]\nghost = "miles_missing_protocol:NoSuchProtocol"\n',
             {"__init__.py": ""},
         ),
+        "miles-absent-protocol": (
+            '[project.entry-points."miles.weight_transfer"]\nabsent = "miles_absent_protocol.protocol:Absent"\n',
+            {"__init__.py": ""},
+        ),
         "miles-duplicate-protocol": (
             '[project.entry-points."miles.weight_transfer"]\nsharded-disk = "miles_duplicate_protocol:Other"\n',
             {"__init__.py": "class Other: ...\n"},
@@ -243,14 +248,52 @@ def test_an_entry_point_naming_a_plugin_class_is_instantiated_and_its_constructo
     assert {"provide_engine_backends", "validate_config", "register_router", "register_engines"} <= set(sglang_hooks)
 
 
-def test_weight_transfer_entry_point_naming_a_missing_module(broken_distributions) -> None:
+def test_weight_transfer_entry_point_naming_a_missing_object(broken_distributions) -> None:
+    """``miles plugins`` imports no protocol code, so a protocol class that is missing from its (installed) module is
+    found when a run picks the protocol: that run fails naming the distribution, and no other."""
     env = with_pythonpath(broken_distributions["miles-missing-protocol"])
     assert plugins_json(env=env)["miles-missing-protocol"]["provides"] == {"weight_transfer_protocols": ["ghost"]}
+    assert config_json(env=env)["weight_transfer"]["mode"] == "tensor"  # a run with another protocol is unaffected
     result = run_miles("config", "show", "--update-weight-transfer-mode", "ghost", env=env)
     assert result.returncode == 2
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'ghost'" in result.stderr
     assert "distribution miles-missing-protocol 9.9.9" in result.stderr
     assert "miles.weight_transfer: ghost = miles_missing_protocol:NoSuchProtocol) failed to load" in result.stderr
+
+
+def test_weight_transfer_entry_point_naming_a_module_not_installed(broken_distributions) -> None:
+    """A protocol whose module is not installed (a wheel without it) is listed by ``miles plugins`` as broken."""
+    listing = run_miles("plugins", "--json", env=with_pythonpath(broken_distributions["miles-absent-protocol"]))
+    assert listing.returncode == 2 and listing.stderr.startswith("miles: error: 1 entry point failed to load")
+    data = json.loads(listing.stdout)
+    [broken] = data["broken"]
+    assert broken["name"] == "miles-absent-protocol" and broken["version"] == "9.9.9"
+    assert broken["entry_point"] == "miles.weight_transfer: absent = miles_absent_protocol.protocol:Absent"
+    assert "failed to load: ModuleNotFoundError: No module named 'miles_absent_protocol.protocol'" in broken["error"]
+    assert "miles-example-transfer" in {p["name"] for p in data["plugins"]}
+
+
+@pytest.mark.parametrize(
+    ("distribution", "name", "cause"),
+    [
+        ("miles-broken-import", "broken-import", "ImportError: needs a library that is not installed"),
+        ("miles-raising-class", "raising-class", "RuntimeError: no licence key"),
+        ("miles-absent-protocol", "miles-absent-protocol", "ModuleNotFoundError"),
+    ],
+)
+def test_one_broken_distribution_does_not_hide_the_other_plugins(
+    broken_distributions, distribution: str, name: str, cause: str
+) -> None:
+    """`miles plugins` lists every plugin that loads, the broken one as broken with its distribution, version and
+    reason, and fails naming it (status 2)."""
+    result = run_miles("plugins", env=with_pythonpath(broken_distributions[distribution]))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("miles: error: 1 entry point failed to load") and cause in result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
+    assert {"core", "megatron", "sglang", "rdt", "example-hooks", "miles-example-transfer"} <= set(rows)
+    assert f"{distribution} 9.9.9" in rows[name] and "BROKEN" in rows[name]
+    assert "\nbroken: plugin '" in result.stdout and f"distribution {distribution} 9.9.9" in result.stdout
+    assert cause in result.stdout
 
 
 def test_duplicate_protocol_from_two_distributions(broken_distributions) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 from miles_core import __version__
+from miles_core.errors import PluginLoadError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.registry import ANY_FAMILY, Registries
 
@@ -28,24 +30,38 @@ def describe_plugins(manager: MilesPluginManager) -> list[dict[str, Any]]:
 
 
 def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
-    """Print the loaded plugins as a table, or as JSON."""
-    manager = MilesPluginManager.load(plugin_args)
+    """Print the loaded plugins as a table, or as JSON. A broken entry point does not hide the others: it is listed
+    as broken, with its error, and the command then fails naming it."""
+    manager = MilesPluginManager.load(plugin_args, keep_going=True)
     plugins = describe_plugins(manager)
+    broken = [dataclasses.asdict(b) for b in manager.broken]
     if as_json:
-        print(json.dumps({"plugins": plugins, "blocked": sorted(manager.blocked)}, indent=2))
-        return 0
-    rows = [
-        (
-            p["name"],
-            f"{p['distribution'] or '-'} {p['version'] or ''}".strip(),
-            p["source"],
-            _provides_text(manager.registries, p["provides"]),
+        print(json.dumps({"plugins": plugins, "blocked": sorted(manager.blocked), "broken": broken}, indent=2))
+    else:
+        rows = [
+            (
+                p["name"],
+                f"{p['distribution'] or '-'} {p['version'] or ''}".strip(),
+                p["source"],
+                _provides_text(manager.registries, p["provides"]),
+            )
+            for p in plugins
+        ]
+        rows += [
+            (b["name"], f"{b['distribution'] or '-'} {b['version'] or ''}".strip(), "entry point", "BROKEN (below)")
+            for b in broken
+        ]
+        print(_table(("PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"), rows))
+        if manager.blocked:
+            print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
+        for b in broken:
+            print(f"\nbroken: {b['error']}")  # the error names the plugin, its distribution and its entry point
+    if manager.broken:
+        count = f"{len(manager.broken)} entry point{'s' if len(manager.broken) > 1 else ''}"
+        raise PluginLoadError(  # one error a line: each names its plugin, distribution and entry point
+            f"{count} failed to load (listed as broken; the other plugins are loaded); fix or uninstall the "
+            "distribution, or block it with --plugin no:NAME:\n" + "\n".join(f"  {b.error}" for b in manager.broken)
         )
-        for p in plugins
-    ]
-    print(_table(("PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"), rows))
-    if manager.blocked:
-        print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
     return 0
 
 

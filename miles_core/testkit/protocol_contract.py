@@ -1,6 +1,13 @@
-"""The weight-transfer protocol contract, shipped as a pytest plugin (entry point ``pytest11``).
+"""The weight-transfer protocol contract, shipped as an opt-in pytest plugin.
 
-Any protocol, built-in or third-party, is checked by subclassing :class:`ProtocolContract` in a test module::
+Installing miles-core registers no pytest plugin (this module imports torch and transformers, which no unrelated
+pytest run should pay for). A test suite enables it in its top-level ``conftest.py``::
+
+    pytest_plugins = ["miles_core.testkit.protocol_contract"]
+
+(or on the command line, ``pytest -p miles_core.testkit.protocol_contract``), which provides the ``contract_engines``
+fixture. Any protocol, built-in or third-party, is then checked by subclassing :class:`ProtocolContract` in a test
+module::
 
     from miles_core.testkit.protocol_contract import ProtocolContract
 

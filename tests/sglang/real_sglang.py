@@ -2,8 +2,8 @@
 
 The SGLang environment is the one ``make sglang`` creates (``.venv-sglang``, or ``$MILES_SGLANG_PYTHON``). SGLang's CPU
 engine serves on Intel Xeon CPUs with AVX512-BF16: measured on these machines' Xeons with AMX (``amx_bf16``) and
-without it (``avx512_bf16`` alone); an AMD EPYC machine of the same kind cannot (``../shared/sglang-cpu``). Elsewhere
-the real-SGLang tests skip with the reason :func:`unavailable_reason` gives.
+without it (``avx512_bf16`` alone); an AMD EPYC machine of the same kind cannot (``tools/sglang-cpu/README.md``).
+Elsewhere the real-SGLang tests skip with the reason :func:`unavailable_reason` gives.
 """
 
 from __future__ import annotations

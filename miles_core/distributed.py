@@ -8,11 +8,9 @@ disturb the group. :func:`tcp_store` hands the master a socket bound to ``HOST``
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import urllib.parse
 
-import psutil
 import torch.distributed as dist
 
 from miles_core.workers.node import url_host
@@ -25,24 +23,6 @@ def local_address_towards(host: str) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)  # a UDP connect only picks the route
         return probe.getsockname()[0]
-
-
-def interface_of(address: str) -> str:
-    """The network interface that carries ``address`` (``lo`` for loopback), as ``GLOO_SOCKET_IFNAME`` and
-    ``NCCL_SOCKET_IFNAME`` name one; a :class:`ValueError` when no interface of this machine has it."""
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(entry.address.split("%", 1)[0] == address for entry in addresses):
-            return name
-    raise ValueError(f"no network interface of this machine has the address {address}")
-
-
-def bind_collectives_to(address: str) -> None:
-    """Have gloo and NCCL, in the process groups made after this, listen and connect on the interface of ``address``
-    (this node's address) rather than on the address the machine's host name resolves to (often loopback, which
-    peers on other nodes cannot reach), unless the user chose an interface already."""
-    interface = interface_of(address)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
 
 
 def tcp_store(

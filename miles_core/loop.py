@@ -166,13 +166,16 @@ async def _start_session_servers(config: Any, provider: Any, controller: Inferen
     """The session servers of an agent run, in front of the router or the first engine (each session names its
     engine: the rollout spreads them)."""
     default_engine = controller.router_client or controller.engine_clients()[0]
-    return await SessionServers.start(
+    sessions = await SessionServers.start(
         config,
         provider,
         engine_url=default_engine.url,
         model_path=str(setup.model_path),
         chat_format=session_chat_format(config),
     )
+    placed = ", ".join(worker.describe() for worker in sessions.workers)
+    print(f"miles: session servers by the {config.run.worker_provider} provider: {placed}", flush=True)
+    return sessions
 
 
 async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:

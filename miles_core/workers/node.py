@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import psutil
+
 NODE_ADDRESS_ENV = "MILES_NODE_ADDRESS"
 LOOPBACK = "127.0.0.1"
 
@@ -37,3 +39,29 @@ LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 def is_this_node(host: str | None) -> bool:
     """Whether ``host`` (a URL's host) is this process's node: a loopback name, or the node address itself."""
     return host is not None and (host.lower() in LOOPBACK_NAMES or host == node_address())
+
+
+COLLECTIVE_INTERFACE_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def interface_of(address: str) -> str:
+    """The network interface that carries ``address`` (``lo`` for loopback), as ``GLOO_SOCKET_IFNAME`` and
+    ``NCCL_SOCKET_IFNAME`` name one; a :class:`ValueError` when no interface of this machine has it."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(entry.address.split("%", 1)[0] == address for entry in addresses):
+            return name
+    raise ValueError(f"no network interface of this machine has the address {address}")
+
+
+def collective_interface_env(address: str) -> dict[str, str]:
+    """The environment that has gloo and NCCL listen and connect on the interface of ``address`` (this node's) rather
+    than on the address the machine's host name resolves to (often loopback, or an address another network
+    namespace has), keeping what the user chose: for processes this one starts (an SGLang server joining a
+    ``broadcast`` group)."""
+    interface = interface_of(address)
+    return {name: os.environ.get(name) or interface for name in COLLECTIVE_INTERFACE_ENVS}
+
+
+def bind_collectives_to(address: str) -> None:
+    """:func:`collective_interface_env` for this process's own process groups made after this (Megatron ranks)."""
+    os.environ.update(collective_interface_env(address))

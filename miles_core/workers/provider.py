@@ -32,12 +32,15 @@ class WorkerInfo:
     placement: dict[str, Any] = dataclasses.field(default_factory=dict)  # provider-specific (bundle index, ...)
 
     def describe(self) -> str:
-        """``NAME pid N``, and where a provider placed it on a node (Ray): ``node ADDRESS (id ABCDEF12) bundle I``."""
+        """``NAME pid N``, where a provider placed it on a node (Ray): ``node ADDRESS (id ABCDEF12) bundle I``, and
+        where it serves: ``at URL``."""
         text = f"{self.name} pid {self.pid}"
         if "node_id" in self.placement:
             text += f" node {self.node} (id {self.placement['node_id'][:8]})"
         if "bundle_index" in self.placement:
             text += f" bundle {self.placement['bundle_index']}"
+        if self.url:
+            text += f" at {self.url}"
         return text
 
 

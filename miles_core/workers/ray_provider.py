@@ -34,11 +34,16 @@ import psutil
 import ray
 from ray._private import ray_constants
 from ray.exceptions import AuthenticationError as RayAuthenticationError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from miles_core.workers.errors import WorkerError, WorkerStartError
-from miles_core.workers.node import set_node_address
+from miles_core.workers.node import collective_interface_env, set_node_address
 from miles_core.workers.node_check import NodeCheckError, make_witnesses, miles_packages, node_problems, probe_node
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
@@ -99,7 +104,7 @@ class WorkerActor:
     def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str, host: str) -> dict[str, Any]:
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), host), strict=True))
         command = spec.resolve(ports, host=host, token=token)
-        env = {**os.environ, TOKEN_ENV: token, **command.env}
+        env = {**os.environ, TOKEN_ENV: token, **collective_interface_env(host), **command.env}
         self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
         if command.health_url is not None and not self._wait_healthy(command.health_url, spec.startup_timeout_s):
             what = "exited while starting" if not self.process.is_alive() else "did not become healthy in time"
@@ -175,6 +180,7 @@ class RayWorkerProvider(BaseWorkerProvider):
         self.require_shared(self.run_dir, what="the run directory", setting="run.output_dir (--output-dir)")
         self.checked_nodes = {ray.get_runtime_context().get_node_id()}  # the driver's node sees what it sees
         self.witnesses: list | None = None  # made at the first node check (the shared paths are known by then)
+        self.reported_losses: set[tuple[str, str]] = set()  # (node, worker) whose loss the run was told of
         self.slots: dict[str, _Slot] = {}
         self.groups: list[PlacementGroup] = []
 
@@ -281,8 +287,8 @@ class RayWorkerProvider(BaseWorkerProvider):
         if spec.name not in self.slots:
             await self.place([spec])
         slot = self.slots[spec.name]
-        if slot.actor is None:  # restarted: a fresh actor in the same bundle
-            slot.actor = self._new_actor(slot.group, slot.bundle_index, spec.num_cpus, spec.num_gpus)
+        if slot.actor is None:  # restarted: a fresh actor in the same bundle, which may be on another node now
+            await self._replace_actor(spec, slot)
         log_file = str(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
         host = slot.location["node_ip"]  # loopback for a local Ray; the node's cluster address otherwise
         try:
@@ -307,13 +313,40 @@ class RayWorkerProvider(BaseWorkerProvider):
         self.specs[spec.name] = spec
         return info
 
+    async def _replace_actor(self, spec: WorkerSpec, slot: _Slot) -> None:
+        """A new actor in ``slot``'s bundle, located again. A bundle whose node died is re-placed by Ray on a node
+        that offers its resources, when one has room: until then this fails at once (the health monitor tries again
+        at its next check), saying which node went and what happens next, so a lost node never holds up the run."""
+        state = placement_group_table(slot.group).get("state")
+        if state != "CREATED":
+            node = f"{slot.location['node_ip']} (id {slot.location['node_id'][:8]})"
+            if (node, spec.name) not in self.reported_losses:
+                self.reported_losses.add((node, spec.name))
+                alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}.get(slot.location["node_id"], False)
+                print(
+                    f"miles: node {node} is {'alive' if alive else 'gone'} and its bundle for {spec.name} is "
+                    f"{str(state).lower()}; {spec.name} starts again once Ray re-places the bundle on a node that "
+                    f"offers {self.bundle(spec)} (the node's return, or another with room); the run goes on without it",
+                    flush=True,
+                )
+            raise WorkerStartError(f"worker {spec.name}: its bundle is {state}, not placed on a live node yet")
+        slot.actor = self._new_actor(slot.group, slot.bundle_index, spec.num_cpus, spec.num_gpus)
+        try:
+            location = await asyncio.wait_for(slot.actor.locate.remote(), timeout=spec.startup_timeout_s)
+            await self._check_nodes({location["node_id"]: location["node_ip"]})
+        except BaseException:
+            await self._kill_actor(slot)
+            raise
+        slot.location = {**slot.location, **location}
+
     async def stop(self, name: str) -> None:
         slot = self.slots.get(name)
         if slot is not None and slot.actor is not None:
             pids: list[int] = []
-            with contextlib.suppress(ray.exceptions.RayActorError):  # already dead: only the handle is left
-                pids = await slot.actor.tree_pids.remote()
-                await slot.actor.stop.remote()
+            # already dead (only the handle is left), or on a node that is gone (the call would wait for it)
+            with contextlib.suppress(ray.exceptions.RayActorError, TimeoutError):
+                pids = await asyncio.wait_for(slot.actor.tree_pids.remote(), timeout=STOP_CALL_TIMEOUT_S)
+                await asyncio.wait_for(slot.actor.stop.remote(), timeout=STOP_CALL_TIMEOUT_S)
             await self._kill_actor(slot)
             if slot.location["node_ip"] == self.driver_ip:  # ray.kill returns before the process is gone
                 await asyncio.to_thread(wait_until, lambda: not any(map(_running, pids)), timeout_s=30)
@@ -356,6 +389,8 @@ class RayWorkerProvider(BaseWorkerProvider):
         slot.actor = None
 
 
+STOP_CALL_TIMEOUT_S = 10.0
+"""How long a stopping worker's actor may take to answer (one on a node that died never does)."""
 NODE_CHECK_TIMEOUT_S = 120.0
 """How long a node may take to run its check (it imports the driver's Miles packages, some of them heavy)."""
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miles_core.config.sections import TrainSection
-from miles_core.distributed import bind_collectives_to, reserve_rendezvous, tcp_init_method_address, tcp_store
+from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
 from miles_core.engines.routed_experts import NOT_ROUTED
 from miles_core.errors import MilesError
 from miles_core.models.selection import DSV4_FAMILY
@@ -26,7 +26,7 @@ from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
-from miles_core.workers.node import node_address
+from miles_core.workers.node import bind_collectives_to, node_address
 from miles_core.workers.rpc.server import rpc_method
 
 EXPORT_FILE = "weights.safetensors"

@@ -85,6 +85,7 @@ class Hosts:
         *,
         private_dirs: Mapping[int, Sequence[str]] = {},
         wrong_token: Sequence[int] = (),
+        ray_env: Mapping[str, str] = {},
     ) -> None:
         self.tag = f"m{os.getpid() % 100000}{secrets.token_hex(2)}"  # unique per harness: names of links, netns
         subnet = 200 + secrets.randbelow(50)
@@ -104,6 +105,7 @@ class Hosts:
         self.temp = Path(tempfile.mkdtemp(prefix=f"{self.tag}-", dir="/tmp"))  # short: Ray's socket paths
         self.made: list[str] = []  # what to delete: "netns NAME", "link NAME"
         self.started: dict[str, subprocess.CompletedProcess] = {}  # each host's `ray start`
+        self.ray_env = dict(ray_env)  # Ray settings of every node (RAY_health_check_period_ms, ...)
 
     @property
     def head(self) -> Host:
@@ -146,16 +148,21 @@ class Hosts:
             _ip("-n", host.namespace, "link", "set", "eth0", "up")
             _ip("-n", host.namespace, "link", "set", "lo", "up")
 
-    def _start_ray_node(self, host: Host) -> None:
+    def ray_start_argv(self, host: Host) -> list[str]:
+        """The ``ray start`` of ``host``'s node (the head's, or one that joins it), run in the host's namespace."""
         role = ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false"] if host is self.head else []
-        argv = [
+        return host.command([
             RAY, "start", *role, *([] if host is self.head else ["--address", self.ray_address]),
             "--node-ip-address", host.address, "--num-cpus", "2", "--disable-usage-stats",
             "--temp-dir", str(self.temp / host.name), "--resources", json.dumps(dict(host.resources)),
             "--min-worker-port", str(RAY_WORKER_PORTS[0]), "--max-worker-port", str(RAY_WORKER_PORTS[1]),
-        ]  # fmt: skip
-        env = self.env(RAY_AUTH_TOKEN=secrets.token_hex(16)) if host.wrong_token else self.env()
-        started = host.run(argv, env=env, timeout_s=120)
+        ])  # fmt: skip
+
+    def _start_ray_node(self, host: Host) -> None:
+        env = self.env(**self.ray_env, **({"RAY_AUTH_TOKEN": secrets.token_hex(16)} if host.wrong_token else {}))
+        started = subprocess.run(
+            self.ray_start_argv(host), env=env, capture_output=True, text=True, timeout=120, check=False
+        )
         self.started[host.name] = started
         if started.returncode != 0 and not host.wrong_token:
             raise RuntimeError(

@@ -67,17 +67,28 @@ def where(stdout: str, worker: str) -> str:
     return stdout.split(f"{worker} pid ", 1)[1].split(" node ", 1)[1].split(" ", 1)[0]
 
 
-def assert_learned_with_checked_updates(run: Path, *, mode: str, engines: int) -> None:
-    """The held-out reward rose by the learning tests' margin; every version reached every engine, checksums
-    agreeing, over ``mode``; each engine ends at the last version."""
+def assert_learned(run: Path) -> None:
+    """The held-out reward rose by the learning tests' margin."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     assert len(evals) == 2 and evals[-1] >= evals[0] + LEARNING_MARGIN, evals
+
+
+def weight_updates(run: Path) -> tuple[list[tuple], list[tuple]]:
+    """The dashboard's weight updates (version, engines, checksum agreed, protocol) and each engine's last version."""
     with open_for_reading(run / DB_NAME) as db:
         updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
         cells = db.execute("SELECT cell_id, weight_version FROM engines ORDER BY cell_id").fetchall()
-    assert [tuple(row) for row in updates] == [(version, engines, 1, mode) for version in range(1, STEPS + 1)]
-    assert [tuple(row) for row in cells] == [(f"engine-{index}", STEPS) for index in range(engines)]
+    return [tuple(row) for row in updates], [tuple(row) for row in cells]
+
+
+def assert_learned_with_checked_updates(run: Path, *, mode: str, engines: int, steps: int = STEPS) -> None:
+    """The run learned; every version reached every engine, checksums agreeing, over ``mode``; each engine ends at
+    the last version."""
+    assert_learned(run)
+    updates, cells = weight_updates(run)
+    assert updates == [(version, engines, 1, mode) for version in range(1, steps + 1)]
+    assert cells == [(f"engine-{index}", steps) for index in range(engines)]
 
 
 @pytest.mark.parametrize("mode", ["disk", "tensor", "broadcast", "rdt"])

@@ -34,7 +34,7 @@ ROUTERS = []
 
 @hookimpl
 def register_router(router):
-    ROUTERS.append(router.url)
+    ROUTERS.append((router.url, {"Authorization": f"Bearer {router.admin_key}"}))  # its control routes need the key
 
 
 @hookimpl
@@ -47,7 +47,8 @@ def prepare_rollout(rollout_id, controller):
 
 @hookimpl
 def on_metrics(rollout_id, step, metrics):
-    listed = sorted(w["url"] for w in httpx.get(ROUTERS[0] + "/workers").json()["workers"])
+    url, headers = ROUTERS[0]
+    listed = sorted(w["url"] for w in httpx.get(url + "/workers", headers=headers).json()["workers"])
     cells = CONTROLLER.cells.cells
     running = {cell_id: cell.workers[0].url for cell_id, cell in cells.items() if cell.state.value == "running"}
     versions = {cell_id: httpx.get(url + "/model_info").json()["weight_version"] for cell_id, url in running.items()}

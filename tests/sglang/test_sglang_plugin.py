@@ -178,7 +178,7 @@ ROUTERS = []
 
 @hookimpl
 def register_router(router):
-    ROUTERS.append(router.url)
+    ROUTERS.append((router.url, {"Authorization": f"Bearer {router.admin_key}"}))  # its control routes need the key
 
 
 @hookimpl
@@ -191,7 +191,8 @@ def prepare_rollout(rollout_id, controller):
 
 @hookimpl
 def on_metrics(rollout_id, metrics):
-    listed = sorted(w["url"] for w in httpx.get(ROUTERS[0] + "/workers").json()["workers"])
+    url, headers = ROUTERS[0]
+    listed = sorted(w["url"] for w in httpx.get(url + "/workers", headers=headers).json()["workers"])
     engines = {cell_id: cell.workers[0].url for cell_id, cell in CONTROLLER.cells.cells.items()}
     served = {cell_id: httpx.get(url + "/server_info").json()["internal_states"][0]["generate_requests"]
               for cell_id, url in engines.items()}

@@ -1,0 +1,112 @@
+"""An engine's node dies mid-run (every process of its host killed, by pid): the run says which node went and which
+worker with it, goes on with the engine on the other node, and brings the lost engine back, at the published
+version, once the node returns (its Ray node started again: Ray re-places the engine's bundle there).
+
+Hosts: A runs the driver (the torch trainer), C1 and C2 one engine each (each offers one ``engine_node``). Ray's
+health checks run every second here, so that the head sees the node die within seconds."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.hosts import MILES, Hosts, hosts_or_skip
+from tests.cluster.test_learning_across_hosts import assert_learned, weight_updates, where
+from tests.test_train_moe import LEARNING_FLAGS, save_echo_last_moe
+
+pytestmark = pytest.mark.slow
+
+FIRST, SECOND = 1, 2
+STEPS = 40
+NODE_KILLER = """\
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import ray
+
+from miles_core import hookimpl
+
+CONTROLLER = None
+
+
+def bring_the_node_back(node_id):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if not {n["NodeID"]: n["Alive"] for n in ray.nodes()}.get(node_id, True):
+            break
+        time.sleep(0.2)
+    started = subprocess.run(json.loads(os.environ["RESTART_NODE"]), capture_output=True, text=True)
+    print(f"NODE_BACK {started.returncode}", flush=True)
+
+
+@hookimpl
+def prepare_rollout(rollout_id, controller):
+    global CONTROLLER
+    CONTROLLER = controller
+    if rollout_id == 3:  # the second engine's host dies as a rollout starts: every process in its namespace
+        node_id = controller.provider.workers["engine-1"].placement["node_id"]
+        pids = subprocess.run(["ip", "netns", "pids", os.environ["KILL_NAMESPACE"]], capture_output=True, text=True)
+        for pid in map(int, pids.stdout.split()):
+            os.kill(pid, signal.SIGKILL)
+        print(f"NODE_KILLED {len(pids.stdout.split())}", flush=True)
+        threading.Thread(target=bring_the_node_back, args=(node_id,), daemon=True).start()
+
+
+@hookimpl
+def on_metrics(rollout_id, metrics):
+    restarts = {cell_id: cell.restarts for cell_id, cell in CONTROLLER.cells.cells.items()}
+    print(f"RESTARTS {rollout_id} {restarts['engine-0']} {restarts['engine-1']}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[Hosts]:
+    fast_health = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    with hosts_or_skip([{"driver_node": 1}, {"engine_node": 1}, {"engine_node": 1}], ray_env=fast_health) as built:
+        yield built
+
+
+def test_a_lost_engine_node_is_named_the_run_goes_on_and_the_engine_comes_back(hosts: Hosts, tmp_path: Path) -> None:
+    model_dir, train_prompts, eval_prompts = save_echo_last_moe(tmp_path)
+    killer = tmp_path / "killer.py"
+    killer.write_text(NODE_KILLER)
+    second = hosts.hosts[SECOND]
+    result = hosts.head.run(
+        [
+            MILES, "train", "--model", model_dir, "--output-dir", tmp_path / "run", "--prompts", train_prompts,
+            "--rollout-eval-prompts", eval_prompts, *LEARNING_FLAGS, "--num-steps", str(STEPS),
+            "--run-worker-provider", "ray", "--run-ray-address", hosts.ray_address,
+            "--run-ray-engine-resources", '{"engine_node": 1}', "--engine-num-engines", "2",
+            "--engine-health-check-interval-s", "1", "--weight-transfer-mode", "tensor", "--plugin", killer,
+        ],
+        env=hosts.env(
+            KILL_NAMESPACE=second.namespace,
+            RESTART_NODE=json.dumps(hosts.ray_start_argv(second)),
+            **hosts.ray_env,
+        ),
+        cwd=tmp_path,
+        timeout_s=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {where(result.stdout, "engine-0"), where(result.stdout, "engine-1")} == {
+        hosts.hosts[FIRST].address,
+        second.address,
+    }
+    lost = where(result.stdout, "engine-1")
+    assert "NODE_KILLED" in result.stdout and "NODE_BACK 0" in result.stdout
+    assert f"miles: node {lost} (id " in result.stdout and "its bundle for engine-1 is rescheduling" in result.stdout
+    assert "the run goes on without it" in result.stdout
+    restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]
+    assert restarts[-1][1:] == ["0", "1"], restarts  # engine-0 never stopped; engine-1 came back once
+    assert_learned(tmp_path / "run")
+    updates, cells = weight_updates(tmp_path / "run")
+    assert [version for version, _, _, _ in updates] == list(range(1, STEPS + 1))
+    assert {checksum_ok for _, _, checksum_ok, _ in updates} == {1}  # on the engines each version reached
+    assert updates[-1][1] == 2 and cells == [("engine-0", STEPS), ("engine-1", STEPS)]  # both serve the last one

@@ -1,0 +1,80 @@
+"""Real SGLang servers on another host: two engines behind the real sglang-router, all on host C, the driver (and the
+torch trainer) on A. Over ``disk`` and ``broadcast``, every step's weights reach both engines (each serves the run's
+current version, read back from it), and the router routes to exactly those two, at their node's address. Learning
+with real SGLang is the 200-step run of ``tests/sglang/test_real_sglang.py``; across hosts the local engines' runs
+(``test_learning_across_hosts.py``) learn over every protocol. Where real SGLang cannot run, this skips saying why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import ENGINE, PINS
+from tests.cluster.hosts import MILES, Hosts
+from tests.cluster.test_learning_across_hosts import where
+from tests.sglang.real_sglang import requires_real_sglang, sglang_python
+
+pytestmark = [pytest.mark.slow, requires_real_sglang]
+
+STEPS = 6
+PROBE = """\
+import json
+
+import httpx
+from miles_core import hookimpl
+
+CONTROLLER = None
+ROUTERS = []
+
+
+@hookimpl
+def register_router(router):
+    ROUTERS.append((router.url, {"Authorization": f"Bearer {router.admin_key}"}))
+
+
+@hookimpl
+def prepare_rollout(rollout_id, controller):
+    global CONTROLLER
+    CONTROLLER = controller
+
+
+@hookimpl
+def on_metrics(rollout_id, step, metrics):
+    url, headers = ROUTERS[0]
+    listed = sorted(w["url"] for w in httpx.get(url + "/workers", headers=headers).json()["workers"])
+    running = {cell_id: cell.workers[0].url for cell_id, cell in CONTROLLER.cells.cells.items()}
+    versions = {cell_id: httpx.get(u + "/model_info").json()["weight_version"] for cell_id, u in running.items()}
+    print("PROBE " + json.dumps({"step": step, "version": CONTROLLER.version, "router": listed,
+                                 "running": running, "versions": versions}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["disk", "broadcast"])
+def test_real_sglang_engines_behind_the_router_on_another_host_take_every_version(
+    hosts: Hosts, tmp_path: Path, mode: str
+) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    result = hosts.head.run(
+        [
+            MILES, "train", "--output-dir", tmp_path / "run", "--no-progress", "--engine", "sglang",
+            "--sglang-python", sglang_python(), "--sglang-router", "true", "--engine-num-engines", "2",
+            "--update-weight-transfer-mode", mode, "--num-steps", str(STEPS), "--run-eval-every", "0",
+            "--run-checkpoint-every", "0", "--run-worker-provider", "ray", "--run-ray-address", hosts.ray_address,
+            *PINS, "--run-ray-router-resources", '{"engine_node": 0.5}', "--plugin", probe,
+        ],
+        env=hosts.env(),
+        cwd=tmp_path,
+        timeout_s=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    engine_host = hosts.hosts[ENGINE].address
+    assert {where(result.stdout, name) for name in ("router", "engine-0", "engine-1")} == {engine_host}
+    probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
+    assert [p["step"] for p in probes] == list(range(1, STEPS + 1))
+    for p in probes:
+        assert p["router"] == sorted(p["running"].values()), p
+        assert all(url.startswith(f"http://{engine_host}:") for url in p["router"]), p
+        assert p["versions"] == {"engine-0": str(p["step"]), "engine-1": str(p["step"])}, p

@@ -5,7 +5,10 @@ protocol moves crosses raylets."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import ray
 
@@ -33,3 +36,27 @@ def ray_nodes(two_raylets: bool) -> Iterator[tuple[str | None, dict]]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+HOST_RESOURCES = [{"trainer_node": 4}, {"engine_node": 4}]
+"""The two hosts of ``--hosts``: A runs the trainer (the benchmark itself), B the engine."""
+HOST_PINS = {ENGINE: {"engine_node": 1.0}}
+
+
+@contextlib.contextmanager
+def namespace_hosts() -> Iterator[object]:
+    """Two hosts with network stacks of their own (network namespaces on a bridge, a Ray node in each:
+    ``tests/cluster/hosts.py``), torn down on the way out; the :class:`Hosts`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests.cluster.hosts
+    from tests.cluster.hosts import Hosts, namespaces_unavailable
+
+    reason = namespaces_unavailable()
+    if reason is not None:
+        raise SystemExit(f"--hosts: {reason}")
+    with Hosts(HOST_RESOURCES) as hosts:
+        yield hosts
+
+
+def run_on_first_host(hosts: object, argv: list[str]) -> int:
+    """``argv`` (this benchmark again, told to join) run on host A with the cluster's token; its exit status."""
+    return subprocess.run(hosts.head.command(argv), env=hosts.env(), check=False).returncode

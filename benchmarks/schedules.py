@@ -10,7 +10,9 @@ Usage: ``python benchmarks/schedules.py [--steps 40] [--split 1,1] [other miles 
 the overlapping schedules T torch threads in the trainer and E in each engine (``--train-cpu-threads``,
 ``--engine-cpu-threads``): on a 2-core machine two processes of two threads each would fight over the cores. ``sync``
 keeps torch's default (every core to whichever phase runs). The last lines print ``fully_async / sync throughput``
-and ``fully_async step / limit``.
+and ``fully_async step / limit``. ``--hosts`` runs each schedule twice with the Ray provider, on one host and with
+the engine on another host (two network namespaces, each its own network stack; as root), and prints the step time
+across hosts over the step time on one host.
 """
 
 from __future__ import annotations
@@ -24,18 +26,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+HOST_FLAGS = ["--run-ray-engine-resources", '{"engine_node": 1}']
+"""With ``--hosts``: the engines on host B (the trainer runs in the driver, on host A)."""
 
 SCHEDULES = ("sync", "one_step_off", "fully_async")
 
 
-def run(schedule: str, steps: int, extra: list[str], threads: list[str]) -> list[dict]:
-    """One run's per-step metrics, without the first two steps (warm-up) and the last (eval, checkpoint)."""
+def run(schedule: str, steps: int, extra: list[str], threads: list[str], hosts: Any = None) -> list[dict]:
+    """One run's per-step metrics, without the first two steps (warm-up) and the last (eval, checkpoint); with
+    ``hosts`` (``--hosts``), run on host A and joined to their cluster."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"miles-bench-{schedule}-"))
     argv = [sys.executable, "-m", "miles_core.cli.main", "train", "--no-progress", "--output-dir", str(run_dir)]
     argv += ["--num-steps", str(steps), "--run-eval-every", "0", "--run-checkpoint-every", "0"]
     argv += ["--run-schedule", schedule, *threads, *extra]
+    env = None
+    if hosts is not None:
+        argv = hosts.head.command([*argv, "--run-ray-address", hosts.ray_address, *HOST_FLAGS])
+        env = hosts.env()
     started = time.perf_counter()
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{schedule} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
     print(f"  {schedule}: {steps} steps in {time.perf_counter() - started:.1f} s (with start-up)", flush=True)
@@ -48,6 +59,10 @@ def total(rows: list[dict], key: str) -> float:
     return sum(row.get(key, 0.0) for row in rows)
 
 
+def mean_step(rows: list[dict]) -> float:
+    return total(rows, "time/step") / len(rows)
+
+
 def phases_alone(rows: list[dict]) -> tuple[float, float]:
     """A sync run's median generation (rollout phase) and training (train and weight update) per step: nothing
     overlaps in it, so each is that phase alone."""
@@ -56,13 +71,37 @@ def phases_alone(rows: list[dict]) -> tuple[float, float]:
     return generation, training
 
 
+def across_hosts(steps: int, extra: list[str], split: list[str]) -> None:
+    """Each schedule with the Ray provider on one host (a local Ray) and with its engine on another host (network
+    namespaces, ``benchmarks/ray_nodes.py``), one after the other: step times and the ratio across / one host."""
+    from ray_nodes import namespace_hosts  # deferred: only --hosts builds namespaces
+
+    extra = [*extra, "--run-worker-provider", "ray"]
+    with namespace_hosts() as hosts:
+        rows = []
+        for schedule in SCHEDULES:
+            threads = [] if schedule == "sync" else split
+            one_host = run(schedule, steps, extra, threads)
+            two_hosts = run(schedule, steps, extra, threads, hosts)
+            rows.append((schedule, mean_step(one_host), mean_step(two_hosts)))
+    print(f"{'schedule':<14}{'one host ms':>13}{'across ms':>11}{'across / one':>14}")
+    for schedule, one, two in rows:
+        print(f"{schedule:<14}{one * 1000:>13.0f}{two * 1000:>11.0f}{two / one:>13.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--split", default="1,1", help="trainer,engine torch threads of the overlapping schedules")
+    parser.add_argument(
+        "--hosts", action="store_true", help="each schedule on one host and with its engine on another (namespaces)"
+    )
     args, extra = parser.parse_known_args()
     trainer_threads, engine_threads = (int(n) for n in args.split.split(","))
     split = ["--train-cpu-threads", str(trainer_threads), "--engine-cpu-threads", str(engine_threads)]
+    if args.hosts:
+        across_hosts(args.steps, extra, split)
+        return
     print(
         f"schedules over {args.steps} steps each; overlapping ones with {trainer_threads} trainer / "
         f"{engine_threads} engine thread(s)",

@@ -14,6 +14,10 @@ NIXL with UCX held to its TCP transport (no cross-memory attach, no shared memor
 the request body instead of a shared-memory file; ``broadcast`` and rdt over gloo already use TCP, and ``disk`` still
 writes a local directory (across machines it needs a filesystem both can see).
 
+``--hosts`` puts the engine on another host: two network namespaces on a bridge, each its own network stack and a
+Ray node of its own (``tests/cluster/hosts.py``; as root), the benchmark itself on host A and the engine on host B, so
+that every protocol crosses a veth link (with ``--across-machines``, as between machines: UCX over TCP).
+
 ``--two-raylets`` puts the engine on a Ray node of its own (a raylet on this machine, ``benchmarks/ray_nodes.py``)
 while the trainer (this process) joins from the head node: rdt then moves the weights between two raylets, the
 comparison with ``broadcast`` and memcpy that the cluster tests need (with ``--across-machines``, over TCP).
@@ -33,7 +37,7 @@ from pathlib import Path
 import ray
 import torch
 import transformers
-from ray_nodes import ray_nodes
+from ray_nodes import HOST_PINS, namespace_hosts, ray_nodes, run_on_first_host
 from weight_transfer import (  # the same baseline and warm-up as benchmarks/weight_transfer.py
     WARMUP,
     MemoryCopy,
@@ -158,6 +162,10 @@ async def main(args: argparse.Namespace) -> None:
     if args.across_machines:  # before any NIXL agent exists, here or in the Ray workers started below
         os.environ["UCX_TLS"] = "tcp"
         print("-- across machines: UCX over TCP only, tensor without shared memory", flush=True)
+    if args.join is not None:  # on host A of --hosts: the engine pinned to host B
+        print(f"-- host A joined {args.join}; the engine on host B (network namespaces, veth)", flush=True)
+        await run_sizes(args, workdir, args.join, HOST_PINS)
+        return
     with ray_nodes(args.two_raylets) as (address, pins):
         if address is None:
             init_ray(num_cpus=4)  # a Ray of its own, never one that `ray start` left running
@@ -195,4 +203,13 @@ if __name__ == "__main__":
         help="every protocol as it runs between two machines (see the module docstring)",
     )
     parser.add_argument("--two-raylets", action="store_true", help="the engine on a Ray node of its own")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument(
+        "--hosts", action="store_true", help="the engine on another host: two network namespaces (root, iproute2)"
+    )
+    parser.add_argument("--join", default=None, help=argparse.SUPPRESS)  # set by --hosts for its run on host A
+    parsed = parser.parse_args()
+    if parsed.hosts:
+        with namespace_hosts() as hosts:
+            rest = [arg for arg in sys.argv[1:] if arg != "--hosts"]
+            sys.exit(run_on_first_host(hosts, [sys.executable, __file__, *rest, "--join", hosts.ray_address]))
+    asyncio.run(main(parsed))

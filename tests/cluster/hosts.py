@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -87,7 +88,8 @@ class Hosts:
         wrong_token: Sequence[int] = (),
         ray_env: Mapping[str, str] = {},
     ) -> None:
-        self.tag = f"m{os.getpid() % 100000}{secrets.token_hex(2)}"  # unique per harness: names of links, netns
+        remove_stale_harnesses()
+        self.tag = f"mh{os.getpid()}x{secrets.token_hex(1)}"  # unique per harness: names of links and namespaces
         subnet = 200 + secrets.randbelow(50)
         self.hosts = [
             Host(
@@ -206,6 +208,29 @@ class Hosts:
             subprocess.run(["ip", kind, "del", name], capture_output=True, check=False)
         self.made.clear()
         shutil.rmtree(self.temp, ignore_errors=True)
+
+
+STALE_TAG = re.compile(r"^(mh(\d+)x[0-9a-f]{2})-[a-z]$")
+"""A harness's namespace: ``mh<pid of the process that made it>x<2 hex digits>-<host letter>``."""
+
+
+def remove_stale_harnesses() -> None:
+    """Namespaces (their processes, by pid), links and temp directories of harnesses whose making process is gone:
+    a test process killed before its teardown could run (a SIGKILL, a CI timeout) leaves them behind."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    for name in (line.split()[0] for line in listed.splitlines() if line.strip()):
+        match = STALE_TAG.match(name)
+        if match is None or Path(f"/proc/{match.group(2)}").exists():
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, check=False).stdout
+        for pid in map(int, pids.split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+        tag = match.group(1)
+        subprocess.run(["ip", "link", "del", f"{tag}br"], capture_output=True, check=False)
+        for leftover in Path("/tmp").glob(f"{tag}-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _ip(*args: str) -> None:

@@ -375,6 +375,9 @@ OTHER_PROGRAMS = {
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--two-raylets": "benchmarks/weight_transfer_rdt.py",
+    "--hosts": "benchmarks/weight_transfer_rdt.py",  # and benchmarks/schedules.py
+    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in the README's cluster example
+    "--sizes": "benchmarks/weight_transfer_rdt.py",
     "--protocols": "benchmarks/weight_transfer_rdt.py",
     "--ucx-tcp": "benchmarks/weight_plane.py",
     "--split": "benchmarks/schedules.py",

@@ -115,7 +115,7 @@ async def _run_with_trainer(
     )
     provider.require_shared(setup.model_path, what="the model directory", setting="model.path (--model)")
     for shared in protocol.shared_directories():
-        provider.require_shared(shared.path, what=shared.what, setting=shared.setting)
+        provider.require_shared(shared.path, what=shared.what, setting=shared.setting, owned=shared.owned)
     backend = load_engine_backend(registries, config.engine.backend)
     controller = InferenceController(
         config=config,

@@ -97,6 +97,7 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
                 str(self.work_dir.absolute()),
                 what="the disk protocol's work directory",
                 setting="weight_transfer.settings work_dir (--weight-transfer-settings '{work_dir: DIR}')",
+                owned=True,
             )
         ]
 

@@ -40,8 +40,9 @@ class Witness:
 
 
 def make_witnesses(shared_paths: Sequence[SharedPath]) -> list[Witness]:
-    """One witness per shared directory: a probe file written there, or the first file of a directory this process
-    cannot write (a read-only model directory). A directory that does not exist here is left to whoever reads it."""
+    """One witness per shared directory: a probe file written into a directory of the run's own, the first file of
+    any other (a user's model directory is never written to) or of one this process cannot write. A directory that
+    does not exist here is left to whoever reads it."""
     witnesses = []
     for shared in shared_paths:
         directory = Path(shared.path)
@@ -49,6 +50,8 @@ def make_witnesses(shared_paths: Sequence[SharedPath]) -> list[Witness]:
             continue
         probe = directory / f"{PROBE_PREFIX}{secrets.token_hex(8)}"
         try:
+            if not shared.owned:
+                raise PermissionError("not the run's own directory")
             probe.write_bytes(secrets.token_bytes(32))
             witnesses.append(Witness(shared, str(probe), file_digest(str(probe)), probe=True))
         except OSError:

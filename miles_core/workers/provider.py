@@ -52,6 +52,7 @@ class SharedPath:
     path: str
     what: str
     setting: str
+    owned: bool = False  # the run's own (its directory, a protocol's work directory): a check may write a probe there
 
 
 class BaseWorkerProvider(abc.ABC):
@@ -63,11 +64,11 @@ class BaseWorkerProvider(abc.ABC):
         self.specs: dict[str, WorkerSpec] = {}
         self.shared_paths: list[SharedPath] = []
 
-    def require_shared(self, path: str | Path, *, what: str, setting: str) -> None:
+    def require_shared(self, path: str | Path, *, what: str, setting: str, owned: bool = False) -> None:
         """Workers this provider starts on another node than the driver's will read ``path``: a provider that places
         workers on other machines checks, before it starts any there, that each such node sees it (one that runs
         every worker on the driver's machine has nothing to check)."""
-        shared = SharedPath(str(Path(path).absolute()), what, setting)
+        shared = SharedPath(str(Path(path).absolute()), what, setting, owned)
         if shared not in self.shared_paths:
             self.shared_paths.append(shared)
 

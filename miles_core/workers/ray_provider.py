@@ -177,7 +177,7 @@ class RayWorkerProvider(BaseWorkerProvider):
             init_ray(address, **ray_init)
         self.driver_ip = ray.util.get_node_ip_address()
         set_node_address(self.driver_ip)  # the driver's own listeners (a protocol's group) bind its node's address
-        self.require_shared(self.run_dir, what="the run directory", setting="run.output_dir (--output-dir)")
+        self.require_shared(self.run_dir, what="the run directory", setting="run.output_dir (--output-dir)", owned=True)
         self.checked_nodes = {ray.get_runtime_context().get_node_id()}  # the driver's node sees what it sees
         self.witnesses: list | None = None  # made at the first node check (the shared paths are known by then)
         self.reported_losses: set[tuple[str, str]] = set()  # (node, worker) whose loss the run was told of

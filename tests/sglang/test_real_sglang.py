@@ -1,14 +1,14 @@
 """A real SGLang server (sglang 0.5.23, its CPU engine) launched through the plugin from the SGLang environment:
 served logprobs equal the trainer's before and after weight updates through ``disk`` and ``broadcast``, SGLang's
-weight-update session is what ``broadcast`` needs, a failed launch names its command and log tail, and ``miles
-train --engine sglang`` learns through each protocol.
+weight-update session is what ``broadcast`` needs, and a failed launch names its command and log tail. ``miles train
+--engine sglang`` learns through ``broadcast`` with the engine on another host in
+``tests/cluster/test_sglang_across_hosts.py``.
 
 Skipped, with the reason, where SGLang cannot serve (see :mod:`tests.sglang.real_sglang`)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +24,6 @@ from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.broadcast import GROUP_NAME, BroadcastProtocol, bucket_spec
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.workers.errors import WorkerStartError
-from tests.conftest import run_miles
 from tests.numerics import served_logprob_tolerance
 from tests.sglang.real_sglang import READY_LINE, real_sglang_server, requires_real_sglang, sglang_python
 
@@ -201,44 +200,3 @@ def test_a_launch_with_a_bad_flag_names_the_command_and_its_log(tmp_path: Path, 
     message = str(failure.value)
     assert "engine-0" in message and "sglang.launch_server" in message
     assert "--no-such-flag" in message and "unrecognized arguments" in message
-
-
-def train_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_miles_train_with_real_sglang_learns_through_broadcast(tmp_path: Path) -> None:
-    """The embedded default with real SGLang as the engine, weights sent by the distributed broadcast (200 steps:
-    eval 0.000 -> 0.555 here through disk as well; 60 steps through the router did not learn reliably: 0.305 once,
-    0.188 once). Disk updates to real SGLang run in CI in the router test (``test_real_router.py``), whose every step
-    checks the served version; one 200-step learning run is what CI's time allows."""
-    mode = "broadcast"
-    run_dir = tmp_path / "run"
-    result = run_miles(
-        "train",
-        "--engine",
-        "sglang",
-        "--sglang-python",
-        sglang_python(),
-        "--update-weight-transfer-mode",
-        mode,
-        "--num-steps",
-        "200",
-        "--run-eval-every",
-        "0",
-        "--run-checkpoint-every",
-        "0",
-        "--no-progress",
-        "--output-dir",
-        str(run_dir),
-        timeout_s=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = (run_dir / "logs" / "engine-0.log").read_text()
-    assert READY_LINE in log
-    rows = train_metrics(run_dir)
-    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
-    kl = max(row["train/approx_kl_rollout"] for row in rows if "train/approx_kl_rollout" in row)
-    print(f"{mode}: eval {evals}, largest approx_kl_rollout {kl:.2e}")
-    assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals
-    assert kl < 1e-3  # the rollout's logprobs are the trained policy's (float16 serving, float32 training)

@@ -57,8 +57,12 @@ def collective_interface_env(address: str) -> dict[str, str]:
     """The environment that has gloo and NCCL listen and connect on the interface of ``address`` (this node's) rather
     than on the address the machine's host name resolves to (often loopback, or an address another network
     namespace has), keeping what the user chose: for processes this one starts (an SGLang server joining a
-    ``broadcast`` group)."""
-    interface = interface_of(address)
+    ``broadcast`` group). Nothing when no interface of this machine has the address (behind a NAT, say): gloo and
+    NCCL then pick as they would."""
+    try:
+        interface = interface_of(address)
+    except ValueError:
+        return {}
     return {name: os.environ.get(name) or interface for name in COLLECTIVE_INTERFACE_ENVS}
 
 

@@ -45,3 +45,16 @@ def test_a_node_reports_what_it_does_not_see_and_what_it_cannot_import(tmp_path:
 def test_the_packages_looked_for_are_the_installed_miles_packages_imported_here() -> None:
     packages = miles_packages()
     assert "miles_core" in packages and all(name.startswith("miles_") for name in packages)
+
+
+def test_the_node_address_and_the_interface_collectives_use(monkeypatch) -> None:
+    from miles_core.workers import node
+
+    monkeypatch.delenv(node.NODE_ADDRESS_ENV, raising=False)
+    assert node.node_address() == "127.0.0.1" and node.is_this_node("localhost") and not node.is_this_node(None)
+    monkeypatch.setenv(node.NODE_ADDRESS_ENV, "10.0.0.2")
+    assert node.node_address() == "10.0.0.2" and node.is_this_node("10.0.0.2") and not node.is_this_node("10.0.0.3")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's choice is kept
+    assert node.collective_interface_env("127.0.0.1") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "ib0"}
+    assert node.collective_interface_env("203.0.113.9") == {}  # an address no interface has: left to gloo and NCCL

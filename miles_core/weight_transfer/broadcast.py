@@ -128,7 +128,8 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _driver_group(self) -> None:
         """The driver's own group with the engines, formed at the first transfer after a connect."""
         if self.group is None:
-            address, listener = reserve_master(self.master_address or node_address())
+            address = self.master_address or node_address()
+            listener = reserve_master(address)
 
             def join(**group: Any) -> Any:
                 return new_weight_update_group(**group, listener=listener)
@@ -340,10 +341,10 @@ _HOLDER_STATE: dict[tuple[str, int], _HolderState] = {}
 """By (protocol key, holder index): one process may be several holders (tests) or the driver too."""
 
 
-def reserve_master(address: str) -> tuple[str, socket.socket]:
+def reserve_master(address: str) -> socket.socket:
     """A group's store socket, listening on a free port of ``address`` (this process's node address) until the group
-    forms: the address and the socket."""
-    return address, listening_socket(address, 0)
+    forms."""
+    return listening_socket(address, 0)
 
 
 def reserve_holder_master(share: NamedTensorShare, *, holder: int, holders: int, key: str, joiner: int) -> dict:
@@ -352,8 +353,8 @@ def reserve_holder_master(share: NamedTensorShare, *, holder: int, holders: int,
     if holder != joiner:
         return {}
     state = _HOLDER_STATE.setdefault((key, holder), _HolderState())
-    address, state.listener = reserve_master(node_address())
-    return {"address": address, "port": state.listener.getsockname()[1]}
+    state.listener = reserve_master(node_address())
+    return {"address": node_address(), "port": state.listener.getsockname()[1]}
 
 
 def join_group(share: NamedTensorShare, *, holder: int, holders: int, key: str, joiner: int, **group: Any) -> dict:

@@ -48,17 +48,25 @@ def make_witnesses(shared_paths: Sequence[SharedPath]) -> list[Witness]:
         directory = Path(shared.path)
         if not directory.is_dir():
             continue
-        probe = directory / f"{PROBE_PREFIX}{secrets.token_hex(8)}"
-        try:
-            if not shared.owned:
-                raise PermissionError("not the run's own directory")
-            probe.write_bytes(secrets.token_bytes(32))
-            witnesses.append(Witness(shared, str(probe), file_digest(str(probe)), probe=True))
-        except OSError:
-            files = sorted(path for path in directory.iterdir() if path.is_file())
-            if files:
-                witnesses.append(Witness(shared, str(files[0]), file_digest(str(files[0])), probe=False))
+        witness = _written_probe(shared, directory) if shared.owned else None
+        witness = witness or _existing_file(shared, directory)
+        if witness is not None:
+            witnesses.append(witness)
     return witnesses
+
+
+def _written_probe(shared: SharedPath, directory: Path) -> Witness | None:
+    probe = directory / f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+    try:
+        probe.write_bytes(secrets.token_bytes(32))
+    except OSError:
+        return None  # a directory this process cannot write: witnessed by a file already there
+    return Witness(shared, str(probe), file_digest(str(probe)), probe=True)
+
+
+def _existing_file(shared: SharedPath, directory: Path) -> Witness | None:
+    files = sorted(path for path in directory.iterdir() if path.is_file())
+    return Witness(shared, str(files[0]), file_digest(str(files[0])), probe=False) if files else None
 
 
 def file_digest(path: str) -> str:

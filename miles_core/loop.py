@@ -89,19 +89,26 @@ def _build_trainer(config: Any, registries: Registries, setup: RunSetup) -> Trai
     return trainer
 
 
+VERIFY_SAMPLES = 4
+"""With ``--weight-transfer-verify-checksum``, the parameters each update reads back from every SGLang engine."""
+
+
 def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:
     """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
     refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
     mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
     protocol_cls = registries.weight_transfer_protocols.get_or_raise(mode).load()
     try:
-        return protocol_cls(**settings)
+        protocol = protocol_cls(**settings)
     except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
         raise ConfigError(
             f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
             f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
             f"{type(exc).__name__}: {exc}"
         ) from None
+    if config.weight_transfer.verify_checksum:
+        protocol.verify_samples = VERIFY_SAMPLES
+    return protocol
 
 
 async def _run_with_trainer(

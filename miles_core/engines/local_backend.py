@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
 
@@ -16,6 +17,10 @@ class LocalEngineBackend:
 
     def router_spec(self, config: Any) -> WorkerSpec | None:
         return None
+
+    def weight_capabilities(self, config: Any) -> EngineCapabilities:
+        """Every route: disk, broadcast groups, staging files (served from, or copied), safetensors bytes, checksum."""
+        return LOCAL_ENGINE
 
 
 def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:

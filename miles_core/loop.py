@@ -33,6 +33,7 @@ from miles_core.rollout.stream import RolloutStream, StreamState
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
 from miles_core.training.backend import TrainingBackend, missing_members, weight_holders
+from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 
@@ -108,7 +109,23 @@ def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol
         ) from None
     if config.weight_transfer.verify_checksum:
         protocol.verify_samples = VERIFY_SAMPLES
+    if isinstance(protocol, AutoProtocol):
+        provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
+        protocol.bind(_protocol_factory(registries), engines_in_ray=getattr(provider, "hosts_in_ray", False))
     return protocol
+
+
+def _protocol_factory(registries: Registries) -> Any:
+    """Builds the protocols ``auto`` chooses, by name, with the settings ``auto`` keeps for each."""
+
+    def build(name: str, settings: dict[str, Any]) -> WeightTransferProtocol:
+        protocol_cls = registries.weight_transfer_protocols.get_or_raise(name).load()
+        try:
+            return protocol_cls(**settings)
+        except (TypeError, ValueError, MilesError) as exc:
+            raise ConfigError(f"weight_transfer.settings.{name} {settings} do not fit {name}: {exc}") from None
+
+    return build
 
 
 async def _run_with_trainer(

@@ -181,8 +181,9 @@ def provide_worker_providers() -> list[Implementation]:
 @hookimpl
 def provide_weight_transfer_protocols() -> list[Implementation]:
     return [
+        Implementation("auto", "miles_core.weight_transfer.auto:AutoProtocol", "per engine: tensor, rdt or broadcast"),
         Implementation("disk", "miles_core.weight_transfer.disk:DiskProtocol", "safetensors file per version"),
-        Implementation("tensor", "miles_core.weight_transfer.tensor:TensorProtocol", "safetensors buffers, HTTP/shm"),
+        Implementation("tensor", "miles_core.weight_transfer.tensor:TensorProtocol", "shared-memory staging"),
         Implementation("broadcast", "miles_core.weight_transfer.broadcast:BroadcastProtocol", "gloo/NCCL group"),
     ]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.staging_layout import StagingLayout
+from miles_core.engines.staging_layout import STAGING_DTYPES, StagingLayout
 from miles_core.errors import EngineError, MilesError
 from miles_core.weight_transfer.protocol import EngineEndpoint
 
@@ -57,6 +57,7 @@ async def load_staged(
             staging_path=str(staging_path), buffer_size=buffer_size, layout=layout, swap=swap
         )
         return
+    await check_against_served(client, endpoint, layout)
     request = uuid.uuid4().hex
     specs = [
         json.dumps(
@@ -74,6 +75,46 @@ async def load_staged(
     await client.update_weights_from_loader(payloads, load_format=loader)
     for rank in range(endpoint.capabilities.tp_size):
         _read_outcome(endpoint, Path(staging_path), request, rank)
+
+
+_SERVED_TENSORS: dict[str, dict[str, tuple[tuple[int, ...], bool]]] = {}
+"""Per engine URL, the served checkpoint's tensors (shape, floating) as read from its safetensors headers."""
+
+
+async def check_against_served(client: EngineClient, endpoint: EngineEndpoint, layout: StagingLayout) -> None:
+    """Before anything is loaded: every staged tensor that the engine's checkpoint has must have its shape and kind
+    (floating or not) there; a :class:`WeightMismatchError` naming the parameter, the engine and both otherwise (the
+    engine keeps serving what it served). Names the checkpoint lacks (a tied ``lm_head``) are SGLang's to judge."""
+    served = _SERVED_TENSORS.get(endpoint.url)
+    if served is None:
+        model_path = (await client.model_info()).get("model_path")
+        served = await asyncio.to_thread(checkpoint_tensors, str(model_path))
+        _SERVED_TENSORS[endpoint.url] = served
+    for entry in layout.tensors:
+        if entry.name not in served:
+            continue
+        shape, floating = served[entry.name]
+        sent_floating = STAGING_DTYPES[entry.dtype].is_floating_point
+        if tuple(entry.shape) != shape or sent_floating != floating:
+            raise WeightMismatchError(
+                f"weight_transfer to engine {endpoint.name} ({endpoint.url}): parameter {entry.name} is "
+                f"{entry.dtype}{list(entry.shape)} from the trainer, but the engine serves it as "
+                f"{'floating' if floating else 'integer'}{list(shape)}; nothing was loaded, the engine keeps its "
+                "weights"
+            )
+
+
+def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every tensor of the safetensors files in ``model_path``: its shape and whether it is floating (headers only)."""
+    from safetensors import safe_open  # deferred: only where SGLang engines load staged files
+
+    found: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
+                piece = tensors.get_slice(name)
+                found[name] = (tuple(piece.get_shape()), piece.get_dtype().startswith(("F", "BF")))
+    return found
 
 
 def _read_outcome(endpoint: EngineEndpoint, staging_path: Path, request: str, rank: int) -> None:

@@ -44,7 +44,7 @@ class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
             if not isinstance(value, dict):
                 raise ValueError(
                     f"auto setting {protocol} = {value!r}: expected the settings of the protocol {protocol} as an "
-                    "object, e.g. {\"tensor\": {\"zero_copy\": false}}"
+                    'object, e.g. {"tensor": {"zero_copy": false}}'
                 )
         super().__init__(**settings)
         self.factory: ProtocolFactory | None = None

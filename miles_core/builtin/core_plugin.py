@@ -91,6 +91,7 @@ def validate_config(config: Any, registries: Registries) -> None:
         except RegistryError as exc:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
     check_agent_settings(config, registries)
+    check_protocol_reaches_engines(config, registries)
     if config.rollout.reward is not None and ":" not in config.rollout.reward:
         try:
             registries.reward_functions.get_or_raise(config.rollout.reward)
@@ -98,6 +99,27 @@ def validate_config(config: Any, registries: Registries) -> None:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
             ) from exc
+
+
+def check_protocol_reaches_engines(config: Any, registries: Registries) -> None:
+    """Before any engine starts: the protocol uses a weight route the backend's engines serve, on the trainer's node
+    (the local provider) or on some node (a provider that may place engines elsewhere; where each one lands is
+    checked again when the protocol connects to it). The error names the engines, the protocol and what reaches them."""
+    from miles_core.engines.backend import load_engine_backend  # deferred: the backends' modules
+    from miles_core.weight_transfer.routes import capabilities_of, route_for
+
+    protocol = check_weight_transfer_protocol(registries, config.weight_transfer.mode)
+    backend = load_engine_backend(registries, config.engine.backend)
+    capabilities = capabilities_of(backend, config)
+    engines = f"the engines of engine.backend (--engine) = {config.engine.backend!r}"  # as route_for's errors name them
+    provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
+    if not getattr(provider, "hosts_in_ray", False):
+        route_for(protocol, engines, capabilities, same_node=True)
+        return
+    try:
+        route_for(protocol, engines, capabilities, same_node=True)
+    except ConfigError:
+        route_for(protocol, engines, capabilities, same_node=False)
 
 
 def check_agent_settings(config: Any, registries: Registries) -> None:

@@ -68,7 +68,8 @@ def capabilities_of(backend: Any, config: Any) -> EngineCapabilities:
 
 
 def route_for(protocol: Any, engine: str, capabilities: EngineCapabilities, *, same_node: bool) -> str | None:
-    """The first route of ``protocol`` (a protocol class or instance) that ``engine`` serves where it runs (``None``
+    """The first route of ``protocol`` (a protocol class or instance) that ``engine`` (``"engine engine-0"``, as the
+    error names it) serves where it runs (``None``
     for a protocol that declares no routes: it is not checked); a :class:`ConfigError` naming the engine, the
     protocol and what would reach the engine when there is none."""
     wanted = protocol.routes_same_node if same_node else protocol.routes_other_node
@@ -80,7 +81,7 @@ def route_for(protocol: Any, engine: str, capabilities: EngineCapabilities, *, s
     where = "on the sender's node" if same_node else "on another node than the sender"
     needs = " or ".join(wanted) if wanted else "nothing it can use there"
     raise ConfigError(
-        f"weight_transfer.mode (--update-weight-transfer-mode) = {protocol.name!r} cannot reach engine {engine} "
+        f"weight_transfer.mode (--update-weight-transfer-mode) = {protocol.name!r} cannot reach {engine} "
         f"({where}): {protocol.name} needs {needs}, and the engine serves {', '.join(sorted(capabilities.routes))}; "
         f"{alternatives(capabilities, same_node=same_node)}"
     )

@@ -101,7 +101,8 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
         """Every engine reachable by a route it serves (SGLang on another node is not: an error naming it)."""
         for engine in engines:
-            route_for(self, engine.name, engine.capabilities, same_node=on_sender_node(engine.url, self.shared_memory))
+            same_node = on_sender_node(engine.url, self.shared_memory)
+            route_for(self, f"engine {engine.name}", engine.capabilities, same_node=same_node)
         await super().connect(engines)
 
     def _session_clients(self) -> list[EngineClient]:
@@ -357,7 +358,8 @@ async def _send_share(
                     client, endpoint, staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout
                 )
             elif not endpoint.capabilities.serves(TENSOR_BYTES):
-                route_for(TensorProtocol, endpoint.name, endpoint.capabilities, same_node=False)  # raises, naming it
+                # raises, naming the engine and what reaches it
+                route_for(TensorProtocol, f"engine {endpoint.name}", endpoint.capabilities, same_node=False)
             else:
                 for chunk in bucketize(tensors, HOLDER_SEND_BYTES):
                     await client.update_weights_from_tensor(dict(chunk))

@@ -135,7 +135,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         if self.transport == "nixl":
             configure_nixl_agents(progress_thread=True)  # before this process's agent exists: it offers memory
         for engine in engines:  # an engine without a staging route: an error naming it
-            route_for(self, engine.name, engine.capabilities, same_node=False)
+            route_for(self, f"engine {engine.name}", engine.capabilities, same_node=False)
         await super().connect(engines)
         self.routes = plan_routes(1, [engine.name for engine in engines])
         stale = [name for name, (endpoint, _) in self.receivers.items() if endpoint not in engines]

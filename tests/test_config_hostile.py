@@ -378,7 +378,7 @@ OTHER_PROGRAMS = {
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--two-raylets": "benchmarks/weight_transfer_rdt.py",
     "--hosts": "benchmarks/weight_transfer_rdt.py",  # and benchmarks/schedules.py
-    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in the README's cluster example
+    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in docs/how-to/ray-cluster.md
     "--sizes": "benchmarks/weight_transfer_rdt.py",
     "--protocols": "benchmarks/weight_transfer_rdt.py",
     "--ucx-tcp": "benchmarks/weight_plane.py",
@@ -399,7 +399,7 @@ def _miles_flags() -> set[str]:
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
     for server in ("miles_core.engines.local_server", "miles_core.rollout.sessions.server"):
-        # the README documents the flags of the local engine and of the session server too
+        # the site documents the flags of the local engine and of the session server too
         answer = subprocess.run([sys.executable, "-m", server, "--help"], capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0, answer.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", answer.stdout))

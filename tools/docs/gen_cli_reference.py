@@ -129,8 +129,9 @@ def bounds(field: pydantic.fields.FieldInfo) -> str:
 
 
 def cell(text: str) -> str:
-    """Text safe inside a Markdown table cell."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text for a Markdown table cell: a ``|`` outside code spans escaped (inside one it does not end the cell)."""
+    parts = text.replace("\n", " ").split("`")
+    return "`".join(part if inside_code % 2 else part.replace("|", "\\|") for inside_code, part in enumerate(parts))
 
 
 def code(text: str) -> str:
@@ -163,8 +164,8 @@ def render(manager: MilesPluginManager) -> str:
             "",
             f"{(section.__doc__ or '').strip()} Contributed by the plugin `{plugins.get(section_name, '?')}`.",
             "",
-            "| flags | value | type | default | description |",
-            "| --- | --- | --- | --- | --- |",
+            "| flags | type, default | description |",
+            "| --- | --- | --- |",
         ]
         for setting in by_section.get(section_name, []):
             lines.append(_row(setting, section, defaults))
@@ -175,16 +176,17 @@ def render(manager: MilesPluginManager) -> str:
 def _row(setting: Setting, section: type[pydantic.BaseModel], defaults: dict[str, Any]) -> str:
     section_name, field_name, *key = setting.path.split(".")
     field = section.model_fields.get(field_name)
-    value = f"{setting.metavar}" + (" (repeatable)" if setting.repeatable else "")
+    value = f" {setting.metavar}" if setting.metavar else ""
+    flags = "<br>".join(code(f"{flag}{value}") for flag in setting.flags)
+    if setting.repeatable:
+        flags += " (repeatable)"
     if field is None or key:  # a named flag that sets a key inside a mapping field
-        kind, default = "", ""
+        kind = ""
     else:
-        kind = type_name(field.annotation)
         limits = bounds(field)
-        kind = f"{kind} ({limits})" if limits else kind
-        default = json.dumps(defaults[section_name][field_name])
-    flags = "<br>".join(code(flag) for flag in setting.flags)
-    return f"| {flags} | {cell(code(value))} | {cell(code(kind))} | {cell(code(default))} | {cell(setting.help)} |"
+        kind = code(type_name(field.annotation)) + (f" ({limits})" if limits else "")
+        kind += f", default {code(json.dumps(defaults[section_name][field_name]))}"
+    return f"| {flags} | {cell(kind)} | {cell(setting.help)} |"
 
 
 def _command_help() -> list[str]:

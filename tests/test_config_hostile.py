@@ -30,6 +30,8 @@ TIMEOUT_S = 120  # generous for a shared 2-core machine: a hang, not a slow star
 READMES = sorted(
     path.relative_to(REPO) for path in REPO.glob("**/README.md") if not any(part.startswith(".") for part in path.parts)
 )  # not .venv, nor .pytest_cache (which pytest writes a README into)
+DOCUMENTS = READMES + sorted(path.relative_to(REPO) for path in (REPO / "docs").glob("**/*.md"))
+"""The READMEs and the documentation site's pages (mkdocs.yml), where the root README's long sections now are."""
 
 
 def _cap_memory() -> None:
@@ -376,7 +378,7 @@ OTHER_PROGRAMS = {
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--two-raylets": "benchmarks/weight_transfer_rdt.py",
     "--hosts": "benchmarks/weight_transfer_rdt.py",  # and benchmarks/schedules.py
-    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in the README's cluster example
+    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in docs/how-to/ray-cluster.md
     "--sizes": "benchmarks/weight_transfer_rdt.py",
     "--protocols": "benchmarks/weight_transfer_rdt.py",
     "--ucx-tcp": "benchmarks/weight_plane.py",
@@ -387,7 +389,7 @@ OTHER_PROGRAMS = {
     "--no-deps": "tools/sglang-cpu/install.sh",  # pip's: sglang without its CUDA pins
     "--sleep-on-idle": "tests/sglang/test_engine_environment.py",  # SGLang's, among the plugin's CPU launch settings
 }
-"""Flags the READMEs name in prose that belong to another program, and the file that uses each."""
+"""Flags the READMEs and the site's pages name in prose that belong to another program, and the file that uses each."""
 
 
 def _miles_flags() -> set[str]:
@@ -397,7 +399,7 @@ def _miles_flags() -> set[str]:
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
     for server in ("miles_core.engines.local_server", "miles_core.rollout.sessions.server"):
-        # the README documents the flags of the local engine and of the session server too
+        # the site documents the flags of the local engine and of the session server too
         answer = subprocess.run([sys.executable, "-m", server, "--help"], capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0, answer.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", answer.stdout))
@@ -425,13 +427,14 @@ def test_every_flag_in_hookspecs_and_readmes_is_a_miles_flag() -> None:
     known = _miles_flags()
     documented = {
         flag: source
-        for source in READMES
+        for source in DOCUMENTS
         for span in _code_spans((REPO / source).read_text())
         for flag in _documented_flags(span)
     }
     hookspecs = (REPO / "miles_core/hookspecs.py").read_text()
     documented |= {flag: "miles_core/hookspecs.py" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", hookspecs)}
     assert {"--trainer", "--run-worker-provider", "--sglang-router", "--megatron-tensor-parallel"} <= set(documented)
+    assert any(str(source).startswith("docs/") for source in documented.values())  # the site's pages are read
     for flag, program in OTHER_PROGRAMS.items():
         assert flag in (REPO / program).read_text(), (flag, program)  # the exception itself stays true
     unknown = {flag: source for flag, source in documented.items() if flag not in known | set(OTHER_PROGRAMS)}
@@ -442,7 +445,7 @@ def test_every_flag_in_hookspecs_and_readmes_is_a_miles_flag() -> None:
 
 def _readme_commands() -> list[tuple[str, list[str]]]:
     commands = []
-    for source in READMES:
+    for source in DOCUMENTS:
         for block in re.findall(r"```bash\n(.*?)```", (REPO / source).read_text(), flags=re.DOTALL):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)

@@ -8,7 +8,7 @@ Two engines copy a version out of a staging file in shared memory on their node 
   SGLang server (``miles_plugins_sglang/engine_path/miles_sglang_weights.py``). The request carries, per TP rank, a
   pickled ``[(spec, empty tensor)]`` (SGLang reads it with its ``SafeUnpickler``: a string and an empty tensor, no
   tensor data); the loader maps the file and copies the tensors into the model. SGLang answers ``success`` whatever a
-  custom loader did, so the loader writes its outcome beside the staging file and :func:`load_staged` reads it.
+  custom loader did, so the loader writes its outcome into the staging directory and :func:`load_staged` reads it.
 
 SGLang loads inside a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``), in which its CPU
 weights are unpacked: :func:`verify_sampled` reads sampled parameters back there (``/get_weights_by_name``, the first
@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from miles_core.engines.client import EngineClient
+from miles_core.engines.staging import weight_staging_dir
 from miles_core.engines.staging_layout import STAGING_DTYPES, StagingLayout
 from miles_core.errors import EngineError, MilesError
 from miles_core.weight_transfer.protocol import EngineEndpoint
@@ -74,7 +75,7 @@ async def load_staged(
     payloads = [base64.b64encode(pickle.dumps([(spec, torch.empty(0))])).decode() for spec in specs]
     await client.update_weights_from_loader(payloads, load_format=loader)
     for rank in range(endpoint.capabilities.tp_size):
-        _read_outcome(endpoint, Path(staging_path), request, rank)
+        _read_outcome(endpoint, request, rank)
 
 
 _SERVED_TENSORS: dict[str, dict[str, tuple[tuple[int, ...], bool]]] = {}
@@ -117,8 +118,9 @@ def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool
     return found
 
 
-def _read_outcome(endpoint: EngineEndpoint, staging_path: Path, request: str, rank: int) -> None:
-    status = staging_path.with_name(f"{staging_path.name}.{request}.tp{rank}.json")
+def _read_outcome(endpoint: EngineEndpoint, request: str, rank: int) -> None:
+    """The outcome the loader wrote for TP rank ``rank`` (in this node's staging directory, the engine's too)."""
+    status = weight_staging_dir() / f"miles-load-{request}.tp{rank}.json"
     try:
         outcome = json.loads(status.read_text())
     except (OSError, ValueError):

@@ -13,7 +13,7 @@ Staging files are accepted only as regular files directly inside ``$MILES_WEIGHT
 at launch to the staging directory of the engine's user), and a layout is checked against the file before any
 parameter is written: a bad request leaves the served weights as they were. SGLang answers ``success`` whatever a
 custom loader does, and an exception raised here would end the server, so the loader never raises: it writes what
-happened to a status file beside the staging file (``<staging file>.<request>.tp<rank>.json``), which the sender reads
+happened to an outcome file in the staging directory (``miles-load-<request>.tp<rank>.json``), which the sender reads
 after the request and turns into its error.
 """
 
@@ -81,17 +81,12 @@ def _parse(spec_text: object) -> dict:
 
 
 def _report(specs: list[dict], **outcome: object) -> None:
-    """Write ``outcome`` to each spec's status file (only for specs whose staging file is one of ours)."""
+    """Write ``outcome`` to each spec's outcome file in the staging directory (for well-formed request names)."""
+    directory = os.environ.get(STAGING_DIR_ENV)
     for spec in specs:
         request, rank = spec.get("request"), spec.get("tp_rank", 0)
-        if not (isinstance(request, str) and request.isalnum() and _is_count(rank)):
-            continue
-        try:
-            path = staging_file(spec.get("staging_path"), 0)
-        except StagedLoadError:
-            continue
-        status = path.with_name(f"{path.name}.{request}.tp{rank}.json")
-        status.write_text(json.dumps(outcome))
+        if directory and isinstance(request, str) and request.isalnum() and _is_count(rank):
+            (Path(directory) / f"miles-load-{request}.tp{rank}.json").write_text(json.dumps(outcome))
 
 
 def staged_views(spec: dict) -> list[tuple[str, torch.Tensor]]:

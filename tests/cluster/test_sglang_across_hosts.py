@@ -91,7 +91,7 @@ def test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_throug
     result = hosts.head.run(
         [
             MILES, "train", "--output-dir", tmp_path / "run", "--no-progress", "--engine", "sglang",
-            "--sglang-python", sglang_python(), "--weight-transfer-verify-checksum", "--num-steps", "200",
+            "--sglang-python", sglang_python(), "--weight-transfer-verify-checksum", "true", "--num-steps", "200",
             "--run-eval-every", "0", "--run-checkpoint-every", "0", "--run-worker-provider", "ray",
             "--run-ray-address", hosts.ray_address, *PINS,
         ],

@@ -79,6 +79,7 @@ def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_
         "--engine-num-engines",
         "2",
         "--weight-transfer-verify-checksum",  # sampled parameters read back from SGLang after every update
+        "true",
         "--num-steps",
         str(STEPS),
         "--run-eval-every",

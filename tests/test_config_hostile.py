@@ -7,6 +7,7 @@ memory: each runs in a subprocess with a timeout and an address-space cap.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import re
@@ -346,12 +347,17 @@ def test_output_dir_that_does_not_exist_yet_is_fine(tmp_path: Path) -> None:
 LOCAL_ENGINE_COMMAND = '["{python}", "-m", "miles_core.engines.local_server"]'
 
 
-def test_verify_checksum_with_sglang_is_refused() -> None:
-    stderr = refused(
-        "--engine", "sglang", "--update-weight-transfer-mode", "disk", "--weight-transfer-verify-checksum", "true"
+def test_verify_checksum_needs_engines_that_report_their_weights(tmp_path: Path) -> None:
+    """Stock SGLang reports parameters (/get_weights_by_name: read back after each update); another server of SGLang's
+    API reports nothing, so the check is refused before any engine starts."""
+    verify = ["--weight-transfer-verify-checksum", "true"]
+    assert config_json("--engine", "sglang", *verify)["weight_transfer"]["verify_checksum"] is True
+    other = json.dumps([str(tmp_path / "my-server")])
+    stderr = refused("--engine", "sglang", "--sglang-launch-command", other, "--weight-transfer-mode", "disk", *verify)
+    assert "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs engines that report" in (
+        stderr
     )
-    assert "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum)" in stderr
-    assert "/weights_checksum" in stderr and "--engine local" in stderr
+    assert "serve disk, distributed: leave it false" in stderr
 
 
 def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_accepted() -> None:

@@ -106,12 +106,20 @@ def check_protocol_reaches_engines(config: Any, registries: Registries) -> None:
     (the local provider) or on some node (a provider that may place engines elsewhere; where each one lands is
     checked again when the protocol connects to it). The error names the engines, the protocol and what reaches them."""
     from miles_core.engines.backend import load_engine_backend  # deferred: the backends' modules
-    from miles_core.weight_transfer.routes import capabilities_of, route_for
+    from miles_core.weight_transfer.routes import CHECKSUM, WEIGHTS_BY_NAME, capabilities_of, route_for
 
     protocol = check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     backend = load_engine_backend(registries, config.engine.backend)
     capabilities = capabilities_of(backend, config)
     engines = f"the engines of engine.backend (--engine) = {config.engine.backend!r}"  # as route_for's errors name them
+    if config.weight_transfer.verify_checksum and not (
+        capabilities.serves(CHECKSUM) or capabilities.serves(WEIGHTS_BY_NAME)
+    ):
+        raise ConfigError(
+            f"weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs engines that report "
+            f"their weights (/weights_checksum, or SGLang's /get_weights_by_name); {engines} serve "
+            f"{', '.join(sorted(capabilities.routes))}: leave it false"
+        )
     provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
     if not getattr(provider, "hosts_in_ray", False):
         route_for(protocol, engines, capabilities, same_node=True)

@@ -88,7 +88,7 @@ def test_phases_and_weight_updates(exporter: PrometheusExporter) -> None:
         "miles_weight_update_seconds_total": 0.75,
     }
     assert families["miles_weight_version"].samples[0].value == 2
-    (info,) = families["miles_weight_transfer"].samples  # the last update's protocol, as auto chose it
+    (info,) = families["miles_weight_transfer_info"].samples  # the last update's protocol, as auto chose it
     assert info.labels == {"protocol": "auto/tensor"} and info.value == 1
 
 

@@ -71,8 +71,16 @@ def test_plugins_table_is_readable() -> None:
     result = run_miles("plugins")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"]
-    assert any(row.startswith("example-hooks ") and "llama/minimal" in row for row in rows)
+    assert header.split() == ["PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES", "HOOKS"]
+    example = next(row for row in rows if row.startswith("example-hooks "))
+    assert "llama/minimal" in example
+    # the HOOKS column: the hooks each plugin implements, in the column under its header
+    hooks_at = header.index("HOOKS")
+    assert example[hooks_at:] == (
+        "provide_engine_backends, provide_model_implementations, provide_reward_functions, provide_training_backends"
+    )
+    core = next(row for row in rows if row.startswith("core "))
+    assert "config_sections" in core[hooks_at:].split(", ")
 
 
 def test_entry_point_only_protocol_is_selectable() -> None:

@@ -23,6 +23,11 @@ class Section(pydantic.BaseModel):
     """Fields the section no longer has, each with what to do instead: the YAML key and its ``--SECTION-FIELD``
     flag are refused with that message rather than as unknown."""
 
+    def resolved_notes(self) -> dict[str, str]:
+        """What settings of the section resolve to on this machine (an ``auto`` found somewhere), by field name:
+        ``miles config show`` prints them beside the config. None by default."""
+        return {}
+
     @pydantic.field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: pydantic.ValidationInfo) -> Any:

@@ -139,7 +139,13 @@ def test_autoload_disabled_keeps_builtins_and_explicit_plugins(plugin_dir: Path)
     write_module(plugin_dir, "explicit_one", EXTRA_REWARD_PLUGIN.format(name="explicit.one"))
     env = {**with_pythonpath(plugin_dir), "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
     plugins = plugins_json("--plugin", "explicit_one", env=env)
-    assert sorted(name for name in plugins if name != "blocked") == ["core", "dashboard", "explicit_one", "faults", "metrics"]
+    assert sorted(name for name in plugins if name != "blocked") == [
+        "core",
+        "dashboard",
+        "explicit_one",
+        "faults",
+        "metrics",
+    ]
 
 
 def test_plugin_module_whose_import_raises(plugin_dir: Path) -> None:

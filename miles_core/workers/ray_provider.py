@@ -443,7 +443,7 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
         _check_listening(address, source)
     loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
     try:
-        with loopback:
+        with loopback, waiting_for(f"the Ray cluster at {address} to be joined"):
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
     except (ConnectionError, RayAuthenticationError) as exc:
         raise WorkerError(f"cannot join the Ray cluster at {address} ({source}): {_join_failure(exc)}") from None

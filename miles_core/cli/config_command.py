@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -29,6 +30,9 @@ def prepare(
         config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
         data = config.model_dump(mode="json")
         print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip("\n"))
+        notes = resolved_notes(config)
+        if notes:  # comments after the YAML (it stays a config file); with --json on stderr, leaving stdout JSON
+            print("\n".join(f"# {line}" for line in notes), file=sys.stderr if args.json else sys.stdout)
         return 0
 
     def train(args: argparse.Namespace) -> int:
@@ -45,6 +49,15 @@ def prepare(
         return 0
 
     return show if command == "config" else train
+
+
+def resolved_notes(config: Any) -> list[str]:
+    """``SECTION.FIELD: what it resolves to here``, from each section's ``resolved_notes``."""
+    return [
+        f"{section_name}.{field}: {note}"
+        for section_name in type(config).model_fields
+        for field, note in getattr(config, section_name).resolved_notes().items()
+    ]
 
 
 def _where_the_run_is(output_dir: str) -> str:

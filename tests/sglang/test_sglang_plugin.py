@@ -51,8 +51,12 @@ def test_server_args_are_checked_against_sglang_fields(manager) -> None:
         sglang_config(manager, **{"sglang.server_args": {"tp_size": 2}})
     with pytest.raises(ConfigError, match=r"sglang.router = true needs engine.backend = 'sglang'"):
         build_config(manager, overrides={"sglang.router": True})
-    with pytest.raises(ConfigError, match=r"stock SGLang's /update_weights_from_tensor does not read"):
-        sglang_config(manager, **{"weight_transfer.mode": "tensor"})  # with the default sglang.launch_server
+    # stock SGLang takes tensor (Miles' loader in the server); another server of SGLang's API does not
+    assert sglang_config(manager, **{"weight_transfer.mode": "tensor"}).weight_transfer.mode == "tensor"
+    with pytest.raises(
+        ConfigError, match=r"'tensor' cannot reach the engines of engine.backend \(--engine\) = 'sglang'"
+    ):
+        sglang_config(manager, **{"weight_transfer.mode": "tensor", "sglang.launch_command": ["my-sglang-api-server"]})
     result = run_miles(
         "config",
         "show",

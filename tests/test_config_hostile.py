@@ -448,6 +448,7 @@ def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_acce
 OTHER_PROGRAMS = {
     "--admin-api-key": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to SGLang's server
     "--prometheus-host": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # passed to the sglang-router
+    "--custom-weight-loader": "miles_plugins_sglang/miles_plugins_sglang/launch.py",  # SGLang's, set by the plugin
     "--repeats": "benchmarks/weight_transfer_rdt.py",
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--two-raylets": "benchmarks/weight_transfer_rdt.py",

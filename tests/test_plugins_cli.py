@@ -267,7 +267,7 @@ def test_weight_transfer_entry_point_naming_a_missing_object(broken_distribution
     found when a run picks the protocol: that run fails naming the distribution, and no other."""
     env = with_pythonpath(broken_distributions["miles-missing-protocol"])
     assert plugins_json(env=env)["miles-missing-protocol"]["provides"] == {"weight_transfer_protocols": ["ghost"]}
-    assert config_json(env=env)["weight_transfer"]["mode"] == "tensor"  # a run with another protocol is unaffected
+    assert config_json(env=env)["weight_transfer"]["mode"] == "auto"  # a run with another protocol is unaffected
     result = run_miles("config", "show", "--update-weight-transfer-mode", "ghost", env=env)
     assert result.returncode == 2
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'ghost'" in result.stderr

@@ -29,7 +29,7 @@ import transformers
 from miles_plugins_sglang.standalone import cpu_unavailable_reason, engine_server
 
 from miles_core.config.build import build_config
-from miles_core.engines.running_batch import generate_batch
+from miles_core.engines.batch_generation import generate_batch
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.plugin_manager import MilesPluginManager
 

@@ -110,7 +110,7 @@ async def main(sessions: int, turns: int, instances: int, repeats: int) -> None:
                         name=f"sessions-{i}",
                         engine_url=engine_info.url,
                         model_path=str(model),
-                        chat_format="default",
+                        chat_format="miles_core.rollout.sessions.formats:DigitChatFormat",
                     )
                 )
                 for i in range(instances)

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
     from miles_core.engines.staging_layout import StagingLayout
     from miles_core.models.causal_lm import CausalLM
-    from miles_core.rollout.executor import Group, Sample
     from miles_core.rollout.prompts import Prompt
+    from miles_core.rollout.samples import Group, Sample
     from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch
@@ -45,11 +45,11 @@ _LAZY = {
     "EngineBackend": "miles_core.engines.backend",
     "EngineEndpoint": "miles_core.weight_transfer.protocol",
     "GenerateOutput": "miles_core.engines.generate_types",
-    "Group": "miles_core.rollout.executor",
+    "Group": "miles_core.rollout.samples",
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "Prompt": "miles_core.rollout.prompts",
     "PythonWorkerSpec": "miles_core.workers.specs",
-    "Sample": "miles_core.rollout.executor",
+    "Sample": "miles_core.rollout.samples",
     "SamplingParams": "miles_core.engines.generate_types",
     "ToolCall": "miles_core.rollout.sessions.formats",
     "StagingLayout": "miles_core.engines.staging_layout",

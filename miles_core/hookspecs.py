@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # annotations only: importing these at run time would be circ
     from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
     from miles_core.registry import Implementation, Registries
     from miles_core.rollout.controller import InferenceController
-    from miles_core.rollout.executor import Sample
+    from miles_core.rollout.samples import Sample
     from miles_core.weight_transfer.protocol import TransferReport, WeightTransferProtocol
 
 PROJECT_NAME = "miles"

@@ -24,7 +24,7 @@ from miles_core.events import TrainerInfo
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
-from miles_core.rollout.agents import agent_for_task, close_session_clients, session_chat_format
+from miles_core.rollout.agents import agent_for_task, chat_format_target, close_session_clients
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.rollout.filters import load_filters
@@ -137,7 +137,7 @@ async def _run_with_trainer(
             flush=True,
         )
         if agent is not None:
-            sessions = await _start_session_servers(config, provider, controller, setup)
+            sessions = await _start_session_servers(config, provider, controller, setup, registries)
         executor = RolloutExecutor(
             config=config,
             tokenizer=setup.tokenizer,
@@ -162,7 +162,9 @@ async def _run_with_trainer(
     return reporter
 
 
-async def _start_session_servers(config: Any, provider: Any, controller: InferenceController, setup: RunSetup):
+async def _start_session_servers(
+    config: Any, provider: Any, controller: InferenceController, setup: RunSetup, registries: Registries
+):
     """The session servers of an agent run, in front of the router or the first engine (each session names its
     engine: the rollout spreads them)."""
     default_engine = controller.router_client or controller.engine_clients()[0]
@@ -171,7 +173,7 @@ async def _start_session_servers(config: Any, provider: Any, controller: Inferen
         provider,
         engine_url=default_engine.url,
         model_path=str(setup.model_path),
-        chat_format=session_chat_format(config),
+        chat_format=chat_format_target(config, registries.chat_formats),
     )
     placed = ", ".join(worker.describe() for worker in sessions.workers)
     print(f"miles: session servers by the {config.run.worker_provider} provider: {placed}", flush=True)

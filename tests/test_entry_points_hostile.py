@@ -28,8 +28,9 @@ from miles_core.dashboard.store import DashboardStore, check_run_dir
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward
+from miles_core.rollout.executor import RolloutExecutor, checked_reward
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.rollout.samples import Sample
 from miles_core.run_setup import check_prompts_encode, latest_checkpoint, load_tokenizer, prepare_run
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer

@@ -24,8 +24,9 @@ from miles_core.errors import ConfigError, MilesError
 from miles_core.loop import make_protocol, save_checkpoint
 from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_files, tokenizer_files
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward, decode_response
+from miles_core.rollout.executor import RolloutExecutor, checked_reward, decode_response
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.samples import Sample
 from miles_core.run_setup import (
     RunSetup,
     check_prompts_encode,

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from miles_core.cli.config_args import ConfigArguments
-from miles_core.cli.main import INTERRUPTED
+from miles_core.cli.exit_codes import INTERRUPTED
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import transformers
 
-from miles_core.engines.running_batch import new_running_batch, result_of
-from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, _Sampler
+from miles_core.engines.batch_generation import new_running_batch
+from miles_core.engines.running_batch import result_of
+from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
 from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import (
@@ -85,7 +86,7 @@ class _Pending:
 
     request: GenerationRequest
     future: asyncio.Future
-    sampler: _Sampler | None = None  # made when it first joins the batch; kept when it leaves it and comes back
+    sampler: Sampler | None = None  # made when it first joins the batch; kept when it leaves it and comes back
     solo: bool = False  # it was in a step that failed: it runs alone, so that a fault fails only its own request
 
 
@@ -348,7 +349,7 @@ class LocalEngine:
                 default_seed = self.seed * 1_000_003 + self._requests
                 self._requests += 1
                 decode = self.decode if self.tokenizer is not None else None
-                item.sampler = _Sampler(item.request, self.eos_token_ids, default_seed, decode)
+                item.sampler = Sampler(item.request, self.eos_token_ids, default_seed, decode)
             if item.sampler.finish_reason is not None:  # max_new_tokens 0
                 self._settle(item, result=self._result(item))
                 continue

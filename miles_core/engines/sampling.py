@@ -124,7 +124,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-class _Sampler:
+class Sampler:
     """Per-request state: generator, stop set, outputs."""
 
     def __init__(
@@ -191,7 +191,7 @@ class _Sampler:
         return min(found)[1] if found else None
 
 
-def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+def choose_tokens(samplers: list[Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """Sample one token for each active row at once, by inverse CDF with one uniform number per row drawn from the
     request's own generator: a request's tokens depend on its seed alone, whatever it is batched with."""
     logits = logits[rows].float()

@@ -68,6 +68,12 @@ def agent_for_task(task: str, agent: str | None, registry: Any) -> Agent | None:
     return None
 
 
+def chat_format_target(config: Any, registry: Any) -> str:
+    """The ``module:attribute`` of the run's chat format (:func:`session_chat_format`, looked up in the chat-format
+    registry): what a session server is started with, so that it imports that class and no plugin."""
+    return registry.get_or_raise(session_chat_format(config)).target_text
+
+
 def session_chat_format(config: Any) -> str:
     """``--rollout-chat-format``, else ``default`` for the embedded default model; a ``--model`` needs one."""
     if config.rollout.chat_format is not None:

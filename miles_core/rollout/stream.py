@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.errors import MilesError
-from miles_core.rollout.executor import Group, Rollout, RolloutExecutor
+from miles_core.rollout.executor import RolloutExecutor
+from miles_core.rollout.samples import Group, Rollout
 
 STATE_FILE = "rollout_stream.json"
 

@@ -80,6 +80,7 @@ from miles_core.rollout.sessions.api import (
 from miles_core.rollout.sessions.batching import TurnBatcher
 from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
 from miles_core.rollout.sessions.session import Session
+from miles_core.targets import import_target
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV
@@ -427,7 +428,8 @@ def session_server_spec(
 ) -> CommandWorkerSpec:
     """The command worker of one session server in front of ``engine_url`` (an engine or the router), on a free
     port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``config`` is the run's config (its engine
-    start timeout)."""
+    start timeout); ``chat_format`` is the format's ``module:attribute``
+    (:func:`~miles_core.rollout.agents.chat_format_target`)."""
     argv = [
         sys.executable,
         "-m",
@@ -472,13 +474,12 @@ def model_context_length(model_path: str) -> int | None:
     return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
-def load_chat_format(name: str, model_path: str) -> ChatFormat:
-    """The registered chat format ``name`` for the tokenizer of ``model_path``."""
-    from miles_core.plugin_manager import MilesPluginManager  # deferred: loads every plugin
+def load_chat_format(target: str, model_path: str) -> ChatFormat:
+    """The chat format class at ``target`` (``module:attribute``, as the driver resolved the run's chat format from
+    the registry) made for the tokenizer of ``model_path``."""
     from miles_core.run_setup import load_tokenizer  # deferred: imports transformers
 
-    entry = MilesPluginManager.load().registries.chat_formats.get_or_raise(name)
-    return entry.load()(load_tokenizer(Path(model_path)))
+    return import_target(target, what=f"--chat-format {target!r}")(load_tokenizer(Path(model_path)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -486,7 +487,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-url", required=True, help="an engine's (or the router's) URL")
     parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
-    parser.add_argument("--chat-format", required=True, help="a registered chat format (miles plugins)")
+    parser.add_argument(
+        "--chat-format", required=True, help="the chat format class, module:attribute (the driver resolves the name)"
+    )
     parser.add_argument("--model-path", required=True, help="the model directory whose tokenizer the format uses")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the run's token (default: ${TOKEN_ENV})")
     defaults = SessionLimits()

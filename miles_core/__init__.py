@@ -23,7 +23,6 @@ from miles_core.registry import Implementation, model_implementation
 if TYPE_CHECKING:
     from miles_core.engines.backend import EngineBackend
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
-    from miles_core.engines.staging_layout import StagingLayout
     from miles_core.models.causal_lm import CausalLM
     from miles_core.rollout.prompts import Prompt
     from miles_core.rollout.samples import Group, Sample
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     from miles_core.training.batch import TrainBatch
     from miles_core.training.weight_iterator import HfWeightIterator
     from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightBucket, WeightTransferProtocol
+    from miles_core.weight_transfer.staging_layout import StagingLayout
     from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
 
 __version__ = "0.2.0"
@@ -52,7 +52,7 @@ _LAZY = {
     "Sample": "miles_core.rollout.samples",
     "SamplingParams": "miles_core.engines.generate_types",
     "ToolCall": "miles_core.rollout.sessions.formats",
-    "StagingLayout": "miles_core.engines.staging_layout",
+    "StagingLayout": "miles_core.weight_transfer.staging_layout",
     "TrainBatch": "miles_core.training.batch",
     "TrainingBackend": "miles_core.training.backend",
     "TransferReport": "miles_core.weight_transfer.protocol",

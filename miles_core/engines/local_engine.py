@@ -32,18 +32,15 @@ from miles_core.engines.batch_generation import new_running_batch
 from miles_core.engines.running_batch import result_of
 from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import (
     GROUP_BACKENDS,
     WeightLoadError,
     broadcast,
     check_named_tensors,
-    checksum,
     decode_tensors,
     dtype_from_name,
     group_device,
     load_named_tensors,
-    map_staging_file,
     new_weight_update_group,
     read_checkpoint_dir,
     read_safetensors_file,
@@ -52,6 +49,8 @@ from miles_core.engines.weights import (
 )
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_named_tensors, load_causal_lm
+from miles_core.weight_transfer.digests import checksum
+from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "aborted by pause_generation"
@@ -609,7 +608,7 @@ class LocalEngine:
         return self._load(received, weight_version)
 
     def weights_checksum(self) -> str:
-        """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
+        """SHA-256 of the served weights (see :func:`miles_core.weight_transfer.digests.checksum`)."""
         with self._weights_held(change=False):
             # under the names the trainers send (a MoE's experts one by one), so both sides' checksums agree
             return checksum(checkpoint_named_tensors(self.model, unique_named_tensors(self.model.state_dict().items())))

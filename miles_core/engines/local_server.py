@@ -64,7 +64,6 @@ from miles_core.engines.serving import (
     visible_text,
 )
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
-from miles_core.engines.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.errors import MilesError
 from miles_core.http import (
     JSON_ERRORS,
@@ -77,6 +76,7 @@ from miles_core.http import (
     read_body,
     safe_message,
 )
+from miles_core.weight_transfer.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV

@@ -22,10 +22,10 @@ import torch
 
 from miles_core.engines.backend import EngineBackend
 from miles_core.engines.client import EngineClient, EngineError
-from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import WeightHolders
 from miles_core.weight_transfer.protocol import (
     EngineEndpoint,

@@ -28,8 +28,7 @@ import ray
 import torch
 
 from miles_core.engines.staging import weight_staging_dir
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import map_staging_file
+from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 
 ENGINE_CHECKS = 10

@@ -27,8 +27,8 @@ from safetensors.torch import save, save_file
 from miles_core.engines.local_engine import LocalEngine, _Pending
 from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.testkit.tiny_models import save_tiny_llama
+from miles_core.weight_transfer.staging_layout import StagingLayout
 from miles_core.workers.process import free_ports
 from miles_core.workers.rpc.wire import TOKEN_ENV
 

@@ -17,8 +17,9 @@ from miles_core.engines.local_engine import LocalEngine, load_model
 from miles_core.engines.recomputing_batch import RecomputingBatch
 from miles_core.engines.running_batch import RunningBatch, result_of
 from miles_core.engines.sampling import GenerationRequest, Sampler, SamplingParams
-from miles_core.engines.weights import WeightLoadError, checksum, load_named_tensors
+from miles_core.engines.weights import WeightLoadError, load_named_tensors
 from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, save_tiny_llama
+from miles_core.weight_transfer.digests import checksum
 
 pytestmark = pytest.mark.slow
 

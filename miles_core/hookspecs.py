@@ -39,7 +39,10 @@ if TYPE_CHECKING:  # annotations only: importing these at run time would be circ
 PROJECT_NAME = "miles"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+"""The marker of a hook specification (the core's, in this module)."""
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""The marker of a plugin's hook implementation: ``@hookimpl`` on a function named after a hook of this module
+(``@hookimpl(wrapper=True)`` for a wrapper, as pluggy spells it)."""
 
 
 # --------------------------------------------------------------------------------------------------------------

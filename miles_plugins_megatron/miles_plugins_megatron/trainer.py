@@ -23,14 +23,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import copy_tokenizer_files
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.weight_iterator import HfWeightIterator
-from miles_core.weight_transfer.holders import raise_holder_errors
-from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.specs import TRAINER, PythonWorkerSpec
+from miles_core import (
+    DSV4_FAMILY,
+    TRAINER,
+    HfWeightIterator,
+    MilesError,
+    PythonWorkerSpec,
+    TrainBatch,
+    WorkerHandle,
+    copy_tokenizer_files,
+    raise_holder_errors,
+    trained_tokens,
+)
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_config
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
@@ -210,14 +214,14 @@ class MegatronTrainer:
     def _save_sharded_weights(self, directory: Path) -> None:
         """The HF checkpoint's weights as one shard per rank (written by the ranks, as the ``disk`` protocol's, so no
         weight passes through the driver), its index, ``config.json`` and the tokenizer files."""
-        from miles_core.weight_transfer import disk
+        from miles_core import write_index, write_shard
 
         directory.mkdir(parents=True)
         self.hf_config.save_pretrained(directory)
         if self.tokenizer_from is not None:
             copy_tokenizer_files(self.tokenizer_from, directory)
-        task = f"{disk.__name__}:write_shard"
-        disk.write_index(directory, self.weight_holders().run_task(task, directory=str(directory), digests=False))
+        task = f"{write_shard.__module__}:{write_shard.__name__}"
+        write_index(directory, self.weight_holders().run_task(task, directory=str(directory), digests=False))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and step on every rank from :meth:`save_checkpoint`'s directory."""

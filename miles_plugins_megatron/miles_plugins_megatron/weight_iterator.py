@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core import DSV4_FAMILY, HfWeightIterator
 from miles_plugins_megatron.conversion import (
     global_expert_name,
     is_expert_parameter,

@@ -44,12 +44,18 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from miles_core.errors import MilesError
-from miles_core.weight_transfer.digests import combine_digests
-from miles_core.weight_transfer.holders import WeightHolders, merged_digests
-from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, TransferReport, WeightBucket
-from miles_core.weight_transfer.staging_layout import StagingLayout
+from miles_core import (
+    EngineEndpoint,
+    HttpEngineProtocol,
+    MilesError,
+    SendsFromHolders,
+    StagingLayout,
+    TransferReport,
+    WeightBucket,
+    WeightHolders,
+    combine_digests,
+    merged_digests,
+)
 from miles_plugins_rdt import holders as holder_side
 from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents

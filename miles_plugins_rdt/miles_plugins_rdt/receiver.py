@@ -27,8 +27,7 @@ import psutil
 import ray
 import torch
 
-from miles_core.engines.staging import weight_staging_dir
-from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
+from miles_core import StagingLayout, map_staging_file, weight_staging_dir
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 
 ENGINE_CHECKS = 10

@@ -14,8 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from miles_core.errors import MilesError
-from miles_core.weight_transfer.staging_layout import StagedTensor, StagingLayout, StagingOverflowError
+from miles_core import MilesError, StagedTensor, StagingLayout, StagingOverflowError
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:

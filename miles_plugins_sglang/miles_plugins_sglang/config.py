@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from miles_core.config.section import Section
+from miles_core import Section
 
 FIELDS_FILE = Path(__file__).with_name("server_args_fields.txt")
 SET_BY_MILES = {

@@ -10,9 +10,7 @@ from typing import Any
 
 import psutil
 
-from miles_core.errors import ConfigError
-from miles_core.models.hf_checkpoint import read_model_config
-from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
+from miles_core import CommandWorkerSpec, ConfigError, WorkerSpec, read_model_config
 from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, is_this_interpreter, server_flags
 
 STOCK_SERVER_ARGS: dict[str, Any] = {

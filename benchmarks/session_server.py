@@ -38,7 +38,7 @@ CONFIG = SimpleNamespace(engine=SimpleNamespace(startup_timeout_s=300.0))
 
 
 def engine_spec(model: Path) -> CommandWorkerSpec:
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
+    argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model)]
     argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}"]
     return CommandWorkerSpec(
         name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate"

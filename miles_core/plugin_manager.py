@@ -48,8 +48,8 @@ AUTOLOAD_ENV = "MILES_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "MILES_PLUGINS"
 BUILTIN_PLUGINS: dict[str, str] = {
     "core": "miles_core.builtin.core_plugin",
-    "dashboard": "miles_core.dashboard.plugin:DashboardPlugin",
-    "metrics": "miles_core.metrics.plugin:MetricsPlugin",
+    "dashboard": "miles_core.builtin.dashboard.plugin:DashboardPlugin",
+    "metrics": "miles_core.builtin.metrics.plugin:MetricsPlugin",
 }
 """Built-in plugin name -> module, or ``module:Class`` for a plugin with state (one instance per manager)."""
 UNBLOCKABLE = {"core": "every command needs its config sections (run, model, train, ...) and its registries"}

@@ -11,6 +11,8 @@ from tests.import_graph import (
     Import,
     circles,
     import_graph,
+    is_builtin,
+    is_kernel,
     product_modules,
 )
 
@@ -32,6 +34,18 @@ def test_the_product_import_graph_has_no_circles() -> None:
     graph = import_graph(modules)
     found = circles(graph)
     assert not found, "\n".join(describe_circle(circle, graph, modules) for circle in found)
+
+
+def test_the_kernel_imports_no_builtin_plugin() -> None:
+    modules = product_modules()
+    arrows = [i for imports in import_graph(modules).values() for i in imports]
+    back = [
+        f"{i.importer} -> {i.imported} ({', '.join(i.names) or 'module'}; {i.where(modules)})"
+        for i in arrows
+        if is_kernel(i.importer) and is_builtin(i.imported)
+    ]
+    assert back == []
+    assert any(is_builtin(i.importer) and is_kernel(i.imported) for i in arrows)  # the walk saw the built-ins
 
 
 def test_the_graph_sees_circles_through_deferred_and_relative_imports(tmp_path: Path) -> None:

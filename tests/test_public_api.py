@@ -26,9 +26,9 @@ def test_every_public_name_resolves_and_light_names_stay_light() -> None:
 
 
 def test_the_contracts_are_what_the_builtin_backends_satisfy() -> None:
-    from miles_core.engines.local_backend import LocalEngineBackend
+    from miles_core.builtin.local_engine.backend import LocalEngineBackend
+    from miles_core.builtin.torch_trainer import TorchTrainer
     from miles_core.training.backend import MEMBERS
-    from miles_core.training.torch_trainer import TorchTrainer
 
     assert isinstance(LocalEngineBackend(), miles_core.EngineBackend)
     assert [name for name in MEMBERS if not hasattr(TorchTrainer, name)] == ["implementation"]  # set per instance

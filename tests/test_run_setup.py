@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import transformers
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import TrainSection
 from miles_core.default.task import echo_last_prompts
@@ -38,7 +39,6 @@ from miles_core.run_setup import (
 )
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
-from miles_core.training.torch_trainer import TorchTrainer
 
 
 @pytest.fixture(scope="module")

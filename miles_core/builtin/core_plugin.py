@@ -174,7 +174,7 @@ def provide_model_implementations() -> list[Implementation]:
 def provide_worker_providers() -> list[Implementation]:
     return [
         Implementation("local", "miles_core.workers.local_provider:LocalWorkerProvider", "child processes"),
-        Implementation("ray", "miles_core.workers.ray_provider:RayWorkerProvider", "Ray placement groups"),
+        Implementation("ray", "miles_core.builtin.ray_provider:RayWorkerProvider", "Ray placement groups"),
     ]
 
 
@@ -189,12 +189,12 @@ def provide_weight_transfer_protocols() -> list[Implementation]:
 
 @hookimpl
 def provide_training_backends() -> list[Implementation]:
-    return [Implementation("torch", "miles_core.training.torch_trainer:TorchTrainer", "transformers model, AdamW/SGD")]
+    return [Implementation("torch", "miles_core.builtin.torch_trainer:TorchTrainer", "transformers model, AdamW/SGD")]
 
 
 @hookimpl
 def provide_engine_backends() -> list[Implementation]:
-    target = "miles_core.engines.local_backend:LocalEngineBackend"
+    target = "miles_core.builtin.local_engine.backend:LocalEngineBackend"
     return [Implementation("local", target, "transformers model, SGLang HTTP API")]
 
 

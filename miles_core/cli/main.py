@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import re
 import sys
@@ -48,6 +49,9 @@ def split_plugin_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 SHOW_USAGE = "[--json] [--config FILE.yaml] [CONFIG FLAGS]"
 TRAIN_USAGE = "[--no-progress] [--config FILE.yaml] [CONFIG FLAGS]"
 """The usage lines of the config commands: their --help lists every config flag once, the usage line none."""
+BUILTIN_COMMANDS = {"dashboard": "miles_core.builtin.dashboard.command:serve_dashboard"}
+"""The commands a built-in plugin implements, by target, imported when run (as the plugin manager names the built-in
+plugins: the kernel imports no built-in)."""
 MAX_LISTED_UNKNOWN = 10
 """Unknown arguments named in an error; the rest are counted."""
 
@@ -153,11 +157,15 @@ def _run(argv: list[str]) -> int:
 
         return list_plugins(plugin_args, as_json=args.json)
     if args.command == "dashboard":
-        from miles_core.cli.dashboard_command import serve_dashboard  # deferred: http.server, sqlite3
-
+        serve_dashboard = _builtin_command("dashboard")
         return serve_dashboard(args.run_dir, host=args.host, port=args.port)
     assert finish is not None
     return finish(args)
+
+
+def _builtin_command(name: str) -> Callable[..., int]:
+    module, _, attribute = BUILTIN_COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _port(text: str) -> int:

@@ -73,7 +73,7 @@ class ContractEngines:
         argv = [
             sys.executable,
             "-m",
-            "miles_core.engines.local_server",
+            "miles_core.builtin.local_engine.server",
             "--model-path",
             str(self.model_dir),
             "--host",

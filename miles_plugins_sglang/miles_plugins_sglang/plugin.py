@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from miles_core import EngineInfo, RouterInfo
     from miles_plugins_sglang.router import RouterRegistrar
 
-LOCAL_ENGINE_MODULE = "miles_core.engines.local_server"
+LOCAL_ENGINE_MODULE = "miles_core.builtin.local_engine.server"
 
 
 def serves_checksum(config: Any) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.dashboard.store import DashboardStore
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.samples import Sample
 from tests.conftest import REPO

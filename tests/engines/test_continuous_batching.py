@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 
-from miles_core.engines.batch_generation import FixedRow, generate_batch
-from miles_core.engines.local_engine import LocalEngine
-from miles_core.engines.running_batch import RunningBatch, result_of
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, Sampler, SamplingParams
+from miles_core.builtin.local_engine.batch_generation import FixedRow, generate_batch
+from miles_core.builtin.local_engine.engine import LocalEngine
+from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler, SamplingParams
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from tests.numerics import served_logprob_tolerance
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_core.engines.batch_generation import FixedRow, generate_batch, new_running_batch
-from miles_core.engines.local_engine import LocalEngine, load_model
-from miles_core.engines.recomputing_batch import RecomputingBatch
-from miles_core.engines.running_batch import RunningBatch, result_of
-from miles_core.engines.sampling import GenerationRequest, Sampler, SamplingParams
+from miles_core.builtin.local_engine.batch_generation import FixedRow, generate_batch, new_running_batch
+from miles_core.builtin.local_engine.engine import LocalEngine, load_model
+from miles_core.builtin.local_engine.recomputing_batch import RecomputingBatch
+from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
+from miles_core.builtin.local_engine.sampling import GenerationRequest, Sampler, SamplingParams
 from miles_core.engines.weights import WeightLoadError, load_named_tensors
 from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, save_tiny_llama
 from miles_core.weight_transfer.digests import checksum

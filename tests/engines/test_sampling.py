@@ -10,8 +10,14 @@ import pytest
 import torch
 import transformers
 
-from miles_core.engines.batch_generation import generate_batch
-from miles_core.engines.sampling import MIN_TEMPERATURE, GenerationRequest, Sampler, SamplingParams, choose_tokens
+from miles_core.builtin.local_engine.batch_generation import generate_batch
+from miles_core.builtin.local_engine.sampling import (
+    MIN_TEMPERATURE,
+    GenerationRequest,
+    Sampler,
+    SamplingParams,
+    choose_tokens,
+)
 from miles_core.testkit.tiny_models import tiny_llama_config
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))

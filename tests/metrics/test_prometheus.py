@@ -17,8 +17,8 @@ parser = pytest.importorskip(
     "prometheus_client.parser", reason="prometheus-client is not installed (pip install -e '.[test]' installs it)"
 )
 
-from miles_core.metrics.plugin import MetricsPlugin  # noqa: E402
-from miles_core.metrics.prometheus import PrometheusExporter, prometheus_name  # noqa: E402
+from miles_core.builtin.metrics.plugin import MetricsPlugin  # noqa: E402
+from miles_core.builtin.metrics.prometheus import PrometheusExporter, prometheus_name  # noqa: E402
 from miles_core.weight_transfer import TransferReport  # noqa: E402
 
 

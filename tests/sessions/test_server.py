@@ -115,7 +115,7 @@ class Servers:
 
     @staticmethod
     def _engine_spec(name: str, model: Path) -> CommandWorkerSpec:
-        argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
+        argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model)]
         argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}", "--cpu-threads", "1"]
         return CommandWorkerSpec(
             name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate"

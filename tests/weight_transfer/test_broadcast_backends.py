@@ -83,7 +83,7 @@ def test_nccl_group_carries_the_weights_to_an_engine_on_another_gpu(tmp_path: Pa
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model_dir),
         "--host",

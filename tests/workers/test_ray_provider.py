@@ -11,12 +11,12 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from miles_core.builtin.ray_provider import RayWorkerProvider, _Slot, placement_order
 from miles_core.testkit.echo_worker import ECHO_GROUPS, EchoWorker
 from miles_core.workers.cells import CellManager
 from miles_core.workers.errors import WorkerDiedError, WorkerStartError
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.health import HealthMonitor
-from miles_core.workers.ray_provider import RayWorkerProvider, _Slot, placement_order
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.config.flags import ConfigFlag
-from miles_core.dashboard.store import DashboardStore
 from miles_core.errors import ConfigError
 from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
 from miles_core.hookspecs import hookimpl
@@ -67,7 +67,7 @@ class DashboardPlugin:
 
     @hookimpl
     def config_sections(self) -> dict[str, type]:
-        from miles_core.dashboard.config import DashboardSection  # deferred: pydantic, as in the core plugin
+        from miles_core.builtin.dashboard.config import DashboardSection  # deferred: pydantic, as in the core plugin
 
         return {"dashboard": DashboardSection}
 
@@ -108,7 +108,7 @@ class DashboardPlugin:
             )
         if config.dashboard.serve and self.store is not None:
             with self.warnings.guard("starting the dashboard server"):
-                from miles_core.dashboard.server import DashboardServer  # deferred: http.server, for runs only
+                from miles_core.builtin.dashboard.server import DashboardServer  # deferred: http.server, for runs only
 
                 self.server = DashboardServer(run_dir, host=config.dashboard.host, port=config.dashboard.port)
                 self.server.start()

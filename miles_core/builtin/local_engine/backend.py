@@ -23,7 +23,7 @@ def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandW
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         model_path,
         "--host",

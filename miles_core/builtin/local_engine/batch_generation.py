@@ -8,15 +8,15 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from miles_core.engines.recomputing_batch import RecomputingBatch
-from miles_core.engines.running_batch import RunningBatch, result_of
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, Sampler
+from miles_core.builtin.local_engine.recomputing_batch import RecomputingBatch
+from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler
 
 
 def new_running_batch(model: torch.nn.Module, *, pad_token_id: int = 0) -> RunningBatch:
     """The running batch that serves ``model``: continuous batching over a merged KV cache when the model's cache is
     full attention (:class:`~transformers.cache_utils.DynamicLayer` in every layer), else a
-    :class:`~miles_core.engines.recomputing_batch.RecomputingBatch` (sliding windows, DeepSeek-V4's compressors)."""
+    :class:`~.recomputing_batch.RecomputingBatch` (sliding windows, DeepSeek-V4's compressors)."""
     config = getattr(model, "config", None)
     layers = DynamicCache(config=config).layers if config is not None else []
     full_attention = all(type(layer) is DynamicLayer for layer in layers)

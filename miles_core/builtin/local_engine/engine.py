@@ -1,7 +1,7 @@
 """``LocalEngine``: a transformers model behind a continuous batcher, with SGLang's weight-update semantics.
 
 Concurrent generate requests join and leave one running batch between decode steps (up to ``max_batch_size``
-rows, see :mod:`miles_core.engines.running_batch`), stepped on one worker thread: a short request's answer comes
+rows, see :mod:`.running_batch`), stepped on one worker thread: a short request's answer comes
 as soon as it ends, whatever else runs. Weight updates wait for a step boundary at which nothing is being stepped
 (the engine paused or idle) and hold back new requests meanwhile, so an update never lands inside a step and a
 request is never served a mix of versions; an update is checked in full before anything is copied.
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import transformers
 
-from miles_core.engines.batch_generation import new_running_batch
-from miles_core.engines.running_batch import result_of
-from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
+from miles_core.builtin.local_engine.batch_generation import new_running_batch
+from miles_core.builtin.local_engine.running_batch import result_of
+from miles_core.builtin.local_engine.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
 from miles_core.engines.weights import (
     GROUP_BACKENDS,

@@ -39,9 +39,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from miles_core.engines.local_engine import LocalEngine, TokenUpdate
-from miles_core.engines.openai_errors import ERROR_TYPES, OpenAIError, error_response, validated_body
-from miles_core.engines.sampling import (
+from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate
+from miles_core.builtin.local_engine.sampling import (
     MAX_SEED,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -49,13 +48,14 @@ from miles_core.engines.sampling import (
     GenerationResult,
     SamplingParams,
 )
-from miles_core.engines.serving import (
+from miles_core.builtin.local_engine.serving import (
     MAX_PROMPTS_PER_REQUEST,
     ROUTE_BODY_BYTES,
     held_back,
     unless_client_leaves,
     visible_text,
 )
+from miles_core.engines.openai_errors import ERROR_TYPES, OpenAIError, error_response, validated_body
 from miles_core.errors import MilesError
 from miles_core.http import HttpError, check_browser_request, parse_json_object, read_body, safe_message
 
@@ -264,7 +264,7 @@ def _sse(payload: dict | str) -> bytes:
 
 class EngineServer(Protocol):
     """What the OpenAI routes use of the server that mounts them
-    (:class:`~miles_core.engines.local_server.LocalEngineServer`): its engine, its address, and generation counted
+    (:class:`~.server.LocalEngineServer`): its engine, its address, and generation counted
     in its requests in flight."""
 
     engine: LocalEngine

@@ -4,8 +4,8 @@
 prompts (together, left-padded), samples each one's next token and merges their KV cache into the batch;
 :meth:`~RunningBatch.step` samples one more token for every row; :meth:`~RunningBatch.remove` drops rows (finished,
 cancelled, retracted), and leading cache columns that are padding for every row left go with them. A request's
-tokens depend on its own seed alone (each :class:`~miles_core.engines.sampling.Sampler` has its own generator),
-whatever it is batched with and whenever it joins. :func:`~miles_core.engines.batch_generation.generate_batch` runs a
+tokens depend on its own seed alone (each :class:`~.sampling.Sampler` has its own generator),
+whatever it is batched with and whenever it joins. :func:`~.batch_generation.generate_batch` runs a
 fixed batch to completion with it.
 
 A row that leaves keeps its sampler (tokens, logprobs, generator): prefilled again later (its prompt plus the tokens
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler, choose_tokens
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, Sampler, choose_tokens
 from miles_core.errors import MilesError
 from miles_core.models.moe_routing import RoutingCapture, moe_routers
 

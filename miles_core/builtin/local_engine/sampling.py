@@ -1,5 +1,5 @@
 """Sampling for the local engine: parameters, requests, results and the per-request sampler (batched decoding with
-a KV cache is :mod:`miles_core.engines.running_batch`), on CPU or GPU, from any transformers causal LM.
+a KV cache is :mod:`.running_batch`), on CPU or GPU, from any transformers causal LM.
 
 Token in, token out: requests carry prompt token ids and get back output token ids with their logprobs. The
 logprob of a token is taken from the distribution it was sampled from before top-k / top-p truncation, that is

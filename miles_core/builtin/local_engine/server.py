@@ -1,5 +1,5 @@
 """The local engine's HTTP server: SGLang's native API (``/generate``, ``/update_weights_*``, ...) on a
-transformers model. Run it as ``python -m miles_core.engines.local_server --model-path DIR --port P``; its flags
+transformers model. Run it as ``python -m miles_core.builtin.local_engine.server --model-path DIR --port P``; its flags
 mirror ``sglang.launch_server`` so the same supervision code can launch either.
 
 Control routes (weight updates, pause, flush, version) always require ``Authorization: Bearer <admin key>``: the
@@ -10,7 +10,7 @@ engine's ``weight_version``. Every request is bounded (body size per route, stri
 with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled. Every ``/generate`` key is
 implemented (``stream: true`` is SGLang's native server-sent events) or refused by name
 (:data:`GENERATE_FIELDS`, :data:`NEUTRAL_GENERATE_FIELDS`). The OpenAI-compatible routes (``/v1/...``) live in
-:mod:`miles_core.engines.openai_routes`.
+:mod:`.openai_routes`.
 
 ``/generate`` needs no key, so the engine refuses what only a web page would send
 (:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
@@ -45,17 +45,16 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from miles_core import __version__
-from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
-from miles_core.engines.openai_routes import OpenAIRoutes
-from miles_core.engines.routed_experts import encode_routed_experts
-from miles_core.engines.sampling import (
+from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate, check_weight_version
+from miles_core.builtin.local_engine.openai_routes import OpenAIRoutes
+from miles_core.builtin.local_engine.sampling import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     weight_version_spans,
 )
-from miles_core.engines.serving import (
+from miles_core.builtin.local_engine.serving import (
     CONTROL_BODY_BYTES,
     MAX_PROMPTS_PER_REQUEST,
     ROUTE_BODY_BYTES,
@@ -63,6 +62,7 @@ from miles_core.engines.serving import (
     unless_client_leaves,
     visible_text,
 )
+from miles_core.engines.routed_experts import encode_routed_experts
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import MilesError
 from miles_core.http import (
@@ -685,7 +685,7 @@ def _sampling_params(raw: Any, count: int) -> list[SamplingParams]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miles_core.engines.local_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m miles_core.builtin.local_engine.server", description=__doc__)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=30000)

@@ -1,5 +1,5 @@
 """What both HTTP faces of the local engine share (its SGLang-native routes in
-:mod:`miles_core.engines.local_server`, its OpenAI-compatible routes in :mod:`miles_core.engines.openai_routes`):
+:mod:`.server`, its OpenAI-compatible routes in :mod:`.openai_routes`):
 the body limits, the prompt count of one request, the text an answer shows around stop strings, and cancelling
 work whose client has left."""
 

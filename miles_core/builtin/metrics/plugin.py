@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.builtin.core_plugin import check_output_dir
+from miles_core.builtin.dashboard.plugin import RateLimitedWarnings
 from miles_core.config.flags import ConfigFlag
-from miles_core.dashboard.plugin import RateLimitedWarnings
 from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
 
@@ -31,7 +31,7 @@ class MetricsPlugin:
 
     @hookimpl
     def config_sections(self) -> dict[str, type]:
-        from miles_core.metrics.config import MetricsSection  # deferred: pydantic, as in the core plugin
+        from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic, as in the core plugin
 
         return {"metrics": MetricsSection}
 
@@ -106,13 +106,16 @@ class MetricsPlugin:
 def _make_exporter(name: str, section: Any, run_dir: Path) -> Any:
     """The exporter ``name`` of a run in ``run_dir``; the Prometheus one prints its URL and writes it to a file."""
     if name == "prometheus":
-        from miles_core.metrics.prometheus import PrometheusExporter, write_url_file  # deferred: prometheus-client
+        from miles_core.builtin.metrics.prometheus import (  # deferred: prometheus-client
+            PrometheusExporter,
+            write_url_file,
+        )
 
         exporter = PrometheusExporter(host=section.prometheus_host, port=section.prometheus_port)
         write_url_file(run_dir, exporter.url)
         print(f"miles: Prometheus metrics at {exporter.url}", flush=True)
         return exporter
-    from miles_core.metrics.tensorboard import DEFAULT_DIR, TensorBoardExporter  # deferred: torch, tensorboard
+    from miles_core.builtin.metrics.tensorboard import DEFAULT_DIR, TensorBoardExporter  # deferred: torch, tensorboard
 
     log_dir = Path(section.tensorboard_dir) if section.tensorboard_dir is not None else run_dir / DEFAULT_DIR
     exporter = TensorBoardExporter(log_dir=log_dir)

@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
@@ -34,7 +33,7 @@ from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench"
 NEW_TOKENS = 8
-CONFIG = SimpleNamespace(engine=SimpleNamespace(startup_timeout_s=300.0))
+STARTUP_TIMEOUT_S = 300.0
 
 
 def engine_spec(model: Path) -> CommandWorkerSpec:
@@ -106,7 +105,7 @@ async def main(sessions: int, turns: int, instances: int, repeats: int) -> None:
             *(
                 provider.start(
                     session_server_spec(
-                        CONFIG,
+                        startup_timeout_s=STARTUP_TIMEOUT_S,
                         name=f"sessions-{i}",
                         engine_url=engine_info.url,
                         model_path=str(model),

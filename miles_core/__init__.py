@@ -13,7 +13,8 @@ examples in ``plugins/``, a third party's package) imports from ``miles_core`` a
 * **wire formats** both ends of a weight transfer read: :class:`StagingLayout` and the weight digests;
 * **workers and providers**: the worker specs, :class:`WorkerHandle`, :func:`rpc_method`, the local provider, and
   the node address and rendezvous helpers of collectives;
-* **config sections**: :class:`Section`, the base of a plugin's section;
+* **config sections**: :class:`MilesConfig` (the core's sections as typed fields; a plugin reads its own with
+  :meth:`MilesConfig.section`) and :class:`Section`, the base of a plugin's section;
 * **value types**: a rollout's :class:`Sample` and :class:`Group`, an engine's :class:`SamplingParams` and
   :class:`GenerateOutput`, the session server's :class:`ChatFormat` and its messages, the typed run events;
 * **errors**: :class:`MilesError` and its kinds;
@@ -34,6 +35,7 @@ from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
     from miles_core.config.section import Section
     from miles_core.config.sections import TrainSection
     from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
@@ -159,6 +161,7 @@ _LAZY = {
     "tcp_init_method_address": "miles_core.distributed",
     "tcp_store": "miles_core.distributed",
     # config sections
+    "MilesConfig": "miles_core.config.build",
     "Section": "miles_core.config.section",
     "TrainSection": "miles_core.config.sections",
     # value types of a rollout and an engine's answers
@@ -212,6 +215,7 @@ __all__ = [
     "HttpEngineProtocol",
     "Implementation",
     "LocalWorkerProvider",
+    "MilesConfig",
     "MilesError",
     "NamedTensorShare",
     "PluginHookError",

@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
@@ -26,6 +26,9 @@ from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.targets import describe_callable, registered_or_target
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
@@ -49,7 +52,7 @@ class RunSetup:
     routing: RoutingShape | None = None  # the model's routing shape when --train-routing-replay is on
 
 
-def prepare_run(config: Any, registries: Registries) -> RunSetup:
+def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
     """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
     changes, so a refused run moves no earlier run aside."""
     check_model_family(config)  # before an earlier run is moved aside: nothing moves for a refused run
@@ -140,7 +143,7 @@ def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
     return moved
 
 
-def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape | None:
+def routing_replay_shape(config: MilesConfig, model_path: Path | None) -> RoutingShape | None:
     """With ``--train-routing-replay``, the routing shape of the run's model (layers, ``top_k``, experts); a model
     without routed experts (the embedded default is a dense Llama), or an agent run, is a :class:`ConfigError`."""
     if not config.train.routing_replay:
@@ -161,7 +164,7 @@ def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape |
     return shape
 
 
-def check_model_family(config: Any) -> None:
+def check_model_family(config: MilesConfig) -> None:
     """An implementation given for a family other than the model's would be ignored by every trainer: refuse it."""
     if config.model.path is None:
         family, description = DEFAULT_MODEL_FAMILY, "the default model (a tiny Llama)"
@@ -270,7 +273,7 @@ DEFAULT_TASK = "echo_last"
 """The embedded task, made for the embedded default model (its character tokenizer)."""
 
 
-def load_prompts(config: Any, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
+def load_prompts(config: MilesConfig, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
     """The prompt file's prompts (eval: the eval file's, else the first 64), or else the task's own."""
     rollout = config.rollout
     if rollout.prompts is not None:
@@ -301,7 +304,7 @@ def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[P
     return result[0], result[1]
 
 
-def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., float], str]:
+def load_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[..., float], str]:
     """``--reward`` (a registered name or module:function), else the reward function named like the task."""
     name = config.rollout.reward
     if name is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
@@ -13,6 +13,9 @@ from miles_core.hookspecs import hookimpl
 from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 @hookimpl
@@ -74,7 +77,7 @@ def config_flags() -> list[ConfigFlag]:
 
 
 @hookimpl
-def validate_config(config: Any, registries: Registries) -> None:
+def validate_config(config: MilesConfig, registries: Registries) -> None:
     check_output_dir(config.run.output_dir)
     check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     for family, impl in config.model.implementations.items():
@@ -100,7 +103,7 @@ def validate_config(config: Any, registries: Registries) -> None:
             ) from exc
 
 
-def check_agent_settings(config: Any, registries: Registries) -> None:
+def check_agent_settings(config: MilesConfig, registries: Registries) -> None:
     """``--rollout-agent`` (a registered agent or module:function) and ``--rollout-chat-format``, checked before any
     engine starts."""
     from miles_core.rollout.agents import agent_for_task, session_chat_format  # deferred: rollout code

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import torch
@@ -37,6 +37,9 @@ from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.specs import ENGINE, ROUTER, CommandWorkerSpec, PythonWorkerSpec, WorkerSpec, with_role
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,7 @@ class InferenceController:
     def __init__(
         self,
         *,
-        config: Any,
+        config: MilesConfig,
         hooks: Any,
         provider: BaseWorkerProvider,
         protocol: WeightTransferProtocol,

@@ -38,6 +38,7 @@ from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import grpo_advantages
 
 if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
     from miles_core.rollout.sessions.pool import SessionServers
 
 MAX_ATTEMPTS = 5
@@ -52,7 +53,7 @@ class RolloutExecutor:
     def __init__(
         self,
         *,
-        config: Any,
+        config: MilesConfig,
         tokenizer: Any,
         train_prompts: list[Prompt],
         eval_prompts: list[Prompt],

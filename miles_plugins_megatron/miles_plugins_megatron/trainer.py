@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -39,6 +39,9 @@ from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, 
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
+
+if TYPE_CHECKING:
+    from miles_core import MilesConfig
 
 STATE_FILE = "trainer_state.json"
 RANK_TARGET = "miles_plugins_megatron.rank:MegatronRank"
@@ -95,14 +98,22 @@ class MegatronTrainer:
 
     @classmethod
     def for_run(
-        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+        cls,
+        config: MilesConfig,
+        *,
+        model_path: Path,
+        initial_model_path: Path,
+        run_dir: Path,
+        token: str,
+        registries: Any,
     ) -> MegatronTrainer:
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
+        layout = config.section("megatron", MegatronSection)
         provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
         trainer = cls.launch(
             model_path,
             train=config.train,
-            layout=config.megatron,
+            layout=layout,
             seed=config.run.seed,
             provider_factory=lambda: _run_provider(
                 provider_cls.for_run(config.run, token=token, run_dir=run_dir),
@@ -115,7 +126,7 @@ class MegatronTrainer:
             export_parent=None if config.run.worker_provider == "local" else run_dir,
         )
         print(
-            f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
+            f"miles: {layout.world_size} megatron ranks by the {config.run.worker_provider} provider: "
             f"{trainer.ranks.describe()}",
             flush=True,
         )

@@ -213,7 +213,7 @@ def test_core_filters() -> None:
 async def stream_batches(executor: RolloutExecutor, steps: int, **state) -> tuple[list, RolloutStream]:
     """``steps`` batches from a stream, the engine's version following the trainer's, as in a run."""
     controller = executor.controller
-    stream = RolloutStream(executor, controller, executor.config, state=StreamState(**state))
+    stream = RolloutStream(executor, controller, executor.config.rollout, state=StreamState(**state))
     stream.start()
     rollouts = []
     try:

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -49,7 +48,7 @@ CALCULATOR = {
     "type": "function",
     "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {}}}},
 }
-CONFIG = SimpleNamespace(engine=SimpleNamespace(startup_timeout_s=300.0))  # what session_server_spec reads
+STARTUP_TIMEOUT_S = 300.0
 
 
 def digits(text: str) -> list[int]:
@@ -123,7 +122,7 @@ class Servers:
 
     def _spec(self, name: str, engine_url: str, limits: SessionLimits) -> CommandWorkerSpec:
         return session_server_spec(
-            CONFIG,
+            startup_timeout_s=STARTUP_TIMEOUT_S,
             name=name,
             engine_url=engine_url,
             model_path=str(self.model),

@@ -650,10 +650,11 @@ def _is_token_id(token: object, vocab_size: int) -> bool:
     return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
 
 
-def _context_length(config: Any, requested: int | None) -> int:
+def _context_length(hf_config: Any, requested: int | None) -> int:
     """The longest prompt plus completion: the model's (its position limit), or ``requested`` if not longer."""
     native = next(
-        (getattr(config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(config, key, None), int)), None
+        (getattr(hf_config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(hf_config, key, None), int)),
+        None,
     )
     if requested is not None and requested < 1:
         raise MilesError(f"context length must be at least 1, got {requested}")

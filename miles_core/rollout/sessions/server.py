@@ -418,8 +418,8 @@ def _answer(
 
 
 def session_server_spec(
-    config: Any,
     *,
+    startup_timeout_s: float,
     name: str,
     engine_url: str,
     model_path: str,
@@ -427,8 +427,8 @@ def session_server_spec(
     limits: SessionLimits = SessionLimits(),
 ) -> CommandWorkerSpec:
     """The command worker of one session server in front of ``engine_url`` (an engine or the router), on a free
-    port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``config`` is the run's config (its engine
-    start timeout); ``chat_format`` is the format's ``module:attribute``
+    port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``startup_timeout_s`` is the run's engine start
+    timeout (``engine.startup_timeout_s``); ``chat_format`` is the format's ``module:attribute``
     (:func:`~miles_core.rollout.agents.chat_format_target`)."""
     argv = [
         sys.executable,
@@ -458,7 +458,7 @@ def session_server_spec(
         argv=argv,
         ports=["port"],
         health_url="http://{host}:{port}/health",
-        startup_timeout_s=config.engine.startup_timeout_s,
+        startup_timeout_s=startup_timeout_s,
         num_cpus=0,
         role=SESSION_SERVER,
     )

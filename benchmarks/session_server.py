@@ -23,9 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from miles_core.builtin.chat_formats import DigitChatFormat
 from miles_core.engines.client import EngineClient
 from miles_core.engines.generate_types import SamplingParams
-from miles_core.rollout.sessions.formats import ChatMessage, DigitChatFormat
+from miles_core.rollout.sessions.formats import ChatMessage
 from miles_core.rollout.sessions.server import session_server_spec
 from miles_core.run_setup import default_model
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -109,7 +110,7 @@ async def main(sessions: int, turns: int, instances: int, repeats: int) -> None:
                         name=f"sessions-{i}",
                         engine_url=engine_info.url,
                         model_path=str(model),
-                        chat_format="miles_core.rollout.sessions.formats:DigitChatFormat",
+                        chat_format="miles_core.builtin.chat_formats:DigitChatFormat",
                     )
                 )
                 for i in range(instances)

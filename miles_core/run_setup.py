@@ -16,10 +16,10 @@ from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import (
-    TOKENIZER_FILES,
+    CONTEXT_LENGTH_KEYS,
     checkpoint_family,
+    load_tokenizer,
     read_model_config,
-    require_checkpoint_dir,
     tokenizer_files,
 )
 from miles_core.models.selection import check_families_given
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
 DEFAULT_CONTEXT_LENGTH = 64  # its max_position_embeddings
-CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-"""The ``config.json`` keys that bound a model's context, as the local engine reads them."""
 
 
 @dataclasses.dataclass
@@ -200,24 +198,6 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
         torch.manual_seed(seed)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
-
-
-def load_tokenizer(model_path: Path) -> Any:
-    """The tokenizer of the model directory; a directory without tokenizer files, or one transformers cannot
-    load, is an error naming the directory and what is missing."""
-    require_checkpoint_dir(model_path)
-    if not tokenizer_files(model_path):
-        raise MilesError(
-            f"model directory {str(model_path)!r} holds no tokenizer files (one of "
-            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
-            "it (checkpoints of miles train hold theirs)"
-        )
-    import transformers  # deferred: heavy
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except Exception as exc:  # transformers raises many types
-        raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
 def check_prompts_encode(

@@ -256,12 +256,12 @@ def provide_chat_formats() -> list[Implementation]:
     return [
         Implementation(
             "default",
-            "miles_core.rollout.sessions.formats:DigitChatFormat",
+            "miles_core.builtin.chat_formats:DigitChatFormat",
             "the embedded default's digit tokenizer: <bos>ROLE: content <eos>, tool calls as :TOOL:ARGUMENT",
         ),
         Implementation(
             "qwen3",
-            "miles_core.rollout.sessions.formats:Qwen3ChatFormat",
+            "miles_core.builtin.chat_formats:Qwen3ChatFormat",
             "Qwen3: <|im_start|>role ... <|im_end|>, <tool_call> JSON tool calls",
         ),
     ]

@@ -23,15 +23,16 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.chat_formats import DigitChatFormat
 from miles_core.default.tokenizer import DigitTokenizer
-from miles_core.rollout.sessions import ChatMessage, DigitChatFormat, ToolCall
+from miles_core.rollout.sessions import ChatMessage, ToolCall
 from miles_core.rollout.sessions.server import SessionLimits, session_server_spec
 from miles_core.run_setup import default_model
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.process import free_ports
 from miles_core.workers.specs import CommandWorkerSpec
 
-DIGIT_FORMAT = "miles_core.rollout.sessions.formats:DigitChatFormat"
+DIGIT_FORMAT = "miles_core.builtin.chat_formats:DigitChatFormat"
 """The embedded default's chat format, as a session server is given it (the driver resolves ``default`` to it)."""
 
 pytestmark = pytest.mark.slow

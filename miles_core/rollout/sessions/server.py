@@ -466,8 +466,7 @@ def session_server_spec(
 
 def model_context_length(model_path: str) -> int | None:
     """The model's context length from its ``config.json`` (``None`` when it names none)."""
-    from miles_core.models.hf_checkpoint import read_model_config  # deferred, with the tokenizer's load
-    from miles_core.run_setup import CONTEXT_LENGTH_KEYS
+    from miles_core.models.hf_checkpoint import CONTEXT_LENGTH_KEYS, read_model_config  # deferred: torch
 
     config = read_model_config(Path(model_path))
     lengths = [config.get(key) for key in CONTEXT_LENGTH_KEYS]
@@ -477,7 +476,7 @@ def model_context_length(model_path: str) -> int | None:
 def load_chat_format(target: str, model_path: str) -> ChatFormat:
     """The chat format class at ``target`` (``module:attribute``, as the driver resolved the run's chat format from
     the registry) made for the tokenizer of ``model_path``."""
-    from miles_core.run_setup import load_tokenizer  # deferred: imports transformers
+    from miles_core.models.hf_checkpoint import load_tokenizer  # deferred: imports transformers
 
     return import_target(target, what=f"--chat-format {target!r}")(load_tokenizer(Path(model_path)))
 

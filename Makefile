@@ -3,11 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-DISTRIBUTIONS := -e '.[test]' -e ./miles_plugins_megatron -e ./miles_plugins_sglang -e ./miles_plugins_rdt \
+DISTRIBUTIONS := -e '.[test,docs]' -e ./miles_plugins_megatron -e ./miles_plugins_sglang -e ./miles_plugins_rdt \
 	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
-.PHONY: setup sglang browser install run test wheels lint bench clean
+.PHONY: setup sglang browser install run test wheels lint docs bench clean
 
 setup: $(STAMP)
 
@@ -62,8 +62,13 @@ wheels: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# The documentation site (mkdocs.yml) into site/; --strict: a broken link, anchor or API reference fails the build.
+# The CLI flags page is generated from the config models while it builds (tools/docs/gen_cli_reference.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(BIN)/mkdocs build --strict
+
 bench: setup
 	$(BIN)/python benchmarks/cli_startup.py
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV)
+	rm -rf $(VENV) $(SGLANG_VENV) site

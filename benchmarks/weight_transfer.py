@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import transformers
+from miles_plugins_sglang.launch import sglang_capabilities
 from miles_plugins_sglang.standalone import cpu_unavailable_reason, engine_server
 
 from miles_core.config.build import build_config
@@ -98,12 +99,12 @@ async def protocol_rate(
 
 
 def engine_configs(args: argparse.Namespace) -> dict[str, tuple[Any, list[str]]]:
-    """Per engine: its run config and the protocols measured into it. Stock SGLang reads ``disk`` and ``broadcast``
-    (not the ``tensor`` protocol's buffers); where it cannot serve here its row says why and is left out."""
+    """Per engine: its run config and the protocols measured into it; where real SGLang cannot serve here its row
+    says why and is left out."""
     manager = MilesPluginManager.load()
     common = {"engine.backend": "sglang", "weight_transfer.mode": "disk", "engine.startup_timeout_s": 600}
     local = build_config(manager, overrides={**common, "sglang.launch_command": LOCAL_SERVER})
-    engines = {LOCAL: (local, args.protocols.split(","))}
+    engines = {LOCAL: (local, args.protocols.split(","))} if args.protocols else {}
     if args.sglang_protocols:
         # the checkpoint is float32 (the trainer's weights); SGLang's CPU kernels serve bf16
         sglang = build_config(
@@ -131,7 +132,8 @@ async def main(args: argparse.Namespace) -> None:
                 config, model_path=workdir / "model", run_dir=workdir / "run", token=TOKEN, cell_id=f"engine-{index}"
             )
             async with server as info:  # one engine at a time: each holds the model (a GiB) on a small machine
-                endpoint = EngineEndpoint(name=f"engine-{index}", url=info.url, admin_key=TOKEN)
+                capabilities = sglang_capabilities(config)  # the local engine's routes when it runs the local server
+                endpoint = EngineEndpoint(f"engine-{index}", info.url, TOKEN, capabilities)
                 for name in protocols:
                     results[name, engine] = await protocol_rate(
                         name, endpoint, model, args.repeats, args.bucket_mb << 20
@@ -167,6 +169,6 @@ if __name__ == "__main__":
     parser.add_argument(
         "--protocols", default="tensor-shm,broadcast,disk,sharded-disk,tensor-http", help="into the local engine"
     )
-    parser.add_argument("--sglang-protocols", default="disk,broadcast", help="into real SGLang ('' for none)")
+    parser.add_argument("--sglang-protocols", default="tensor,disk,broadcast", help="into real SGLang ('' for none)")
     parser.add_argument("--sglang-python", default="auto", help="the SGLang environment's interpreter (sglang.python)")
     asyncio.run(main(parser.parse_args()))

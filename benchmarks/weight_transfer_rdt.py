@@ -1,6 +1,8 @@
 """``rdt`` (NIXL and gloo) against ``broadcast``, ``tensor`` (shared memory) and ``disk``, and a same-size memory
 copy, at 256 MiB and 1 GiB, in one run. The engine is a local engine hosted by the Ray provider (rdt needs that;
-the other protocols do not care), in another process than the trainer: every protocol crosses processes.
+the other protocols do not care), in another process than the trainer: every protocol crosses processes; with
+``--engine sglang`` a real SGLang server (bf16) started as ``miles train --engine sglang`` starts it (rdt then
+reads into the receiver beside it and SGLang copies the version in through Miles' loader).
 
 Usage: ``python benchmarks/weight_transfer_rdt.py [--repeats 3] [--sizes 256,1024]``. Prints GB/s per protocol
 (median of the repeats after two warm-up transfers, one into each buffer of the protocols that alternate two, each
@@ -33,6 +35,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -45,10 +48,12 @@ from weight_transfer import (  # the same baseline and warm-up as benchmarks/wei
 )
 
 from miles_core.builtin.ray_provider import RayWorkerProvider, init_ray
+from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.specs import ENGINE, CommandWorkerSpec
+from miles_core.weight_transfer.routes import LOCAL_ENGINE
+from miles_core.workers.specs import ENGINE, CommandWorkerSpec, with_role
 
 TOKEN = "bench-admin"
 BUCKET = 256 << 20
@@ -112,9 +117,28 @@ async def protocol_rate(
     return statistics.median(rates[WARMUP:]), statistics.median(ratios[WARMUP:])
 
 
+def sglang_engine(model_path: Path, name: str, python: str) -> tuple[CommandWorkerSpec, Any]:
+    """A stock SGLang server as ``miles train --engine sglang`` starts it (bf16: its CPU kernels' dtype), and the
+    weight routes the sglang backend declares for it."""
+    from miles_plugins_sglang.launch import sglang_capabilities, sglang_engine_spec  # deferred: the sglang plugin
+
+    overrides = {
+        "engine.backend": "sglang",
+        "engine.startup_timeout_s": 900,
+        "sglang.python": python,
+        "sglang.server_args": {"dtype": "bfloat16"},
+    }
+    config = build_config(MilesPluginManager.load(), overrides=overrides)
+    spec = with_role(sglang_engine_spec(config, cell_id=name, model_path=str(model_path)), ENGINE)
+    return spec, sglang_capabilities(config)
+
+
 async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, args: argparse.Namespace) -> dict:
     model = make_model(workdir / f"model-{size_mb}", size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if args.engine == "sglang":
+        spec, capabilities = sglang_engine(workdir / f"model-{size_mb}", f"bench-engine-{size_mb}", args.sglang_python)
+        return await measure(model, nbytes, provider, spec, capabilities, args)
     argv = [
         sys.executable,
         "-m",
@@ -135,8 +159,15 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
         startup_timeout_s=300,
         role=ENGINE,
     )
+    return await measure(model, nbytes, provider, spec, LOCAL_ENGINE, args)
+
+
+async def measure(
+    model: torch.nn.Module, nbytes: int, provider: RayWorkerProvider, spec: Any, capabilities: Any, args: Any
+) -> dict:
+    """Every protocol of ``args.protocols`` into the engine ``spec`` starts, against memcpy."""
     info = await provider.start(spec)
-    endpoint = EngineEndpoint(name=spec.name, url=info.url, admin_key=TOKEN)
+    endpoint = EngineEndpoint(spec.name, info.url, TOKEN, capabilities)
     print(f"-- {nbytes / 2**20:.0f} MiB of weights, {args.repeats} repeats after {WARMUP} warm-ups", flush=True)
     results = {"memcpy": memcpy_rate(model, args.repeats)}
     ratios = {}
@@ -203,6 +234,8 @@ if __name__ == "__main__":
         help="every protocol as it runs between two machines (see the module docstring)",
     )
     parser.add_argument("--two-raylets", action="store_true", help="the engine on a Ray node of its own")
+    parser.add_argument("--engine", choices=["local", "sglang"], default="local", help="the engine measured into")
+    parser.add_argument("--sglang-python", default="auto", help="the SGLang environment's interpreter (sglang.python)")
     parser.add_argument(
         "--hosts", action="store_true", help="the engine on another host: two network namespaces (root, iproute2)"
     )

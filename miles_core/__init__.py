@@ -21,7 +21,8 @@ examples in ``plugins/``, a third party's package) imports from ``miles_core`` a
 * **test kit**: :class:`ProtocolContract`, the contract tests a protocol's package runs against its protocol.
 
 Names that need torch or pydantic are imported on first use, so that ``import miles_core`` stays light (every
-``miles`` command imports it). ``docs/plugin-api.md`` lists every name with its docstring.
+``miles`` command imports it). The site's plugin API page (``docs/reference/plugin-api.md``) renders every name
+with its docstring.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ if TYPE_CHECKING:
     from miles_core.config.sections import TrainSection
     from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
     from miles_core.engines.backend import EngineBackend
+    from miles_core.engines.client import EngineClient
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
     from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExpertsError, check_replayable
-    from miles_core.engines.staging import weight_staging_dir
+    from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
     from miles_core.models.causal_lm import CausalLM
     from miles_core.models.hf_checkpoint import (
         checkpoint_family,
@@ -80,6 +82,20 @@ if TYPE_CHECKING:
         WeightBucket,
         WeightTransferProtocol,
     )
+    from miles_core.weight_transfer.routes import (
+        CHECKSUM,
+        DISK,
+        DISTRIBUTED,
+        LOCAL_ENGINE,
+        SGLANG_HTTP_API,
+        STAGING_COPY,
+        STAGING_SWAP,
+        TENSOR_BYTES,
+        WEIGHTS_BY_NAME,
+        EngineCapabilities,
+        route_for,
+    )
+    from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
     from miles_core.weight_transfer.staging_layout import (
         StagedTensor,
         StagingLayout,
@@ -135,6 +151,23 @@ _LAZY = {
     "run_holder_task_safely": "miles_core.weight_transfer.holders",
     "write_shard": "miles_core.weight_transfer.disk",
     "write_index": "miles_core.weight_transfer.disk",
+    # declared capabilities: the weight routes engines serve and protocols use
+    "EngineCapabilities": "miles_core.weight_transfer.routes",
+    "DISK": "miles_core.weight_transfer.routes",
+    "DISTRIBUTED": "miles_core.weight_transfer.routes",
+    "STAGING_SWAP": "miles_core.weight_transfer.routes",
+    "STAGING_COPY": "miles_core.weight_transfer.routes",
+    "TENSOR_BYTES": "miles_core.weight_transfer.routes",
+    "CHECKSUM": "miles_core.weight_transfer.routes",
+    "WEIGHTS_BY_NAME": "miles_core.weight_transfer.routes",
+    "LOCAL_ENGINE": "miles_core.weight_transfer.routes",
+    "SGLANG_HTTP_API": "miles_core.weight_transfer.routes",
+    "route_for": "miles_core.weight_transfer.routes",
+    "load_staged": "miles_core.weight_transfer.staged_load",
+    "sample_names": "miles_core.weight_transfer.staged_load",
+    "verify_sampled": "miles_core.weight_transfer.staged_load",
+    "weight_update_sessions": "miles_core.weight_transfer.staged_load",
+    "EngineClient": "miles_core.engines.client",
     # weight wire formats
     "StagingLayout": "miles_core.weight_transfer.staging_layout",
     "StagedTensor": "miles_core.weight_transfer.staging_layout",
@@ -142,6 +175,7 @@ _LAZY = {
     "StagingOverflowError": "miles_core.weight_transfer.staging_layout",
     "map_staging_file": "miles_core.weight_transfer.staging_layout",
     "weight_staging_dir": "miles_core.engines.staging",
+    "STAGING_DIR_ENV": "miles_core.engines.staging",
     "tensor_digest": "miles_core.weight_transfer.digests",
     "combine_digests": "miles_core.weight_transfer.digests",
     "checksum": "miles_core.weight_transfer.digests",
@@ -194,10 +228,20 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CHECKSUM",
+    "DISK",
+    "DISTRIBUTED",
     "DSV4_FAMILY",
+    "LOCAL_ENGINE",
     "LOOPBACK",
     "NOT_ROUTED",
+    "SGLANG_HTTP_API",
+    "STAGING_COPY",
+    "STAGING_DIR_ENV",
+    "STAGING_SWAP",
+    "TENSOR_BYTES",
     "TRAINER",
+    "WEIGHTS_BY_NAME",
     "CausalLM",
     "ChatFormat",
     "ChatFormatError",
@@ -205,6 +249,8 @@ __all__ = [
     "CommandWorkerSpec",
     "ConfigError",
     "EngineBackend",
+    "EngineCapabilities",
+    "EngineClient",
     "EngineEndpoint",
     "EngineError",
     "EngineInfo",
@@ -258,6 +304,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "kl_k3",
+    "load_staged",
     "logits_dtype",
     "map_staging_file",
     "masked_mean",
@@ -271,13 +318,17 @@ __all__ = [
     "reserve_rendezvous",
     "reset_optimizer_states",
     "round_robin_share",
+    "route_for",
     "rpc_method",
     "run_holder_task_safely",
+    "sample_names",
     "tcp_init_method_address",
     "tcp_store",
     "tensor_digest",
     "trained_tokens",
+    "verify_sampled",
     "weight_staging_dir",
+    "weight_update_sessions",
     "write_index",
     "write_shard",
 ]

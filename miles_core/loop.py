@@ -33,6 +33,7 @@ from miles_core.rollout.stream import RolloutStream, StreamState
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
 from miles_core.training.backend import TrainingBackend, missing_members, weight_holders
+from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
 if TYPE_CHECKING:
@@ -92,19 +93,42 @@ def _build_trainer(config: MilesConfig, registries: Registries, setup: RunSetup)
     return trainer
 
 
+VERIFY_SAMPLES = 4
+"""With ``--weight-transfer-verify-checksum``, the parameters each update reads back from every SGLang engine."""
+
+
 def make_protocol(config: MilesConfig, registries: Registries) -> WeightTransferProtocol:
     """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
     refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
     mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
     protocol_cls = registries.weight_transfer_protocols.get_or_raise(mode).load()
     try:
-        return protocol_cls(**settings)
+        protocol = protocol_cls(**settings)
     except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
         raise ConfigError(
             f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
             f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
             f"{type(exc).__name__}: {exc}"
         ) from None
+    if config.weight_transfer.verify_checksum:
+        protocol.verify_samples = VERIFY_SAMPLES
+    if isinstance(protocol, AutoProtocol):
+        provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
+        protocol.bind(_protocol_factory(registries), engines_in_ray=getattr(provider, "hosts_in_ray", False))
+    return protocol
+
+
+def _protocol_factory(registries: Registries) -> Any:
+    """Builds the protocols ``auto`` chooses, by name, with the settings ``auto`` keeps for each."""
+
+    def build(name: str, settings: dict[str, Any]) -> WeightTransferProtocol:
+        protocol_cls = registries.weight_transfer_protocols.get_or_raise(name).load()
+        try:
+            return protocol_cls(**settings)
+        except (TypeError, ValueError, MilesError) as exc:
+            raise ConfigError(f"weight_transfer.settings.{name} {settings} do not fit {name}: {exc}") from None
+
+    return build
 
 
 async def _run_with_trainer(

@@ -114,7 +114,7 @@ def test_unknown_protocol_lists_available_ones() -> None:
     stderr = show_error("--update-weight-transfer-mode", "carrier-pigeon")
     assert "weight_transfer.mode (--update-weight-transfer-mode) = 'carrier-pigeon'" in stderr
     assert (
-        "unknown weight transfer protocol 'carrier-pigeon'; available: broadcast, disk, rdt, sharded-disk, tensor"
+        "unknown weight transfer protocol 'carrier-pigeon'; available: auto, broadcast, disk, rdt, sharded-disk, tensor"
         in stderr
     )
 

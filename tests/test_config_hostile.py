@@ -7,6 +7,7 @@ memory: each runs in a subprocess with a timeout and an address-space cap.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import re
@@ -30,6 +31,8 @@ TIMEOUT_S = 120  # generous for a shared 2-core machine: a hang, not a slow star
 READMES = sorted(
     path.relative_to(REPO) for path in REPO.glob("**/README.md") if not any(part.startswith(".") for part in path.parts)
 )  # not .venv, nor .pytest_cache (which pytest writes a README into)
+DOCUMENTS = READMES + sorted(path.relative_to(REPO) for path in (REPO / "docs").glob("**/*.md"))
+"""The READMEs and the documentation site's pages (mkdocs.yml), where the root README's long sections now are."""
 
 
 def _cap_memory() -> None:
@@ -344,12 +347,17 @@ def test_output_dir_that_does_not_exist_yet_is_fine(tmp_path: Path) -> None:
 LOCAL_ENGINE_COMMAND = '["{python}", "-m", "miles_core.builtin.local_engine.server"]'
 
 
-def test_verify_checksum_with_sglang_is_refused() -> None:
-    stderr = refused(
-        "--engine", "sglang", "--update-weight-transfer-mode", "disk", "--weight-transfer-verify-checksum", "true"
+def test_verify_checksum_needs_engines_that_report_their_weights(tmp_path: Path) -> None:
+    """Stock SGLang reports parameters (/get_weights_by_name: read back after each update); another server of SGLang's
+    API reports nothing, so the check is refused before any engine starts."""
+    verify = ["--weight-transfer-verify-checksum", "true"]
+    assert config_json("--engine", "sglang", *verify)["weight_transfer"]["verify_checksum"] is True
+    other = json.dumps([str(tmp_path / "my-server")])
+    stderr = refused("--engine", "sglang", "--sglang-launch-command", other, "--weight-transfer-mode", "disk", *verify)
+    assert "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs engines that report" in (
+        stderr
     )
-    assert "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum)" in stderr
-    assert "/weights_checksum" in stderr and "--engine local" in stderr
+    assert "serve disk, distributed: leave it false" in stderr
 
 
 def test_verify_checksum_with_the_local_engine_behind_the_sglang_backend_is_accepted() -> None:
@@ -376,7 +384,7 @@ OTHER_PROGRAMS = {
     "--across-machines": "benchmarks/weight_transfer_rdt.py",
     "--two-raylets": "benchmarks/weight_transfer_rdt.py",
     "--hosts": "benchmarks/weight_transfer_rdt.py",  # and benchmarks/schedules.py
-    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in the README's cluster example
+    "--node-ip-address": "tests/cluster/hosts.py",  # Ray's `ray start`, in docs/how-to/ray-cluster.md
     "--sizes": "benchmarks/weight_transfer_rdt.py",
     "--protocols": "benchmarks/weight_transfer_rdt.py",
     "--ucx-tcp": "benchmarks/weight_plane.py",
@@ -387,7 +395,7 @@ OTHER_PROGRAMS = {
     "--no-deps": "tools/sglang-cpu/install.sh",  # pip's: sglang without its CUDA pins
     "--sleep-on-idle": "tests/sglang/test_engine_environment.py",  # SGLang's, among the plugin's CPU launch settings
 }
-"""Flags the READMEs name in prose that belong to another program, and the file that uses each."""
+"""Flags the READMEs and the site's pages name in prose that belong to another program, and the file that uses each."""
 
 
 def _miles_flags() -> set[str]:
@@ -397,7 +405,7 @@ def _miles_flags() -> set[str]:
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
     for server in ("miles_core.builtin.local_engine.server", "miles_core.rollout.sessions.server"):
-        # the README documents the flags of the local engine and of the session server too
+        # the site documents the flags of the local engine and of the session server too
         answer = subprocess.run([sys.executable, "-m", server, "--help"], capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0, answer.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", answer.stdout))
@@ -425,13 +433,14 @@ def test_every_flag_in_hookspecs_and_readmes_is_a_miles_flag() -> None:
     known = _miles_flags()
     documented = {
         flag: source
-        for source in READMES
+        for source in DOCUMENTS
         for span in _code_spans((REPO / source).read_text())
         for flag in _documented_flags(span)
     }
     hookspecs = (REPO / "miles_core/hookspecs.py").read_text()
     documented |= {flag: "miles_core/hookspecs.py" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", hookspecs)}
     assert {"--trainer", "--run-worker-provider", "--sglang-router", "--megatron-tensor-parallel"} <= set(documented)
+    assert any(str(source).startswith("docs/") for source in documented.values())  # the site's pages are read
     for flag, program in OTHER_PROGRAMS.items():
         assert flag in (REPO / program).read_text(), (flag, program)  # the exception itself stays true
     unknown = {flag: source for flag, source in documented.items() if flag not in known | set(OTHER_PROGRAMS)}
@@ -442,7 +451,7 @@ def test_every_flag_in_hookspecs_and_readmes_is_a_miles_flag() -> None:
 
 def _readme_commands() -> list[tuple[str, list[str]]]:
     commands = []
-    for source in READMES:
+    for source in DOCUMENTS:
         for block in re.findall(r"```bash\n(.*?)```", (REPO / source).read_text(), flags=re.DOTALL):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)

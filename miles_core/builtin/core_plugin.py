@@ -94,6 +94,7 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
         except RegistryError as exc:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
     check_agent_settings(config, registries)
+    check_protocol_reaches_engines(config, registries)
     if config.rollout.reward is not None and ":" not in config.rollout.reward:
         try:
             registries.reward_functions.get_or_raise(config.rollout.reward)
@@ -101,6 +102,35 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
             raise ConfigError(
                 f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
             ) from exc
+
+
+def check_protocol_reaches_engines(config: MilesConfig, registries: Registries) -> None:
+    """Before any engine starts: the protocol uses a weight route the backend's engines serve, on the trainer's node
+    (the local provider) or on some node (a provider that may place engines elsewhere; where each one lands is
+    checked again when the protocol connects to it). The error names the engines, the protocol and what reaches them."""
+    from miles_core.engines.backend import load_engine_backend  # deferred: the backends' modules
+    from miles_core.weight_transfer.routes import CHECKSUM, WEIGHTS_BY_NAME, capabilities_of, route_for
+
+    protocol = check_weight_transfer_protocol(registries, config.weight_transfer.mode)
+    backend = load_engine_backend(registries, config.engine.backend)
+    capabilities = capabilities_of(backend, config)
+    engines = f"the engines of engine.backend (--engine) = {config.engine.backend!r}"  # as route_for's errors name them
+    if config.weight_transfer.verify_checksum and not (
+        capabilities.serves(CHECKSUM) or capabilities.serves(WEIGHTS_BY_NAME)
+    ):
+        raise ConfigError(
+            f"weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs engines that report "
+            f"their weights (/weights_checksum, or SGLang's /get_weights_by_name); {engines} serve "
+            f"{', '.join(sorted(capabilities.routes))}: leave it false"
+        )
+    provider = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
+    if not getattr(provider, "hosts_in_ray", False):
+        route_for(protocol, engines, capabilities, same_node=True)
+        return
+    try:
+        route_for(protocol, engines, capabilities, same_node=True)
+    except ConfigError:
+        route_for(protocol, engines, capabilities, same_node=False)
 
 
 def check_agent_settings(config: MilesConfig, registries: Registries) -> None:
@@ -184,8 +214,9 @@ def provide_worker_providers() -> list[Implementation]:
 @hookimpl
 def provide_weight_transfer_protocols() -> list[Implementation]:
     return [
+        Implementation("auto", "miles_core.weight_transfer.auto:AutoProtocol", "per engine: tensor, rdt or broadcast"),
         Implementation("disk", "miles_core.weight_transfer.disk:DiskProtocol", "safetensors file per version"),
-        Implementation("tensor", "miles_core.weight_transfer.tensor:TensorProtocol", "safetensors buffers, HTTP/shm"),
+        Implementation("tensor", "miles_core.weight_transfer.tensor:TensorProtocol", "shared-memory staging"),
         Implementation("broadcast", "miles_core.weight_transfer.broadcast:BroadcastProtocol", "gloo/NCCL group"),
     ]
 

@@ -161,6 +161,8 @@ class RayWorkerProvider(BaseWorkerProvider):
     router) to custom Ray resources that each bundle of its workers also asks for, pinning the role to the nodes
     that offer them."""
 
+    hosts_in_ray = True  # engines run under Ray actors: Ray Direct Transport (rdt) can reach beside them
+
     def __init__(
         self,
         *,

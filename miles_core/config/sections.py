@@ -276,7 +276,15 @@ class EngineSection(Section):
 class WeightTransferSection(Section):
     """How new weights reach the engines."""
 
-    mode: str = pydantic.Field(default="tensor", description="Weight-transfer protocol (see `miles plugins`).")
+    mode: str = pydantic.Field(
+        default="auto",
+        description="Weight-transfer protocol (see `miles plugins`); auto: per engine, tensor on the trainer's node, "
+        "rdt (NIXL, Ray) or broadcast on another.",
+    )
     settings: dict[str, Any] = pydantic.Field(default_factory=dict, description="Keyword arguments of the protocol.")
     bucket_size_mb: int = pydantic.Field(default=512, gt=0, description="Bytes per transfer bucket, in MiB.")
-    verify_checksum: bool = pydantic.Field(default=False, description="Check that engines hold the exact weights.")
+    verify_checksum: bool = pydantic.Field(
+        default=False,
+        description="Check that engines hold the exact weights: the local engine's checksum; SGLang: sampled "
+        "parameters read back (/get_weights_by_name).",
+    )

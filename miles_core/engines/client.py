@@ -153,6 +153,17 @@ class EngineClient:
             weight_version=weight_version,
         )
 
+    async def update_weights_from_loader(self, payloads: list[str], *, load_format: str) -> dict:
+        """SGLang's ``/update_weights_from_tensor`` with a custom ``load_format`` (a loader the server was started
+        with) and one payload per TP rank (see :mod:`miles_core.weight_transfer.staged_load`)."""
+        return await self._control(
+            "/update_weights_from_tensor", serialized_named_tensors=payloads, load_format=load_format
+        )
+
+    async def weights_by_name(self, name: str, *, truncate_size: int = 1) -> Any:
+        """SGLang's ``/get_weights_by_name``: the parameter's values (its first ``truncate_size`` rows), or None."""
+        return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     async def update_weights_from_staging(
         self,
         *,

@@ -20,6 +20,7 @@ from pathlib import Path
 from miles_core.errors import MilesError
 
 STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"
+"""The environment variable that names the weight-staging directory (both ends of a staging transfer read it)."""
 
 
 class StagingPathError(MilesError):

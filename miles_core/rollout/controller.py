@@ -33,6 +33,7 @@ from miles_core.weight_transfer.protocol import (
     TransferReport,
     WeightTransferProtocol,
 )
+from miles_core.weight_transfer.routes import CHECKSUM, capabilities_of
 from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
@@ -79,6 +80,7 @@ class InferenceController:
     ) -> None:
         self.config = config
         self.backend = backend
+        self.capabilities = capabilities_of(backend, config)  # the weight routes every engine serves
         self.hooks = hooks
         self.provider = provider
         self.protocol = protocol
@@ -170,7 +172,7 @@ class InferenceController:
 
     def endpoints(self) -> list[EngineEndpoint]:
         return [
-            EngineEndpoint(name=cell.cell_id, url=cell.workers[0].url, admin_key=self.provider.token)
+            EngineEndpoint(cell.cell_id, cell.workers[0].url, self.provider.token, self.capabilities)
             for cell in self.cells.running()
         ]
 
@@ -339,6 +341,8 @@ class InferenceController:
         return await self._verify_digest(report, checksum(sent))
 
     async def _verify_digest(self, report: TransferReport, expected: str) -> TransferReport:
+        if not self.capabilities.serves(CHECKSUM):  # SGLang: the protocol read sampled parameters back instead
+            return report
         served = await asyncio.gather(*(client.weights_checksum() for client in self.engine_clients()))
         ok = all(digest == expected for digest in served)
         if not ok:

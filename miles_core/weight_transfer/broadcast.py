@@ -31,12 +31,11 @@ listens on that one address alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +55,8 @@ from miles_core.weight_transfer.protocol import (
     check_setting,
     is_positive_number,
 )
+from miles_core.weight_transfer.routes import DISTRIBUTED
+from miles_core.weight_transfer.staged_load import weight_update_sessions
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 
@@ -69,6 +70,8 @@ BucketSpec = tuple[list[str], list[str], list[list[int]]]
 
 class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "broadcast"
+    routes_same_node = (DISTRIBUTED,)
+    routes_other_node = (DISTRIBUTED,)
 
     def __init__(self, *, master_address: str | None = None, timeout_s: float = 120.0, backend: str = "auto") -> None:
         check_setting(
@@ -109,7 +112,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         started = time.perf_counter()
         await self._driver_group()
         num_bytes = 0
-        async with self._weight_update_session():
+        async with weight_update_sessions(self.clients):
             for bucket in buckets:
                 tensors = [(name, tensor.detach().to(self.device).contiguous()) for name, tensor in bucket]
                 num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
@@ -165,7 +168,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _send_kept(self, version: int) -> None:
         holders, _, buckets = self._kept
         await self._join_holder_groups(holders, len(buckets))
-        async with self._weight_update_session():
+        async with weight_update_sessions(self.clients):
             for holder, specs in enumerate(buckets):
                 send = asyncio.ensure_future(
                     asyncio.to_thread(
@@ -224,28 +227,6 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         self._engine_groups.append(group_name)
         joined, *_ = await asyncio.gather(asyncio.to_thread(sender_joins, rank=0, **group), *joins)
         return joined
-
-    @contextlib.asynccontextmanager
-    async def _weight_update_session(self) -> AsyncIterator[None]:
-        """Every engine's weight-update session open for the body, closed after it; never left open on one engine
-        when another refused to open (a later update could not open it again)."""
-        opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
-        failures = [result for result in opened if isinstance(result, BaseException)]
-        if failures:
-            opened_clients = [c for c, r in zip(self.clients, opened, strict=True) if not isinstance(r, BaseException)]
-            await self._end_sessions(opened_clients)
-            raise failures[0]
-        try:
-            yield
-        except BaseException:
-            await self._end_sessions(self.clients)
-            raise
-        await self.on_each_engine(lambda client: client.end_weight_update())
-
-    @staticmethod
-    async def _end_sessions(clients: list) -> None:
-        """Close sessions on the way out of a failure (an engine that died cannot answer: that is not news)."""
-        await asyncio.gather(*(client.end_weight_update() for client in clients), return_exceptions=True)
 
     async def _receive(self, spec: BucketSpec, group_name: str, send: asyncio.Future) -> None:
         """Every engine receives one bucket over ``group_name`` while ``send`` broadcasts it. An engine that refuses

@@ -32,6 +32,7 @@ from miles_core.weight_transfer.protocol import (
     check_setting,
     is_whole_number,
 )
+from miles_core.weight_transfer.routes import DISK
 from miles_core.workers.provider import SharedPath
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,6 +72,8 @@ def write_index(directory: str | Path, results: list[dict[str, Any]]) -> dict[st
 
 class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "disk"
+    routes_same_node = (DISK,)
+    routes_other_node = (DISK,)
 
     def __init__(self, *, work_dir: str | None = None, keep_versions: int = 2) -> None:
         check_setting(

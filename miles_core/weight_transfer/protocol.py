@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
 from miles_core.workers.provider import SharedPath
 
 if TYPE_CHECKING:  # torch is imported by the implementations; the interface stays light
@@ -23,15 +24,25 @@ WeightBucket = list[tuple[str, "torch.Tensor"]]
 
 @dataclasses.dataclass(frozen=True)
 class EngineEndpoint:
-    """An engine as a protocol sees it: its name (the cell id), base URL and admin key."""
+    """An engine as a protocol sees it: its name (the cell id), base URL, admin key and the weight routes its backend
+    declares (:class:`~miles_core.weight_transfer.routes.EngineCapabilities`)."""
 
     name: str
     url: str
     admin_key: str | None = None
+    capabilities: EngineCapabilities = LOCAL_ENGINE
 
     def headers(self) -> dict[str, str]:
         """Authorization headers for the engine's control routes."""
         return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-ready form, for the holders' tasks (:meth:`from_wire` reads it back)."""
+        return {"name": self.name, "url": self.url, "admin_key": self.admin_key, **self.capabilities.to_wire()}
+
+    @classmethod
+    def from_wire(cls, value: dict[str, Any]) -> EngineEndpoint:
+        return cls(value["name"], value["url"], value.get("admin_key"), EngineCapabilities.from_wire(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +75,15 @@ class WeightTransferProtocol(abc.ABC):
     """
 
     name: ClassVar[str]
+    routes_same_node: ClassVar[tuple[str, ...] | None] = None
+    """The engine routes (:mod:`miles_core.weight_transfer.routes`) this protocol can use for an engine on the
+    sender's node, in order of preference; ``None``: not declared, not checked."""
+    routes_other_node: ClassVar[tuple[str, ...] | None] = None
+    """The same for an engine on another node (``()``: it cannot reach one)."""
+    verify_samples: int = 0
+    """Parameters read back from each engine that reports them (SGLang's ``/get_weights_by_name``) after each update
+    and compared with the sender's (``--weight-transfer-verify-checksum`` sets it; the protocols that load SGLang
+    through Miles' loader check them)."""
 
     def __init__(self, **settings: Any) -> None:
         self.settings = settings

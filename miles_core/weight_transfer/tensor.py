@@ -27,7 +27,7 @@ import dataclasses
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -47,6 +47,8 @@ from miles_core.weight_transfer.protocol import (
     WeightBucket,
     check_setting,
 )
+from miles_core.weight_transfer.routes import STAGING_COPY, STAGING_SWAP, TENSOR_BYTES, WEIGHTS_BY_NAME, route_for
+from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
 from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_core.workers.node import is_this_node
 
@@ -62,6 +64,8 @@ class Staged:
 
 class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "tensor"
+    routes_same_node = (STAGING_SWAP, STAGING_COPY, TENSOR_BYTES)
+    routes_other_node = (TENSOR_BYTES,)
 
     def __init__(
         self, *, shared_memory: bool | None = None, zero_copy: bool = True, shm_dir: str | None = None
@@ -92,27 +96,51 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         self._published_by_holders: tuple[WeightHolders, int, list[dict] | None] | None = None
 
     def _local(self, client: EngineClient) -> bool:
-        if self.shared_memory is not None:
-            return self.shared_memory
-        return is_this_node(urlparse(client.url).hostname)
+        return on_sender_node(client.url, self.shared_memory)
+
+    async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
+        """Every engine reachable by a route it serves (SGLang on another node is not: an error naming it)."""
+        for engine in engines:
+            same_node = on_sender_node(engine.url, self.shared_memory)
+            route_for(self, f"engine {engine.name}", engine.capabilities, same_node=same_node)
+        await super().connect(engines)
+
+    def _session_clients(self) -> list[EngineClient]:
+        """The engines that load inside a weight-update session (SGLang's: those loading through Miles' loader)."""
+        return [c for c, e in zip(self.clients, self.engines, strict=True) if e.capabilities.staging_loader]
+
+    async def _verify(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The sampled parameters read back from every engine that reports them (in the open session)."""
+        names = sample_names(list(tensors), count=self.verify_samples, version=version)
+        checks = [
+            verify_sampled(client, engine, {name: tensors[name] for name in names}, version=version)
+            for client, engine in zip(self.clients, self.engines, strict=True)
+            if engine.capabilities.serves(WEIGHTS_BY_NAME)
+        ]
+        await asyncio.gather(*checks)
 
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         if self._zero_copy_applies():
             return await self._transfer_zero_copy(buckets, version=version)
         started = time.perf_counter()
         num_bytes = 0
-        sending: asyncio.Task | None = None
+        sent: dict[str, torch.Tensor] = {}
         any_local = any(map(self._local, self.clients))
-        for index, bucket in enumerate(buckets):
-            tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
-            num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-            # Fill one staging file while the engines still read the other (the previous bucket).
-            staged = await asyncio.to_thread(self._stage, tensors, index % 2) if any_local else None
+        async with weight_update_sessions(self._session_clients()):
+            sending: asyncio.Task | None = None
+            for index, bucket in enumerate(buckets):
+                tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
+                num_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                if self.verify_samples:
+                    sent.update(tensors)
+                # Fill one staging file while the engines still read the other (the previous bucket).
+                staged = await asyncio.to_thread(self._stage, tensors, index % 2) if any_local else None
+                if sending is not None:
+                    await sending
+                sending = asyncio.create_task(self._send_all(tensors, staged))
             if sending is not None:
                 await sending
-            sending = asyncio.create_task(self._send_all(tensors, staged))
-        if sending is not None:
-            await sending
+            await self._verify(sent, version)
         await self.publish_version(version)
         return self.report(version=version, num_bytes=num_bytes, started=started)
 
@@ -146,9 +174,10 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         if isinstance(holders, InProcessHolders) and self._zero_copy_applies():
             return await self._transfer_in_process(holders, version=version, checksum=checksum)
         started = time.perf_counter()
-        results = await asyncio.to_thread(
-            holders.run_task, f"{__name__}:stage_and_send", digests=checksum, **self._holder_arguments(version)
-        )
+        async with weight_update_sessions(self._session_clients()):  # the holders load SGLang's engines inside it
+            results = await asyncio.to_thread(
+                holders.run_task, f"{__name__}:stage_and_send", digests=checksum, **self._holder_arguments(version)
+            )
         digests = merged_digests(results)
         await self.publish_version(version)
         self._published_by_holders = (holders, version, [result["staged"] for result in results])
@@ -178,20 +207,24 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
                 )
             )
         else:
-            await asyncio.to_thread(
-                holders.run_task, f"{__name__}:resend_staged", staged=staged, **self._holder_arguments(version)
-            )
+            async with weight_update_sessions(self._session_clients()):
+                await asyncio.to_thread(
+                    holders.run_task, f"{__name__}:resend_staged", staged=staged, **self._holder_arguments(version)
+                )
         await self.publish_version(version)
 
     def _zero_copy_applies(self) -> bool:
-        return self.zero_copy and bool(self.clients) and all(map(self._local, self.clients))
+        """Zero copy needs every engine on this node and serving from a staging file itself (the local engine)."""
+        serve_from_file = all(engine.capabilities.serves(STAGING_SWAP) for engine in self.engines)
+        return self.zero_copy and bool(self.clients) and serve_from_file and all(map(self._local, self.clients))
 
     def _holder_arguments(self, version: int) -> dict:
         return {
-            "engines": [dataclasses.asdict(endpoint) for endpoint in self.engines],
+            "engines": [endpoint.to_wire() for endpoint in self.engines],
             "shm_dir": str(self.shm_dir),
             "shared_memory": self.shared_memory,
             "version": version,
+            "verify_samples": self.verify_samples,
         }
 
     def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> Staged:
@@ -208,14 +241,16 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         return Staged(path=path, buffer_size=buffer.numel(), layout=layout)
 
     async def _send_all(self, tensors: list, staged: Staged | None) -> None:
-        await self.on_each_engine(lambda client: self._send(client, tensors, staged))
+        await asyncio.gather(
+            *(self._send(c, e, tensors, staged) for c, e in zip(self.clients, self.engines, strict=True))
+        )
 
-    async def _send(self, client: EngineClient, tensors: list, staged: Staged | None) -> None:
+    async def _send(self, client: EngineClient, engine: EngineEndpoint, tensors: list, staged: Staged | None) -> None:
         if staged is None or not self._local(client):
             await client.update_weights_from_tensor(dict(tensors))
             return
-        await client.update_weights_from_staging(
-            staging_path=str(staged.path), buffer_size=staged.buffer_size, layout=staged.layout
+        await load_staged(
+            client, engine, staging_path=staged.path, buffer_size=staged.buffer_size, layout=staged.layout
         )
 
     def _drop_staging(self, slot: int) -> None:
@@ -257,6 +292,7 @@ def stage_and_send(
     shared_memory: bool | None,
     version: int,
     digests: bool = True,
+    verify_samples: int = 0,
 ) -> dict:
     """The holder task of ``tensor``: stage this holder's share into a staging file of its own, kept until its next
     version, and send it to every engine; the staged file, the names' digests (``None`` without ``digests``) and the
@@ -270,7 +306,7 @@ def stage_and_send(
     buffer = _new_staging_file(path, layout.size)
     _copy_into(buffer, layout, tensors)
     staged = {"path": str(path), "buffer_size": buffer.numel(), "layout": layout.to_wire()}
-    asyncio.run(_send_share(engines, tensors, staged, shared_memory))
+    asyncio.run(_send_share(engines, tensors, staged, shared_memory, verify_samples=verify_samples, version=version))
     return {
         "staged": staged,
         "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors},
@@ -288,6 +324,7 @@ def resend_staged(
     shm_dir: str,
     shared_memory: bool | None,
     version: int,
+    verify_samples: int = 0,
 ) -> dict:
     """The holder task of :meth:`TensorProtocol.republish`: send the staged file of this holder's share again (its
     share, the weights as they are now, is not read: they may have moved on since ``version``)."""
@@ -295,29 +332,47 @@ def resend_staged(
     layout = StagingLayout.from_wire(mine["layout"])
     buffer = map_staging_file(mine["path"], mine["buffer_size"])
     tensors = [(name, view.clone()) for name, view in layout.views(buffer).items()]
-    asyncio.run(_send_share(engines, tensors, mine, shared_memory))
+    asyncio.run(_send_share(engines, tensors, mine, shared_memory, verify_samples=verify_samples, version=version))
     return {"resent": len(tensors)}
 
 
 async def _send_share(
-    engines: list[dict], tensors: list[tuple[str, torch.Tensor]], staged: dict, shared_memory: bool | None
+    engines: list[dict],
+    tensors: list[tuple[str, torch.Tensor]],
+    staged: dict,
+    shared_memory: bool | None,
+    *,
+    verify_samples: int = 0,
+    version: int = 0,
 ) -> None:
     """The staged file's layout to engines on this machine, the tensors' bytes (in requests of at most
-    :data:`HOLDER_SEND_BYTES`) to the others."""
+    :data:`HOLDER_SEND_BYTES`) to the others; then ``verify_samples`` of the share read back from the engines that
+    report parameters (inside the session the driver opened)."""
     layout = StagingLayout.from_wire(staged["layout"])
+    sampled = sample_names([name for name, _ in tensors], count=verify_samples, version=version)
 
     async def send(endpoint: EngineEndpoint) -> None:
         async with EngineClient(endpoint.url, admin_key=endpoint.admin_key, name=endpoint.name) as client:
-            local = shared_memory if shared_memory is not None else is_this_node(urlparse(endpoint.url).hostname)
-            if local:
-                await client.update_weights_from_staging(
-                    staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout
+            if on_sender_node(endpoint.url, shared_memory):
+                await load_staged(
+                    client, endpoint, staging_path=staged["path"], buffer_size=staged["buffer_size"], layout=layout
                 )
-                return
-            for chunk in bucketize(tensors, HOLDER_SEND_BYTES):
-                await client.update_weights_from_tensor(dict(chunk))
+            elif not endpoint.capabilities.serves(TENSOR_BYTES):
+                # raises, naming the engine and what reaches it
+                route_for(TensorProtocol, f"engine {endpoint.name}", endpoint.capabilities, same_node=False)
+            else:
+                for chunk in bucketize(tensors, HOLDER_SEND_BYTES):
+                    await client.update_weights_from_tensor(dict(chunk))
+            if sampled and endpoint.capabilities.serves(WEIGHTS_BY_NAME):
+                share = dict(tensors)
+                await verify_sampled(client, endpoint, {name: share[name] for name in sampled}, version=version)
 
-    await asyncio.gather(*(send(EngineEndpoint(**engine)) for engine in engines))
+    await asyncio.gather(*(send(EngineEndpoint.from_wire(engine)) for engine in engines))
+
+
+def on_sender_node(url: str, shared_memory: bool | None) -> bool:
+    """Whether an engine at ``url`` shares this process's memory (``shared_memory`` forces the answer)."""
+    return shared_memory if shared_memory is not None else is_this_node(urlparse(url).hostname)
 
 
 def _new_staging_file(path: Path, size: int) -> torch.Tensor:

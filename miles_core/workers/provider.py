@@ -58,6 +58,9 @@ class SharedPath:
 class BaseWorkerProvider(abc.ABC):
     """Starts workers from specs and supervises them. All methods are safe to call from one event loop."""
 
+    hosts_in_ray: bool = False
+    """Whether workers run under Ray actors (what the rdt protocol needs beside each engine)."""
+
     def __init__(self, *, token: str) -> None:
         self.token = token
         self.workers: dict[str, WorkerInfo] = {}

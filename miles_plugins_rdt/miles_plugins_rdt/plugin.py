@@ -35,11 +35,6 @@ def validate_config(config: Any) -> None:
             f"run.worker_provider (--run-worker-provider) = {config.run.worker_provider!r}; add "
             f"--run-worker-provider ray, or pick another protocol (tensor, broadcast, disk)"
         )
-    if config.engine.backend != "local":
-        raise ConfigError(
-            f"weight_transfer.mode = 'rdt' loads through the local engine's shared-memory staging route; "
-            f"engine.backend (--engine) = {config.engine.backend!r} does not offer it: use --engine local"
-        )
     transport = config.weight_transfer.settings.get("transport", "nixl")
     if transport not in TRANSPORTS:
         raise ConfigError(

@@ -45,6 +45,8 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from miles_core import (
+    STAGING_COPY,
+    STAGING_SWAP,
     EngineEndpoint,
     HttpEngineProtocol,
     MilesError,
@@ -55,6 +57,7 @@ from miles_core import (
     WeightHolders,
     combine_digests,
     merged_digests,
+    route_for,
 )
 from miles_plugins_rdt import holders as holder_side
 from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
@@ -92,6 +95,9 @@ class RdtTransferError(MilesError):
 
 class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "rdt"
+    # the receiver runs beside each engine, on its node: the engine loads from a staging file there, wherever it is
+    routes_same_node = (STAGING_SWAP, STAGING_COPY)
+    routes_other_node = (STAGING_SWAP, STAGING_COPY)
 
     def __init__(
         self,
@@ -136,6 +142,8 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             raise MilesError(f"{NOT_IN_RAY}; this process has not joined a Ray cluster")
         if self.transport == "nixl":
             configure_nixl_agents(progress_thread=True)  # before this process's agent exists: it offers memory
+        for engine in engines:  # an engine without a staging route: an error naming it
+            route_for(self, f"engine {engine.name}", engine.capabilities, same_node=False)
         await super().connect(engines)
         self.routes = plan_routes(1, [engine.name for engine in engines])
         stale = [name for name, (endpoint, _) in self.receivers.items() if endpoint not in engines]
@@ -323,13 +331,28 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         clients = {client.name: client for client in self.clients}
 
         async def switch(name: str) -> None:
-            await clients[name].update_weights_from_staging(
-                staging_path=self.staging_paths[name][slot],
-                buffer_size=self.capacity,
-                layout=layout,
-                swap=True,
-                weight_version=str(version),
+            endpoint, lanes = self.receivers[name]
+            if endpoint.capabilities.staging_loader is None:
+                await clients[name].update_weights_from_staging(
+                    staging_path=self.staging_paths[name][slot],
+                    buffer_size=self.capacity,
+                    layout=layout,
+                    swap=True,
+                    weight_version=str(version),
+                )
+                return
+            # SGLang copies the bucket in, through Miles' loader; the receiver asks it (the loader's outcome is a file
+            # on the engine's node), then the engine takes the version
+            await _awaitable(
+                lanes[0].load_into_sglang.remote(
+                    slot=slot,
+                    layout=layout.to_wire(),
+                    endpoint=endpoint.to_wire(),
+                    version=version,
+                    verify_samples=self.verify_samples,
+                )
             )
+            await clients[name].update_weight_version(str(version))
 
         try:
             failures = await self._failures_of([(name, switch(name)) for name in self.receivers])

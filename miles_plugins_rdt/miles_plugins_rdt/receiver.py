@@ -129,6 +129,38 @@ class StagingReceiver:
             target.copy_(tensor)
         return sum(entry.nbytes for entry in layout.tensors)
 
+    def load_into_sglang(
+        self, *, slot: int, layout: dict, endpoint: dict, version: int, verify_samples: int = 0
+    ) -> int:
+        """Have the SGLang engine beside this receiver copy staging bucket ``slot`` (``layout``) into its weights, in
+        one weight-update session, and read ``verify_samples`` parameters back against the bucket's bytes; the
+        tensors loaded."""
+        import asyncio  # deferred: only for SGLang engines
+
+        from miles_core import (
+            EngineClient,
+            EngineEndpoint,
+            load_staged,
+            sample_names,
+            verify_sampled,
+            weight_update_sessions,
+        )
+
+        target, staged = EngineEndpoint.from_wire(endpoint), StagingLayout.from_wire(layout)
+        views = staged.views(self.buckets[slot])
+
+        async def load() -> None:
+            client = EngineClient(target.url, admin_key=target.admin_key, name=target.name)
+            async with client, weight_update_sessions([client]):
+                await load_staged(
+                    client, target, staging_path=self.paths[slot], buffer_size=self.capacity, layout=staged
+                )
+                names = sample_names(list(views), count=verify_samples, version=version)
+                await verify_sampled(client, target, {name: views[name] for name in names}, version=version)
+
+        asyncio.run(load())
+        return len(views)
+
     def close(self) -> None:
         """Remove the staging files (an engine that maps one keeps its pages until it lets go of them)."""
         self._remove_files()

@@ -10,7 +10,21 @@ from typing import Any
 
 import psutil
 
-from miles_core import CommandWorkerSpec, ConfigError, WorkerSpec, read_model_config
+from miles_core import (
+    DISK,
+    DISTRIBUTED,
+    LOCAL_ENGINE,
+    SGLANG_HTTP_API,
+    STAGING_COPY,
+    STAGING_DIR_ENV,
+    WEIGHTS_BY_NAME,
+    CommandWorkerSpec,
+    ConfigError,
+    EngineCapabilities,
+    WorkerSpec,
+    read_model_config,
+    weight_staging_dir,
+)
 from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, is_this_interpreter, server_flags
 
 STOCK_SERVER_ARGS: dict[str, Any] = {
@@ -32,6 +46,12 @@ CPU_SERVER_ARGS: dict[str, Any] = {
 """What a CPU engine runs with unless ``server_args`` says otherwise (measured with sglang 0.5.23 on CPU)."""
 CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 """SGLang takes its CUDA paths unless this selects its CPU platform."""
+ENGINE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_path")
+"""The directory put on a stock SGLang server's ``PYTHONPATH``: Miles' weight loader (``miles_sglang_weights``), a
+module of its own that imports only torch (the server's environment has no Miles)."""
+STAGING_LOADER = "miles_sglang_weights.load_staged"
+"""The ``load_format`` (and ``--custom-weight-loader``) of Miles' loader: SGLang copies a staged version in."""
+LOCAL_ENGINE_MODULE = "miles_core.builtin.local_engine.server"
 KV_MEMORY_FRACTION = 0.1
 """Of the machine's available memory, what a CPU engine's KV pool may take (the trainer needs the rest)."""
 KV_TOKENS_RANGE = (4096, 131072)
@@ -45,6 +65,12 @@ class SglangEngineBackend:
     def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
         check_engine_environment(config)
         return [sglang_engine_spec(config, cell_id=cell_id, model_path=model_path)]
+
+    def weight_capabilities(self, config: Any) -> EngineCapabilities:
+        """A stock SGLang server: disk, a broadcast group, staged versions through Miles' loader (one payload per TP
+        rank) and ``/get_weights_by_name``; Miles' local engine behind ``launch_command``: its own routes; any other
+        server of SGLang's API: disk and a broadcast group."""
+        return sglang_capabilities(config)
 
     def router_spec(self, config: Any) -> WorkerSpec | None:
         return sglang_router_spec(config) if config.sglang.router else None
@@ -62,7 +88,8 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
     if on_cpu:
         check_cpu_servable(model_path)
     cpu = cpu_server_args(config, model_path) if on_cpu else {}
-    server_args = {**defaults, **cpu, **routing_replay_server_args(config), **sglang.server_args}
+    loader = staging_loader_server_args(sglang) if sglang.runs_stock_sglang() else {}
+    server_args = {**defaults, **cpu, **routing_replay_server_args(config), **sglang.server_args, **loader}
     argv = [
         *_command(sglang.launch_command, sglang_python=sglang.sglang_python()),
         *("--model-path", _literal(model_path), "--host", "{host}", "--port", "{port}"),
@@ -71,7 +98,7 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
         *map(_literal, server_flags(server_args)),
         *map(_literal, sglang.extra_args),
     ]
-    env = {**(CPU_ENV if on_cpu else {}), **sglang.env}
+    env = {**(CPU_ENV if on_cpu else {}), **sglang.env, **(staging_loader_env(sglang) if loader else {})}
     return CommandWorkerSpec(
         name=cell_id,
         argv=argv,
@@ -82,6 +109,31 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
         num_cpus=0,
         num_gpus=num_gpus,
     )
+
+
+def sglang_capabilities(config: Any) -> EngineCapabilities:
+    """What the engines that ``sglang.launch_command`` starts serve for weights (see ``weight_capabilities``)."""
+    sglang = config.sglang
+    if sglang.runs_stock_sglang():
+        routes = frozenset({DISK, DISTRIBUTED, STAGING_COPY, WEIGHTS_BY_NAME})
+        return EngineCapabilities(routes, staging_loader=STAGING_LOADER, tp_size=sglang.tp_size)
+    if any(LOCAL_ENGINE_MODULE in part for part in sglang.launch_command):
+        return LOCAL_ENGINE
+    return SGLANG_HTTP_API
+
+
+def staging_loader_server_args(sglang: Any) -> dict[str, Any]:
+    """``custom_weight_loader`` with Miles' loader added to any the user names."""
+    named = sglang.server_args.get("custom_weight_loader") or []
+    named = [named] if isinstance(named, str) else list(named)
+    return {"custom_weight_loader": [*named, *([STAGING_LOADER] if STAGING_LOADER not in named else [])]}
+
+
+def staging_loader_env(sglang: Any) -> dict[str, str]:
+    """The loader's directory first on ``PYTHONPATH`` (after none of Miles' packages), and the staging directory the
+    loader accepts files from (this user's, as the senders on the engine's node resolve it)."""
+    python_path = [ENGINE_PATH, *filter(None, [sglang.env.get("PYTHONPATH")])]
+    return {"PYTHONPATH": os.pathsep.join(python_path), STAGING_DIR_ENV: str(weight_staging_dir())}
 
 
 CPU_MISSING_KERNELS = {

@@ -18,26 +18,6 @@ if TYPE_CHECKING:
     from miles_core import EngineInfo, RouterInfo
     from miles_plugins_sglang.router import RouterRegistrar
 
-LOCAL_ENGINE_MODULE = "miles_core.builtin.local_engine.server"
-
-
-def serves_checksum(config: Any) -> bool:
-    """Whether the engines that ``sglang.launch_command`` starts are Miles' local engine (the one server with
-    ``/weights_checksum``)."""
-    return any(LOCAL_ENGINE_MODULE in part for part in config.sglang.launch_command)
-
-
-TENSOR_MODE_REFUSED = (
-    "weight_transfer.mode = 'tensor' sends safetensors buffers (or shared-memory staging), which stock SGLang's "
-    "/update_weights_from_tensor does not read (it takes pickled tensors, which Miles never sends); with "
-    "sglang.launch_server use --update-weight-transfer-mode disk or broadcast"
-)
-CHECKSUM_REFUSED = (
-    "weight_transfer.verify_checksum = true (--weight-transfer-verify-checksum) needs the /weights_checksum route, "
-    f"which only Miles' local engine serves (--engine local, or sglang.launch_command running {LOCAL_ENGINE_MODULE}); "
-    "SGLang has no such route: with --engine sglang leave it false"
-)
-
 
 class SglangPlugin:
     """The ``sglang`` engine backend, its config section and the sglang-router; the run's router registrars (by
@@ -59,17 +39,13 @@ class SglangPlugin:
 
     @hookimpl
     def validate_config(self, config: Any) -> None:
+        """Which protocol reaches these engines is the routes' business (``weight_capabilities``); here, only the
+        router's own setting."""
         backend = config.engine.backend
         if config.sglang.router and backend != "sglang":
             raise ConfigError(
                 f"sglang.router = true needs engine.backend = 'sglang' (--engine sglang), not {backend!r}"
             )
-        if backend != "sglang":
-            return
-        if config.sglang.runs_stock_sglang() and config.weight_transfer.mode == "tensor":
-            raise ConfigError(TENSOR_MODE_REFUSED)
-        if config.weight_transfer.verify_checksum and not serves_checksum(config):
-            raise ConfigError(CHECKSUM_REFUSED)
 
     @hookimpl
     def register_router(self, router: RouterInfo) -> None:

@@ -1,10 +1,10 @@
 """Real SGLang servers on another host: two engines behind the real sglang-router, all on host C, the driver (and the
 torch trainer) on A. Over ``disk`` and ``broadcast``, every step's weights reach both engines (each serves the run's
 current version, read back from it), and the router routes to exactly those two, at their node's address. And the
-embedded default learns with a real SGLang engine on host C through ``broadcast`` (200 steps: on one host it went
-0.000 -> 0.555 through disk as well; 60 steps through the router did not learn reliably, 0.305 once, 0.188 once, so
-the router runs check every step's served version instead, and one 200-step learning run is what CI's time allows).
-Where real SGLang cannot run, this skips saying why."""
+embedded default learns with a real SGLang engine on host C through ``rdt``, which ``auto`` chooses (200 steps: 60
+steps through the router did not learn reliably, 0.305 once, 0.188 once, so the router runs check every step's served
+version instead, and one 200-step learning run is what CI's time allows). Where real SGLang cannot run, this skips
+saying why."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from tests.cluster.conftest import ENGINE, PINS
 from tests.cluster.hosts import MILES, Hosts
-from tests.cluster.test_learning_across_hosts import where
+from tests.cluster.test_learning_across_hosts import weight_updates, where
 from tests.sglang.real_sglang import READY_LINE, requires_real_sglang, sglang_python
 
 pytestmark = [pytest.mark.slow, requires_real_sglang]
@@ -82,13 +82,16 @@ def test_real_sglang_engines_behind_the_router_on_another_host_take_every_versio
         assert p["versions"] == {"engine-0": str(p["step"]), "engine-1": str(p["step"])}, p
 
 
-def test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_through_broadcast(
+def test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_through_rdt_chosen_by_auto(
     hosts: Hosts, tmp_path: Path
 ) -> None:
+    """No protocol flag: ``auto`` takes rdt for the engine on C (NIXL installed, engines in Ray actors): NIXL reads the
+    driver's weights into the receiver beside the engine, and SGLang copies them in through Miles' loader; sampled
+    parameters are read back from SGLang after every update."""
     result = hosts.head.run(
         [
             MILES, "train", "--output-dir", tmp_path / "run", "--no-progress", "--engine", "sglang",
-            "--sglang-python", sglang_python(), "--update-weight-transfer-mode", "broadcast", "--num-steps", "200",
+            "--sglang-python", sglang_python(), "--weight-transfer-verify-checksum", "true", "--num-steps", "200",
             "--run-eval-every", "0", "--run-checkpoint-every", "0", "--run-worker-provider", "ray",
             "--run-ray-address", hosts.ray_address, *PINS,
         ],
@@ -98,6 +101,9 @@ def test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_throug
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert where(result.stdout, "engine-0") == hosts.hosts[ENGINE].address
+    assert "miles: weights to engine-0 by rdt (auto: on another node, NIXL installed" in result.stdout
+    updates, _cells = weight_updates(tmp_path / "run")
+    assert [(version, protocol) for version, _, _, protocol in updates] == [(v, "auto/rdt") for v in range(1, 201)]
     assert READY_LINE in (tmp_path / "run" / "logs" / "engine-0.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]

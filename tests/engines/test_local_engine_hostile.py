@@ -172,7 +172,8 @@ def wait_for(predicate, what: str, timeout_s: float = 120) -> None:
 
 
 def test_without_an_admin_key_the_control_routes_need_a_generated_key(model_dir: Path, tmp_path: Path) -> None:
-    """Started as the README shows it (no key): control routes are never open; the key is in a 0600 file."""
+    """Started as the local engine's reference page shows it (no key): control routes are never open; the key is in a
+    0600 file."""
     process = EngineProcess(model_dir, tmp_path, admin_key=None)
     try:
         found = re.search(r"control routes need the key in (\S+) \(mode 0600\)", process.log())

@@ -67,7 +67,7 @@ def test_phases_and_weight_updates(exporter: PrometheusExporter) -> None:
     exporter.phase(2, "rollout", 20.0)
     exporter.eval(2, {"eval/reward_mean": 0.5}, 1.5)
     exporter.weight_update(1, TransferReport("tensor", 1, 2_000_000, 0.5, 1))
-    exporter.weight_update(2, TransferReport("tensor", 2, 2_000_000, 0.25, 1))
+    exporter.weight_update(2, TransferReport("auto/tensor", 2, 2_000_000, 0.25, 1))
     families = scrape(exporter.url)
     samples = {
         (s.name, s.labels.get("phase"), s.labels.get("le")): s.value for s in families["miles_phase_seconds"].samples
@@ -89,6 +89,8 @@ def test_phases_and_weight_updates(exporter: PrometheusExporter) -> None:
         "miles_weight_update_seconds_total": 0.75,
     }
     assert families["miles_weight_version"].samples[0].value == 2
+    (info,) = families["miles_weight_transfer_info"].samples  # the last update's protocol, as auto chose it
+    assert info.labels == {"protocol": "auto/tensor"} and info.value == 1
 
 
 def test_a_private_registry_holds_nothing_else(exporter: PrometheusExporter) -> None:

@@ -78,8 +78,8 @@ def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_
         "true",
         "--engine-num-engines",
         "2",
-        "--update-weight-transfer-mode",
-        "disk",
+        "--weight-transfer-verify-checksum",  # sampled parameters read back from SGLang after every update
+        "true",
         "--num-steps",
         str(STEPS),
         "--run-eval-every",
@@ -94,6 +94,9 @@ def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_
         timeout_s=1500,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # no protocol flag: auto takes tensor (shared memory) for engines on the trainer's node, and says so
+    chosen = "miles: weights to engine-0, engine-1 by tensor (auto: on the trainer's node: shared memory)"
+    assert chosen in result.stdout
     probes = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     assert [p["step"] for p in probes] == list(range(1, STEPS + 1))
     assert all(p["samples"] == 128 for p in probes)  # no sample lost, the death's rollout included

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from miles_plugins_sglang.launch import cpu_float16_is_wrong
+from miles_plugins_sglang.launch import cpu_float16_is_wrong, sglang_capabilities
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.testkit.tiny_models import save_tiny_llama
@@ -23,9 +23,19 @@ from miles_core.training.losses import token_logprobs
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.broadcast import GROUP_NAME, BroadcastProtocol, bucket_spec
 from miles_core.weight_transfer.protocol import EngineEndpoint
+from miles_core.weight_transfer.routes import STAGING_COPY, WEIGHTS_BY_NAME
+from miles_core.weight_transfer.staged_load import WeightMismatchError, load_staged, verify_sampled
+from miles_core.weight_transfer.staging_layout import StagingLayout
+from miles_core.weight_transfer.tensor import TensorProtocol
 from miles_core.workers.errors import WorkerStartError
 from tests.numerics import served_logprob_tolerance
-from tests.sglang.real_sglang import READY_LINE, real_sglang_server, requires_real_sglang, sglang_python
+from tests.sglang.real_sglang import (
+    READY_LINE,
+    real_sglang_config,
+    real_sglang_server,
+    requires_real_sglang,
+    sglang_python,
+)
 
 pytestmark = [pytest.mark.slow, requires_real_sglang]
 TOKEN = "sglang-admin"
@@ -102,7 +112,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("real-sglang")
     return {
         name: save_tiny_llama(root / name, seed=seed, **MODEL)
-        for name, seed in (("initial", 0), ("disk", 1), ("broadcast", 2))
+        for name, seed in (("initial", 0), ("disk", 1), ("broadcast", 2), ("tensor", 3))
     }
 
 
@@ -186,6 +196,94 @@ def test_a_distributed_update_outside_a_session_is_refused_and_the_protocol_stop
                     await asyncio.wait_for(protocol._receive(bucket_spec(bucket), GROUP_NAME, send), 30)
             finally:
                 await protocol.close()
+
+    asyncio.run(scenario())
+
+
+def sglang_endpoint(url: str) -> EngineEndpoint:
+    """The engine as the controller hands it to protocols: with the routes the sglang backend declares."""
+    capabilities = sglang_capabilities(real_sglang_config())
+    assert {STAGING_COPY, WEIGHTS_BY_NAME} <= capabilities.routes and capabilities.staging_loader
+    return EngineEndpoint("engine-0", url, TOKEN, capabilities)
+
+
+def test_tensor_loads_through_shared_memory_checked_by_reading_parameters_back(engine, checkpoints) -> None:
+    """``tensor`` into real SGLang: buckets staged in shared memory, copied in by Miles' loader inside the server,
+    every parameter read back (``/get_weights_by_name``) equal to the trainer's rounded to the served dtype, and the
+    served logprobs are the new model's."""
+    model = load(checkpoints["tensor"])
+    names = [name for name, _ in model.named_parameters()]
+
+    async def scenario() -> tuple[float, float]:
+        protocol = TensorProtocol()
+        protocol.verify_samples = len(names)  # every parameter, where a run samples a few per update
+        await protocol.connect([sglang_endpoint(engine[0])])
+        try:
+            buckets = iter(ModuleHfWeightIterator(model, bucket_bytes=64 << 10))  # several buckets, double-buffered
+            report = await protocol.transfer(buckets, version=3)
+        finally:
+            await protocol.close()
+        assert report.protocol == "tensor" and report.num_bytes == sum(p.numel() * 4 for p in model.parameters())
+        async with EngineClient(engine[0], admin_key=TOKEN, name="engine-0") as client:
+            assert await client.weight_version() == "3"
+            return await max_difference(client, model)
+
+    worst, ratio = asyncio.run(scenario())
+    assert ratio <= 1, f"served logprobs differ from the trainer's by {worst:.3g}, {ratio:.2f}x the bound"
+
+
+def test_a_parameter_of_another_shape_is_refused_before_loading_and_the_engine_keeps_its_version(engine) -> None:
+    async def scenario() -> None:
+        async with EngineClient(engine[0], admin_key=TOKEN, name="engine-0") as client:
+            before = await client.weight_version()
+            protocol = TensorProtocol()
+            await protocol.connect([sglang_endpoint(engine[0])])
+            try:
+                bad = [("model.layers.0.self_attn.q_proj.weight", torch.zeros(3, MODEL["hidden_size"]))]
+                with pytest.raises(
+                    WeightMismatchError,
+                    match=r"engine engine-0 .*parameter model\.layers\.0\.self_attn\.q_proj\.weight is "
+                    r"float32\[3, 64\] from the trainer, but the engine serves it as floating\[64, 64\]; nothing "
+                    r"was loaded",
+                ):
+                    await protocol.transfer(iter([bad]), version=99)
+            finally:
+                await protocol.close()
+            assert await client.weight_version() == before and await client.health_generate()
+
+    asyncio.run(scenario())
+
+
+def test_a_parameter_the_engine_holds_otherwise_stops_naming_it_and_the_engine(engine, checkpoints) -> None:
+    """The read-back check itself: against other values than the engine holds, it names the parameter."""
+    model = load(checkpoints["disk"])  # not what the engine serves now
+    name = "model.layers.1.mlp.down_proj.weight"
+
+    async def scenario() -> None:
+        async with EngineClient(engine[0], admin_key=TOKEN, name="engine-0") as client:
+            with pytest.raises(WeightMismatchError, match=rf"engine engine-0 .* holds other values for {name}"):
+                await verify_sampled(client, sglang_endpoint(engine[0]), {name: model.get_parameter(name)}, version=7)
+
+    asyncio.run(scenario())
+
+
+def test_the_loader_refuses_a_file_outside_the_staging_directory_and_the_server_goes_on(engine, tmp_path) -> None:
+    """A staged load naming a file elsewhere (with the admin key): refused inside the server, which says why in the
+    outcome the sender reads, and keeps serving (an exception in a custom loader would end SGLang's scheduler)."""
+    layout = StagingLayout.of([("model.norm.weight", torch.ones(MODEL["hidden_size"]))])
+    outside = tmp_path / "weights"
+    outside.write_bytes(bytes(layout.size))
+
+    async def scenario() -> None:
+        async with EngineClient(engine[0], admin_key=TOKEN, name="engine-0") as client:
+            endpoint = sglang_endpoint(engine[0])
+            await client.begin_weight_update()
+            try:
+                with pytest.raises(EngineError, match=r"engine engine-0 .* is not a file of the weight-staging dir"):
+                    await load_staged(client, endpoint, staging_path=outside, buffer_size=layout.size, layout=layout)
+            finally:
+                await client.end_weight_update()
+            assert await client.health_generate()
 
     asyncio.run(scenario())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
 if TYPE_CHECKING:
@@ -19,6 +20,10 @@ class LocalEngineBackend:
 
     def router_spec(self, config: MilesConfig) -> WorkerSpec | None:
         return None
+
+    def weight_capabilities(self, config: MilesConfig) -> EngineCapabilities:
+        """Every route: disk, broadcast groups, staging files (served from, or copied), safetensors bytes, checksum."""
+        return LOCAL_ENGINE
 
 
 def local_engine_spec(config: MilesConfig, *, cell_id: str, model_path: str) -> CommandWorkerSpec:

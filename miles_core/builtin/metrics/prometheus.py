@@ -122,6 +122,9 @@ class PrometheusExporter:
         self.update_seconds = prometheus_client.Counter(
             "miles_weight_update_seconds", "seconds of weight updates", **metric
         )
+        self.protocol = prometheus_client.Info(
+            "miles_weight_transfer", "the protocol of the last weight update (auto/<chosen>)", **metric
+        )
         self.server = _EndpointServer(prometheus_client.make_asgi_app(self.registry), host=host, port=port)
 
     @property
@@ -146,6 +149,7 @@ class PrometheusExporter:
 
     def weight_update(self, version: int, report: Any) -> None:
         self.updates.inc()
+        self.protocol.info({"protocol": str(report.protocol)})
         self.update_bytes.inc(max(int(report.num_bytes), 0))
         self.update_seconds.inc(max(float(report.seconds), 0.0))
         self.version.set(version)

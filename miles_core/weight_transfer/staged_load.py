@@ -1,0 +1,192 @@
+"""Loading a staging file into an engine, whichever staging route it serves, and checking what an SGLang engine holds.
+
+Two engines copy a version out of a staging file in shared memory on their node (the route
+:data:`~miles_core.weight_transfer.routes.STAGING_COPY`):
+
+* Miles' local engine through its own ``/update_weights_from_staging`` (or serves from the file: ``swap``);
+* SGLang through its ``/update_weights_from_tensor`` with ``load_format`` naming Miles' loader, which runs in the
+  SGLang server (``miles_plugins_sglang/engine_path/miles_sglang_weights.py``). The request carries, per TP rank, a
+  pickled ``[(spec, empty tensor)]`` (SGLang reads it with its ``SafeUnpickler``: a string and an empty tensor, no
+  tensor data); the loader maps the file and copies the tensors into the model. SGLang answers ``success`` whatever a
+  custom loader did, so the loader writes its outcome into the staging directory and :func:`load_staged` reads it.
+
+SGLang loads inside a weight-update session (``/begin_weight_update`` ... ``/end_weight_update``), in which its CPU
+weights are unpacked: :func:`verify_sampled` reads sampled parameters back there (``/get_weights_by_name``, the first
+row of each) and compares them with the sender's, rounded to the served dtype (the same rounding SGLang's copy does:
+they must be equal).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import pickle
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from miles_core.engines.client import EngineClient
+from miles_core.engines.staging import weight_staging_dir
+from miles_core.errors import EngineError, MilesError
+from miles_core.weight_transfer.protocol import EngineEndpoint
+from miles_core.weight_transfer.staging_layout import STAGING_DTYPES, StagingLayout
+
+SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32}
+
+
+class WeightMismatchError(MilesError):
+    """An engine holds other values than the sender sent for a parameter (named, with the engine)."""
+
+
+async def load_staged(
+    client: EngineClient,
+    endpoint: EngineEndpoint,
+    *,
+    staging_path: str | Path,
+    buffer_size: int,
+    layout: StagingLayout,
+    swap: bool = False,
+) -> None:
+    """Have the engine load ``layout``'s tensors from the staging file (``swap``: serve from it, local engine only)."""
+    loader = endpoint.capabilities.staging_loader
+    if loader is None:
+        await client.update_weights_from_staging(
+            staging_path=str(staging_path), buffer_size=buffer_size, layout=layout, swap=swap
+        )
+        return
+    await check_against_served(client, endpoint, layout)
+    request = uuid.uuid4().hex
+    specs = [
+        json.dumps(
+            {
+                "staging_path": str(staging_path),
+                "buffer_size": buffer_size,
+                "layout": layout.to_wire(),
+                "request": request,
+                "tp_rank": rank,
+            }
+        )
+        for rank in range(endpoint.capabilities.tp_size)
+    ]
+    payloads = [base64.b64encode(pickle.dumps([(spec, torch.empty(0))])).decode() for spec in specs]
+    await client.update_weights_from_loader(payloads, load_format=loader)
+    for rank in range(endpoint.capabilities.tp_size):
+        _read_outcome(endpoint, request, rank)
+
+
+_SERVED_TENSORS: dict[str, dict[str, tuple[tuple[int, ...], bool]]] = {}
+"""Per engine URL, the served checkpoint's tensors (shape, floating) as read from its safetensors headers."""
+
+
+async def check_against_served(client: EngineClient, endpoint: EngineEndpoint, layout: StagingLayout) -> None:
+    """Before anything is loaded: every staged tensor that the engine's checkpoint has must have its shape and kind
+    (floating or not) there; a :class:`WeightMismatchError` naming the parameter, the engine and both otherwise (the
+    engine keeps serving what it served). Names the checkpoint lacks (a tied ``lm_head``) are SGLang's to judge."""
+    served = _SERVED_TENSORS.get(endpoint.url)
+    if served is None:
+        model_path = (await client.model_info()).get("model_path")
+        served = await asyncio.to_thread(checkpoint_tensors, str(model_path))
+        _SERVED_TENSORS[endpoint.url] = served
+    for entry in layout.tensors:
+        if entry.name not in served:
+            continue
+        shape, floating = served[entry.name]
+        sent_floating = STAGING_DTYPES[entry.dtype].is_floating_point
+        if tuple(entry.shape) != shape or sent_floating != floating:
+            raise WeightMismatchError(
+                f"weight_transfer to engine {endpoint.name} ({endpoint.url}): parameter {entry.name} is "
+                f"{entry.dtype}{list(entry.shape)} from the trainer, but the engine serves it as "
+                f"{'floating' if floating else 'integer'}{list(shape)}; nothing was loaded, the engine keeps its "
+                "weights"
+            )
+
+
+def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every tensor of the safetensors files in ``model_path``: its shape and whether it is floating (headers only)."""
+    from safetensors import safe_open  # deferred: only where SGLang engines load staged files
+
+    found: dict[str, tuple[tuple[int, ...], bool]] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 - safe_open is no mapping
+                piece = tensors.get_slice(name)
+                found[name] = (tuple(piece.get_shape()), piece.get_dtype().startswith(("F", "BF")))
+    return found
+
+
+def _read_outcome(endpoint: EngineEndpoint, request: str, rank: int) -> None:
+    """The outcome the loader wrote for TP rank ``rank`` (in this node's staging directory, the engine's too)."""
+    status = weight_staging_dir() / f"miles-load-{request}.tp{rank}.json"
+    try:
+        outcome = json.loads(status.read_text())
+    except (OSError, ValueError):
+        raise EngineError(
+            f"engine {endpoint.name} ({endpoint.url}) answered the staged load but its TP rank {rank} wrote no outcome "
+            f"({status.name}): was it started with Miles' loader (--custom-weight-loader "
+            f"{endpoint.capabilities.staging_loader}, set by miles-plugins-sglang)?"
+        ) from None
+    finally:
+        status.unlink(missing_ok=True)
+    if not outcome.get("ok"):
+        raise EngineError(f"engine {endpoint.name} ({endpoint.url}) TP rank {rank}: {outcome.get('error')}")
+
+
+@contextlib.asynccontextmanager
+async def weight_update_sessions(clients: Sequence[EngineClient]) -> AsyncIterator[None]:
+    """Every engine's weight-update session open for the body and closed after it; never left open on one engine when
+    another refused to open (a later update could not open it again)."""
+    opened = await asyncio.gather(*(c.begin_weight_update() for c in clients), return_exceptions=True)
+    failures = [result for result in opened if isinstance(result, BaseException)]
+    if failures:
+        await end_sessions([c for c, r in zip(clients, opened, strict=True) if not isinstance(r, BaseException)])
+        raise failures[0]
+    try:
+        yield
+    except BaseException:
+        await end_sessions(clients)
+        raise
+    await asyncio.gather(*(client.end_weight_update() for client in clients))
+
+
+async def end_sessions(clients: Sequence[EngineClient]) -> None:
+    """Close sessions on the way out of a failure (an engine that died cannot answer: that is not news)."""
+    await asyncio.gather(*(client.end_weight_update() for client in clients), return_exceptions=True)
+
+
+def sample_names(names: Sequence[str], *, count: int, version: int) -> list[str]:
+    """``count`` of ``names`` spread over the list, a different set each version, so a run checks every one."""
+    if not names or count <= 0:
+        return []
+    step = max(1, len(names) // count)
+    return sorted({names[(version + i * step) % len(names)] for i in range(min(count, len(names)))})
+
+
+async def served_dtype(client: EngineClient) -> torch.dtype | None:
+    """The dtype the SGLang engine serves in (``/server_info``'s ``dtype``; ``None`` for ``auto``)."""
+    info = await client.server_info()
+    return SERVED_DTYPES.get(str(info.get("dtype")))
+
+
+async def verify_sampled(
+    client: EngineClient, endpoint: EngineEndpoint, expected: Mapping[str, torch.Tensor], *, version: int
+) -> None:
+    """Each parameter of ``expected`` as the engine holds it (its first row) equal to the sender's rounded to the
+    served dtype; a :class:`WeightMismatchError` naming the parameter and the engine otherwise."""
+    dtype = await served_dtype(client)
+    for name, tensor in expected.items():
+        got = await client.weights_by_name(name, truncate_size=1)
+        if got is None:
+            raise WeightMismatchError(f"engine {endpoint.name} does not report {name} (/get_weights_by_name)")
+        head = tensor.detach().reshape(tensor.shape[0], -1)[0] if tensor.dim() > 1 else tensor.detach().reshape(-1)[:1]
+        served = torch.tensor(got[0] if got and isinstance(got[0], list) else got, dtype=torch.float32).reshape(-1)
+        candidates = [dtype] if dtype is not None else list(dict.fromkeys(SERVED_DTYPES.values()))
+        if served.shape != head.shape or not any(torch.equal(served, head.to(d).to(torch.float32)) for d in candidates):
+            raise WeightMismatchError(
+                f"engine {endpoint.name} ({endpoint.url}) holds other values for {name} than the trainer sent in "
+                f"v{version}: first row {served[:4].tolist()}... against {head[:4].tolist()}... (served dtype "
+                f"{dtype}); the run stops"
+            )

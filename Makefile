@@ -21,8 +21,10 @@ $(STAMP): $(PYPROJECTS)
 # A real SGLang server for CPU in an environment of its own (sglang pins its own torch and transformers), from the
 # registries and the recipe in tools/sglang-cpu (install script, the CPU kernel's source). A prebuilt kernel wheel in
 # ../shared/sglang-cpu (or $SGLANG_KERNEL_CACHE) is used as a cache; without one the kernel is built from its source.
-# The sglang plugin finds the environment as .venv-sglang (sglang.python).
+# The sglang plugin finds the environment (sglang.python: auto) as .venv-sglang of the checkout, or from anywhere
+# else through the interpreter recorded in ~/.config/miles/sglang-python ($XDG_CONFIG_HOME).
 SGLANG_VENV := .venv-sglang
+SGLANG_RECORD = $${XDG_CONFIG_HOME:-$$HOME/.config}/miles/sglang-python
 SGLANG_RECIPE := tools/sglang-cpu
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 sglang: $(SGLANG_STAMP)
@@ -30,6 +32,7 @@ sglang: $(SGLANG_STAMP)
 $(SGLANG_STAMP): $(SGLANG_RECIPE)/install.sh $(SGLANG_RECIPE)/sglang-deps-cpu.txt
 	rm -rf $(SGLANG_VENV)
 	bash $(SGLANG_RECIPE)/install.sh $(SGLANG_VENV)
+	mkdir -p "$$(dirname "$(SGLANG_RECORD)")" && echo "$(abspath $(SGLANG_VENV))/bin/python" > "$(SGLANG_RECORD)"
 	touch $(SGLANG_STAMP)
 
 # Debian's Chromium for the dashboard's browser test (Playwright drives it; it downloads no browser).

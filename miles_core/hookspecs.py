@@ -228,7 +228,8 @@ def prepare_rollout(rollout_id: int, controller: InferenceController) -> None:
     """Runs before every training rollout is generated.
 
     Called by the RL loop with the rollout id and the ``InferenceController``; used to resume health monitoring,
-    inject faults for tests, or register engines with the dashboard. Generation itself does none of this work.
+    inject faults (the built-in plugin of ``--fault-injection``, :mod:`miles_core.fault_injection`), or register
+    engines with the dashboard. Generation itself does none of this work.
     """
 
 

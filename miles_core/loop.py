@@ -22,6 +22,7 @@ from miles_core.engines.backend import load_engine_backend
 from miles_core.errors import ConfigError, MilesError
 from miles_core.events import TrainerInfo
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
+from miles_core.progress import waiting_for
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
 from miles_core.rollout.agents import agent_for_task, chat_format_target, close_session_clients
@@ -294,7 +295,8 @@ class _Phases:
 
     async def run(self, phase: str, awaitable: Any) -> Any:
         started = time.time()
-        result = await awaitable
+        with waiting_for(f"step {self.step}'s {phase.replace('_', ' ')}"):  # a slow step says where it is
+            result = await awaitable
         ended = time.time()
         self.seconds[f"time/{phase}"] = ended - started
         self.manager.hook.on_phase(

@@ -50,6 +50,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "core": "miles_core.builtin.core_plugin",
     "dashboard": "miles_core.builtin.dashboard.plugin:DashboardPlugin",
     "metrics": "miles_core.builtin.metrics.plugin:MetricsPlugin",
+    "faults": "miles_core.builtin.fault_injection:FaultInjectionPlugin",
 }
 """Built-in plugin name -> module, or ``module:Class`` for a plugin with state (one instance per manager)."""
 UNBLOCKABLE = {"core": "every command needs its config sections (run, model, train, ...) and its registries"}

@@ -260,12 +260,18 @@ def load_prompts(config: MilesConfig, registries: Registries) -> tuple[list[Prom
         train = read_prompts_jsonl(rollout.prompts)
         evaluation = read_prompts_jsonl(rollout.eval_prompts) if rollout.eval_prompts else train[: min(64, len(train))]
         return train, evaluation
-    if rollout.task == DEFAULT_TASK and config.model.path is not None:
+    if config.model.path is not None and not task_given(config):
         raise ConfigError(
             "--model needs --prompts FILE.jsonl (or a --task made for that model): the default task is "
-            "made for the default model"
+            f"made for the default model (give --task {DEFAULT_TASK} to run it on this model anyway)"
         )
     return task_prompts(rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed)
+
+
+def task_given(config: MilesConfig) -> bool:
+    """Whether the run names its task (``--task``, or ``rollout.task`` in the config file) rather than taking the
+    default one."""
+    return "task" in config.rollout.model_fields_set
 
 
 def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[Prompt], list[Prompt]]:
@@ -285,20 +291,26 @@ def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[P
 
 
 def load_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[..., float], str]:
-    """``--reward`` (a registered name or module:function), else the reward function named like the task."""
+    """``--reward`` (a registered name or module:function), else the reward function named like the task (with
+    ``--prompts`` too, when the task was named or the model is the default one: the default task's reward is made
+    for the default model)."""
     name = config.rollout.reward
     if name is None:
-        if config.rollout.prompts is not None:
-            raise ConfigError(
-                f"--prompts needs --reward NAME or module:function; registered: "
-                f"{', '.join(registries.reward_functions)}"
-            )
         task = config.rollout.task
+        if config.rollout.prompts is not None and config.model.path is not None and not task_given(config):
+            raise ConfigError(
+                "--prompts needs --reward to score the responses: add --reward NAME (registered: "
+                f"{', '.join(registries.reward_functions)}) or --reward module:function (a module in the working "
+                f"directory), or --task NAME to score them with that task's reward (the default task, {task!r}, "
+                "is made for the default model)"
+            )
         if task not in registries.reward_functions:
             raise ConfigError(
                 f"task {task!r} needs --reward NAME or module:function: no reward function is named "
                 f"like it (registered: {', '.join(registries.reward_functions) or 'none'})"
             )
+        if config.rollout.prompts is not None:
+            print(f"miles: --prompts without --reward: scoring with the reward of task {task!r}", flush=True)
         return registries.reward_functions[task].load(), task
     reward = registered_or_target(name, registries.reward_functions, flag="--reward", kind="reward function")
     if not callable(reward):

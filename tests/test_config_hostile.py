@@ -208,6 +208,74 @@ def test_inf_and_nan_flags_are_refused(args: list[str]) -> None:
     assert "Input should be a finite number" in refused(*args)
 
 
+# -- strict YAML: a boolean is not a number, a key is given once ------------------------------------------------
+
+
+def _number_settings() -> list[str]:
+    """Every int and float setting of every section the installed plugins contribute."""
+    model = config_model(MilesPluginManager.load([]))
+
+    def numeric(annotation: object) -> bool:
+        members = [a for a in typing.get_args(annotation) if a is not type(None)] if _is_union(annotation) else []
+        return annotation in (int, float) or (bool(members) and all(m in (int, float) for m in members))
+
+    return [
+        f"{section_name}.{field_name}"
+        for section_name, section in model.model_fields.items()
+        for field_name, field in section.annotation.model_fields.items()
+        if numeric(field.annotation)
+    ]
+
+
+def test_a_yaml_boolean_is_not_a_number_for_any_setting() -> None:
+    manager = MilesPluginManager.load([])
+    settings = _number_settings()
+    assert {"run.seed", "rollout.batch_size", "train.lr", "sglang.tp_size", "sglang.gpus_per_engine"} <= set(settings)
+    for path in settings:
+        for value in (True, False):
+            with pytest.raises(ConfigError, match=f"{re.escape(path)} = {value}: .*a boolean .* is not a number"):
+                build_config(manager, overrides={path: value})
+    assert build_config(manager, overrides={"run.seed": 7}).run.seed == 7  # a number still is one
+    assert build_config(manager, overrides={"dashboard.record": False}).dashboard.record is False  # a bool is a bool
+
+
+def test_a_yaml_boolean_for_an_integer_in_a_config_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "seed.yaml"
+    path.write_text("run: {seed: true}\n")
+    assert "run.seed = True: Value error, a boolean (true) is not a number; give a number" in refused(
+        "--config", str(path)
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("run:\n  seed: 1\nrun:\n  seed: 2\n", "at line 3, column 1: duplicate key 'run' (first at line 1)"),
+        (
+            "rollout:\n  batch_size: 4\n  group_size: 2\n  batch_size: 8\n",
+            "at line 4, column 3: duplicate key 'batch_size' (first at line 2); give each key once",
+        ),
+        ("run: {seed: 1, seed: 2}\n", "at line 1, column 16: duplicate key 'seed' (first at line 1)"),
+        (
+            "weight_transfer:\n  settings:\n    x: 1\n    'x': 2\n",
+            "at line 4, column 5: duplicate key 'x' (first at line 3)",
+        ),
+    ],
+)
+def test_a_duplicate_key_is_an_error_naming_the_key_and_its_line(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    assert f"config file {str(path)!r} is not valid YAML {expected}" in refused("--config", str(path))
+
+
+def test_a_duplicate_key_in_a_structured_flag_value_is_refused_and_a_merge_may_be_overridden(tmp_path: Path) -> None:
+    assert "duplicate key 'a' (first at line 1)" in refused("--weight-transfer-settings", "{a: 1, a: 2}")
+    path = tmp_path / "merge.yaml"
+    path.write_text("run:\n  <<: {seed: 5, num_steps: 3}\n  seed: 6\n")  # a merged key is a default to override
+    run = config_json("--config", str(path))["run"]
+    assert (run["seed"], run["num_steps"]) == (6, 3)
+
+
 # -- long errors are summarised ----------------------------------------------------------------------------------
 
 

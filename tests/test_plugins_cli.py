@@ -71,8 +71,16 @@ def test_plugins_table_is_readable() -> None:
     result = run_miles("plugins")
     assert result.returncode == 0, result.stderr
     header, *rows = result.stdout.splitlines()
-    assert header.split() == ["PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"]
-    assert any(row.startswith("example-hooks ") and "llama/minimal" in row for row in rows)
+    assert header.split() == ["PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES", "HOOKS"]
+    example = next(row for row in rows if row.startswith("example-hooks "))
+    assert "llama/minimal" in example
+    # the HOOKS column: the hooks each plugin implements, in the column under its header
+    hooks_at = header.index("HOOKS")
+    assert example[hooks_at:] == (
+        "provide_engine_backends, provide_model_implementations, provide_reward_functions, provide_training_backends"
+    )
+    core = next(row for row in rows if row.startswith("core "))
+    assert "config_sections" in core[hooks_at:].split(", ")
 
 
 def test_entry_point_only_protocol_is_selectable() -> None:
@@ -131,7 +139,13 @@ def test_autoload_disabled_keeps_builtins_and_explicit_plugins(plugin_dir: Path)
     write_module(plugin_dir, "explicit_one", EXTRA_REWARD_PLUGIN.format(name="explicit.one"))
     env = {**with_pythonpath(plugin_dir), "MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
     plugins = plugins_json("--plugin", "explicit_one", env=env)
-    assert sorted(name for name in plugins if name != "blocked") == ["core", "dashboard", "explicit_one", "metrics"]
+    assert sorted(name for name in plugins if name != "blocked") == [
+        "core",
+        "dashboard",
+        "explicit_one",
+        "faults",
+        "metrics",
+    ]
 
 
 def test_plugin_module_whose_import_raises(plugin_dir: Path) -> None:

@@ -501,3 +501,40 @@ def test_the_default_task_refuses_another_model(task_manager, tmp_path: Path) ->
     run_config = config(task_manager, **{"model.path": str(model), "rollout.task": "parity"})
     train, _ = load_prompts(run_config, task_manager.registries)
     assert len(train) == 8
+
+
+def test_an_explicit_task_runs_on_another_model(task_manager, tmp_path: Path) -> None:
+    """``--model DIR --task echo_last`` names the task: it is run on that model, not refused as the default."""
+    model = save_tiny_llama(tmp_path / "other-model")
+    run_config = config(task_manager, **{"model.path": str(model), "rollout.task": "echo_last"})
+    assert load_prompts(run_config, task_manager.registries) == echo_last_prompts(seed=run_config.run.seed)
+    with pytest.raises(ConfigError, match=r"default model \(give --task echo_last to run it on this model anyway\)"):
+        load_prompts(config(task_manager, **{"model.path": str(model)}), task_manager.registries)
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "3:", "label": "1"}\n')
+    return path
+
+
+def test_prompts_without_a_reward_are_scored_by_the_task_s_reward(task_manager, tmp_path: Path, capsys) -> None:
+    prompts = str(_prompt_file(tmp_path))
+    run_config = config(task_manager, **{"rollout.prompts": prompts, "rollout.task": "parity"})
+    reward, name = load_reward(run_config, task_manager.registries)
+    assert name == "parity" and reward(prompt="3:", response="1", label="1", metadata={}) == 1.0
+    assert "miles: --prompts without --reward: scoring with the reward of task 'parity'" in capsys.readouterr().out
+    reward, name = load_reward(config(task_manager, **{"rollout.prompts": prompts}), task_manager.registries)
+    assert name == "echo_last"  # the default model and task: the default task's reward
+
+
+def test_prompts_for_another_model_without_a_reward_say_which_flag_to_add(task_manager, tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "other-model")
+    run_config = config(task_manager, **{"rollout.prompts": str(_prompt_file(tmp_path)), "model.path": str(model)})
+    with pytest.raises(ConfigError) as error:
+        load_reward(run_config, task_manager.registries)
+    assert str(error.value) == (
+        "--prompts needs --reward to score the responses: add --reward NAME (registered: echo_last, parity, "
+        "tool_lookup) or --reward module:function (a module in the working directory), or --task NAME to score them "
+        "with that task's reward (the default task, 'echo_last', is made for the default model)"
+    )

@@ -71,14 +71,6 @@ CONTROLLER = None
 def prepare_rollout(rollout_id, controller):
     global CONTROLLER
     CONTROLLER = controller
-    if rollout_id == 2:  # engine-1 dies as the rollout starts: its requests fail mid-rollout
-        controller.provider.processes["engine-1"].kill()
-
-
-@hookimpl
-def before_weight_update(version, protocol):
-    if version == 4:  # engine-0 dies as the weight update starts
-        CONTROLLER.provider.processes["engine-0"].kill()
 
 
 PHASES = {}
@@ -148,7 +140,17 @@ def test_engines_die_mid_rollout_and_mid_update_without_losing_samples(tmp_path:
         mode,
         "--plugin",
         str(plugin),
+        # engine-1 dies as step 3's rollout starts (its requests fail mid-rollout), engine-0 as step 4's update does
+        "--fault-injection",
+        "kill_engine:engine-1@step=3,kill_engine:engine-0@weight_update=4",
     )
+    for line in [
+        "miles: fault injection: killing engine-1 as step 3's rollout starts",
+        "miles: fault injection: killing engine-0 as step 4's weight update starts",
+        "miles: engine-1 restarted in",  # the terminal says so, not only the dashboard
+        "miles: engine-0 restarted in",
+    ]:
+        assert line in result.stderr, result.stderr[-3000:]
     samples = [line.split() for line in result.stdout.splitlines() if line.startswith("SAMPLES")]
     assert [(int(step), int(count)) for _, step, count in samples] == [(step, 16) for step in range(6)]
     restarts = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESTARTS")]

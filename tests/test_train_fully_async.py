@@ -23,8 +23,6 @@ CONTROLLER = None
 def prepare_rollout(rollout_id, controller):
     global CONTROLLER
     CONTROLLER = controller
-    if rollout_id == KILL_AT:
-        controller.provider.processes["engine-1"].kill()
 
 
 @hookimpl
@@ -40,9 +38,9 @@ def on_samples(rollout_id, step, samples):
 """
 
 
-def recorder(tmp_path: Path, *, kill_at: int = -1) -> Path:
-    plugin = tmp_path / f"recorder_{kill_at}.py"
-    plugin.write_text(f"import json\nKILL_AT = {kill_at}\n" + RECORDER)
+def recorder(tmp_path: Path) -> Path:
+    plugin = tmp_path / "recorder.py"
+    plugin.write_text("import json\n" + RECORDER)
     return plugin
 
 
@@ -120,7 +118,8 @@ def test_partial_rollouts_keep_each_tokens_weight_version_and_train_with_tis(tmp
 def test_an_engine_killed_mid_stream_loses_no_group_and_resume_counts_none_twice(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     args = [*QUICK, "--engine-num-engines", "2", "--run-schedule", "fully_async", "--run-checkpoint-every", "2"]
-    first = train(run_dir, *args, "--num-steps", "4", "--plugin", str(recorder(tmp_path, kill_at=2)))
+    kill = ["--fault-injection", "kill_engine:engine-1@step=3"]  # as step 3's rollout starts
+    first = train(run_dir, *args, "--num-steps", "4", "--plugin", str(recorder(tmp_path)), *kill)
     before = seen(first.stdout)
     assert seen(first.stdout, "RESTARTS")[4] == 1  # engine-1 was killed and brought back
     assert [len(samples) for samples in before.values()] == [16] * 4

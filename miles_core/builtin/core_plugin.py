@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
+from miles_core.fault_injection import check_faults_fit
 from miles_core.hookspecs import hookimpl
 from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
@@ -53,6 +54,12 @@ def config_flags() -> list[ConfigFlag]:
         ConfigFlag(flag="--trainer", path="train.backend", help="training backend", metavar="NAME"),
         ConfigFlag(flag="--engine", path="engine.backend", help="engine backend", metavar="NAME"),
         ConfigFlag(flag="--num-steps", path="run.num_steps", help="RL steps", metavar="N"),
+        ConfigFlag(
+            flag="--fault-injection",
+            path="run.fault_injection",
+            help="faults to inject: kill_engine[:ENGINE]@step=N or @weight_update=N, comma-separated",
+            metavar="FAULTS",
+        ),
         ConfigFlag(flag="--output-dir", path="run.output_dir", help="run directory", metavar="DIR"),
         ConfigFlag(
             flag="--update-weight-transfer-mode",
@@ -95,6 +102,11 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
     check_agent_settings(config, registries)
     check_protocol_reaches_engines(config, registries)
+    problems = check_faults_fit(
+        config.run.fault_injection, num_engines=config.engine.num_engines, num_steps=config.run.num_steps
+    )
+    if problems:
+        raise ConfigError(f"run.fault_injection (--fault-injection): {'; '.join(problems)}")
     if config.rollout.reward is not None and ":" not in config.rollout.reward:
         try:
             registries.reward_functions.get_or_raise(config.rollout.reward)

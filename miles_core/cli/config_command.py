@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -15,6 +16,9 @@ from miles_core.cli.config_args import ConfigArguments
 from miles_core.cli.exit_codes import INTERRUPTED
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 def prepare(
@@ -29,6 +33,9 @@ def prepare(
         config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
         data = config.model_dump(mode="json")
         print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip("\n"))
+        notes = resolved_notes(config)
+        if notes:  # comments after the YAML (it stays a config file); with --json on stderr, leaving stdout JSON
+            print("\n".join(f"# {line}" for line in notes), file=sys.stderr if args.json else sys.stdout)
         return 0
 
     def train(args: argparse.Namespace) -> int:
@@ -45,6 +52,15 @@ def prepare(
         return 0
 
     return show if command == "config" else train
+
+
+def resolved_notes(config: MilesConfig) -> list[str]:
+    """``SECTION.FIELD: what it resolves to here``, from each section's ``resolved_notes``."""
+    return [
+        f"{section_name}.{field}: {note}"
+        for section_name in type(config).model_fields
+        for field, note in getattr(config, section_name).resolved_notes().items()
+    ]
 
 
 def _where_the_run_is(output_dir: str) -> str:

@@ -44,14 +44,21 @@ def list_plugins(plugin_args: list[str], *, as_json: bool) -> int:
                 f"{p['distribution'] or '-'} {p['version'] or ''}".strip(),
                 p["source"],
                 _provides_text(manager.registries, p["provides"]),
+                ", ".join(p["hooks"]) or "-",
             )
             for p in plugins
         ]
         rows += [
-            (b["name"], f"{b['distribution'] or '-'} {b['version'] or ''}".strip(), "entry point", "BROKEN (below)")
+            (
+                b["name"],
+                f"{b['distribution'] or '-'} {b['version'] or ''}".strip(),
+                "entry point",
+                "BROKEN (below)",
+                "-",
+            )
             for b in broken
         ]
-        print(_table(("PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES"), rows))
+        print(_table(("PLUGIN", "DISTRIBUTION", "SOURCE", "PROVIDES", "HOOKS"), rows))
         if manager.blocked:
             print(f"\nblocked: {', '.join(sorted(manager.blocked))}")
         for b in broken:

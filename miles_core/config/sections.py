@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import pydantic
 
 from miles_core.config.section import Section
+from miles_core.fault_injection import parse_faults
 from miles_core.workers.ray_settings import check_ray_address, check_resources
 from miles_core.workers.specs import ENGINE, ROUTER, SESSION_SERVER, TRAINER
 
@@ -55,6 +56,18 @@ class RunSection(Section):
         description="Custom Ray resources each session server's bundle asks for (agent runs), pinning the session "
         "servers to the nodes that offer them.",
     )
+
+    fault_injection: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Faults to inject, to watch the recovery: kill_engine[:ENGINE]@step=N (as step N's rollout "
+        "starts) or kill_engine[:ENGINE]@weight_update=N (as step N's weight update starts); ENGINE defaults to "
+        "engine-0; comma-separated on the command line.",
+    )
+
+    @pydantic.field_validator("fault_injection", mode="before")
+    @classmethod
+    def _faults(cls, value: object) -> object:
+        return parse_faults(value)
 
     @pydantic.field_validator("ray_address")
     @classmethod

@@ -1,6 +1,7 @@
 """YAML written by users (config files, structured flag values), read within bounds.
 
-A config is plain data: strings, numbers, booleans, null, lists and mappings with string keys. Everything else is
+A config is plain data: strings, numbers, booleans, null, lists and mappings with string keys, each key given once
+(a duplicate key is an error naming it and its lines, not a silent override). Everything else is
 refused with an error naming the source, and nothing that a hostile file can do (a FIFO or a device instead of a
 file, binary or UTF-16 bytes, thousands of nested levels, an alias bomb, a recursive alias, a 5000-digit integer)
 may cost more than the bounds below, hang, or end in a traceback.
@@ -91,6 +92,28 @@ class _BoundedLoader(yaml.SafeLoader):
             if self._merged > MAX_NODES:
                 problem = f"merge keys ('<<') copy more than {MAX_NODES} values"
                 raise ConstructorError(None, None, problem, node.start_mark)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        self._refuse_duplicate_keys(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _refuse_duplicate_keys(self, node: Any) -> None:
+        # PyYAML keeps the last of two equal keys: a setting written twice would silently lose one of them. Keys
+        # copied in by a merge key ('<<') may be overridden, as YAML allows; keys written in the mapping may not.
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                first = seen[key].line + 1
+                raise ConstructorError(
+                    None,
+                    None,
+                    f"duplicate key {_short(key)} (first at line {first}); give each key once",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
 
     def construct_yaml_int(self, node: Any) -> int:
         text = self.construct_scalar(node)

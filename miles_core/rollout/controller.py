@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,6 +23,7 @@ from miles_core.engines.backend import EngineBackend
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.errors import MilesError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo
+from miles_core.progress import notice
 from miles_core.training.weight_iterator import bucketize
 from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import WeightHolders
@@ -41,8 +41,6 @@ from miles_core.workers.specs import ENGINE, ROUTER, CommandWorkerSpec, PythonWo
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
-
-logger = logging.getLogger(__name__)
 
 WeightSource = Callable[[], Iterable[list]]
 """Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
@@ -326,7 +324,10 @@ class InferenceController:
             except (EngineError, MilesError, OSError, httpx.TransportError) as exc:  # an engine that died, say
                 if attempt == attempts:
                     raise MilesError(f"weight update to v{version} failed {attempts} times: {exc}") from exc
-                logger.warning("weight update to v%d failed (%s); re-syncing every engine", version, exc)
+                notice(
+                    f"weight update to v{version} failed ({exc}); re-syncing every engine and sending it again "
+                    f"(attempt {attempt + 1} of {attempts})"
+                )
                 await self.wait_for_engines(self.config.engine.startup_timeout_s)
         raise ValueError(f"attempts must be at least 1, got {attempts}")
 

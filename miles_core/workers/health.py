@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 
+from miles_core.progress import notice
 from miles_core.workers.cells import Cell, CellManager, CellState
 
 logger = logging.getLogger(__name__)
@@ -147,17 +148,21 @@ class HealthMonitor:
         return self.failures[cell.cell_id] >= self.failures_to_restart
 
     async def _recover(self, cell: Cell) -> bool:
+        why = next((what for _, cell_id, what in reversed(self.events) if cell_id == cell.cell_id), "it failed")
         self._event(cell.cell_id, "restarting")
+        notice(f"{cell.cell_id} failed ({why}); restarting it")  # in the terminal too, not only on the dashboard
+        started = time.monotonic()
         try:
             await self.cells.restart(cell.cell_id)
             for callback in self.on_recovered:
                 await callback(cell)
         except Exception as exc:  # the run goes on; the next round tries again
             self._event(cell.cell_id, f"recovery failed: {type(exc).__name__}: {exc}")
-            logger.warning("cell %s could not be recovered: %s", cell.cell_id, exc)
+            notice(f"{cell.cell_id} could not be restarted ({type(exc).__name__}: {exc}); trying again")
             return False
         self.failures[cell.cell_id] = 0
         self._event(cell.cell_id, "recovered")
+        notice(f"{cell.cell_id} restarted in {time.monotonic() - started:.0f} s (restart {cell.restarts})")
         return True
 
     async def _run(self) -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from miles_core.progress import waiting_for
 from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.node import LOOPBACK, NODE_ADDRESS_ENV
 from miles_core.workers.process import SupervisedProcess, free_ports, log_tail
@@ -30,10 +31,11 @@ class LocalWorkerProvider(BaseWorkerProvider):
     async def start(self, spec: WorkerSpec) -> WorkerInfo:
         self._check_new(spec)
         log_file = Path(spec.log_file or self.run_dir / "logs" / f"{spec.name}.log")
-        if isinstance(spec, PythonWorkerSpec):
-            info = await self._start_python(spec, log_file)
-        else:
-            info = await self._start_command(spec, log_file)
+        with waiting_for(f"{spec.name} to start", log=log_file):
+            if isinstance(spec, PythonWorkerSpec):
+                info = await self._start_python(spec, log_file)
+            else:
+                info = await self._start_command(spec, log_file)
         self.workers[spec.name] = info
         self.specs[spec.name] = spec
         return info

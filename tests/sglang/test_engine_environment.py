@@ -4,20 +4,28 @@ clear error before any engine starts, and server settings checked against the en
 
 from __future__ import annotations
 
-import contextlib
+import json
 import os
 import stat
 import sys
 from pathlib import Path
 
 import pytest
-from miles_plugins_sglang.config import SGLANG_PYTHON_ENV, resolve_sglang_python, server_arg_fields
+from miles_plugins_sglang.config import (
+    CHECKOUT,
+    SGLANG_PYTHON_ENV,
+    find_sglang_python,
+    recorded_environment_file,
+    resolve_sglang_python,
+    server_arg_fields,
+)
 from miles_plugins_sglang.launch import KV_TOKENS_RANGE, check_engine_environment, sglang_engine_spec
 
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.run_setup import default_model
+from tests.conftest import REPO, run_miles
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +60,65 @@ def fake_environment(root: Path, fields: list[str]) -> Path:
     return python
 
 
-def test_the_interpreter_is_the_setting_else_the_variable_else_the_make_target_else_this_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv(SGLANG_PYTHON_ENV, raising=False)
+def _made(root: Path) -> Path:
+    """``root/.venv-sglang/bin/python`` as ``make sglang`` makes it (a file is all the lookup looks at)."""
+    python = root / ".venv-sglang" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    return python
+
+
+def test_the_interpreter_is_found_in_the_documented_order_wherever_miles_runs(tmp_path: Path) -> None:
+    """$MILES_SGLANG_PYTHON, the working directory's .venv-sglang, the checkout's, the one make sglang recorded,
+    this interpreter: each found, and said how."""
     assert resolve_sglang_python("/opt/sglang/bin/python") == "/opt/sglang/bin/python"
-    with contextlib.chdir(tmp_path):
-        assert resolve_sglang_python("auto") == sys.executable  # nothing else here
-        made = tmp_path / ".venv-sglang" / "bin" / "python"
-        made.parent.mkdir(parents=True)
-        made.write_text("")
-        assert resolve_sglang_python("auto") == str(made)
-        monkeypatch.setenv(SGLANG_PYTHON_ENV, "/from/the/variable/python")
-        assert resolve_sglang_python("auto") == "/from/the/variable/python"
+    elsewhere, checkout, config_home = tmp_path / "elsewhere", tmp_path / "checkout", tmp_path / "config"
+    elsewhere.mkdir()
+    environ = {"XDG_CONFIG_HOME": str(config_home)}
+
+    def found() -> tuple[str, str]:
+        return find_sglang_python(environ=environ, cwd=elsewhere, checkout=checkout)
+
+    assert found() == (sys.executable, "the interpreter running Miles (no SGLang environment found)")
+    recorded = _made(tmp_path / "installed-by-make")
+    record = recorded_environment_file(environ)
+    assert record == config_home / "miles" / "sglang-python"
+    record.parent.mkdir(parents=True)
+    record.write_text(f"{recorded}\n")
+    assert found() == (str(recorded), f"recorded by make sglang in {record}")
+    in_checkout = _made(checkout)
+    assert found() == (str(in_checkout), f".venv-sglang of the checkout {checkout}")  # from another directory
+    here = _made(elsewhere)
+    assert found() == (str(here), ".venv-sglang of the working directory")
+    environ[SGLANG_PYTHON_ENV] = "/from/the/variable/python"
+    assert found() == ("/from/the/variable/python", "$MILES_SGLANG_PYTHON")
+    assert recorded_environment_file({"HOME": str(tmp_path)}) == tmp_path / ".config" / "miles" / "sglang-python"
+
+
+def test_the_checkout_looked_in_is_the_one_the_plugin_is_installed_from() -> None:
+    assert REPO == CHECKOUT  # the developer install is editable: the plugin's checkout is this repository
+
+
+def test_config_show_says_which_environment_it_found_and_how(tmp_path: Path) -> None:
+    environ = {SGLANG_PYTHON_ENV: "/opt/sglang/bin/python", "XDG_CONFIG_HOME": str(tmp_path)}
+    shown = run_miles("config", "show", env=environ, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.rstrip().endswith("# sglang.python: auto = /opt/sglang/bin/python ($MILES_SGLANG_PYTHON)")
+    as_json = run_miles("config", "show", "--json", env=environ, cwd=tmp_path)
+    assert json.loads(as_json.stdout)["sglang"]["python"] == "auto"  # stdout stays JSON; the note is on stderr
+    assert "# sglang.python: auto = /opt/sglang/bin/python ($MILES_SGLANG_PYTHON)" in as_json.stderr
+    given = run_miles("config", "show", "--sglang-python", "/my/python", env=environ, cwd=tmp_path)
+    assert "# sglang.python" not in given.stdout  # a path given is shown as the setting itself
+
+
+def test_from_outside_the_checkout_the_checkout_s_environment_is_found(tmp_path: Path) -> None:
+    made = CHECKOUT / ".venv-sglang" / "bin" / "python"
+    if not made.is_file():
+        pytest.skip(f"no SGLang environment in this checkout ({made}): `make sglang` makes one")
+    environ = {"XDG_CONFIG_HOME": str(tmp_path), SGLANG_PYTHON_ENV: ""}
+    shown = run_miles("config", "show", env=environ, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"# sglang.python: auto = {made} (.venv-sglang of the checkout {CHECKOUT})" in shown.stdout
 
 
 def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_them(manager, model: Path) -> None:
@@ -141,7 +195,7 @@ def test_server_args_are_checked_against_the_engine_environments_sglang(manager,
     script = tmp_path / "broken"
     script.write_text("#!/bin/sh\nexit 1\n")
     script.chmod(0o755)
-    assert "shipped with miles-plugins-sglang" in server_arg_fields(str(script))[1]  # cannot ask: the shipped list
+    assert "shipped with miles-plugins-sglang" in server_arg_fields(str(script))[1]  # cannot ask: the shipped table
 
 
 def test_bad_environment_variables_are_refused(manager) -> None:

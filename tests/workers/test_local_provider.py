@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 import time
 from pathlib import Path
@@ -227,3 +228,22 @@ def test_a_workers_log_is_readable_by_its_owner_alone(provider: LocalWorkerProvi
     asyncio.run(scenario())
     assert earlier.stat().st_mode & 0o777 == 0o600
     assert "an earlier run's line" in earlier.read_text()  # appended to, not replaced
+
+
+def test_a_slow_start_says_which_worker_it_waits_for_and_where_its_log_is(
+    provider: LocalWorkerProvider, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """A worker whose server comes up after 2 s (an engine loading its model, say), with the notice after 0.5 s
+    instead of 5 (``$MILES_WAIT_NOTICE_S``): the terminal says what it waits for, its log and the time."""
+    monkeypatch.setenv("MILES_WAIT_NOTICE_S", "0.5")
+    slow = CommandWorkerSpec(
+        name="slow-engine",
+        argv=["bash", "-c", f"sleep 2; exec {sys.executable} -m http.server {{port}} --bind {{host}}"],
+        ports=["port"],
+        health_url="http://{host}:{port}/",
+    )
+    asyncio.run(provider.start(slow))
+    lines = capfd.readouterr().err.splitlines()
+    log = tmp_path / "logs" / "slow-engine.log"
+    assert any(line.startswith(f"miles: waiting for slow-engine to start (log: {log}) ... ") for line in lines), lines
+    assert any(re.fullmatch(r"miles: slow-engine to start: done after \d+ s", line) for line in lines), lines

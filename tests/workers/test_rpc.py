@@ -15,8 +15,10 @@ from miles_core.workers.errors import CallLostError, RemoteError, RpcDeadlineErr
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.rpc.client import RpcClient
 from miles_core.workers.rpc.server import RpcServer
+from miles_core.workers.rpc.wire import CANCELLED
 
 TOKEN = "test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 class Served:
@@ -308,5 +310,89 @@ def test_submit_body_is_plain_json() -> None:
             response = await http.post(f"{served.server.url}/rpc/submit", content=pickle.dumps({"x": 1}))
             assert response.status_code == 400
             assert json.loads(response.text)["error"].startswith("request body is not valid JSON")
+
+    run(scenario())
+
+
+# -- cancellation: a call nobody waits for holds no concurrency slot ---------------------------------------------
+
+
+def test_a_call_past_its_caller_s_deadline_is_cancelled_and_frees_its_single_slot_group() -> None:
+    async def scenario() -> None:
+        async with Served() as served:
+            client = served.client(long_poll_s=0.2)
+            with pytest.raises(RpcDeadlineError) as caught:
+                await client.call("sleep", 1e308, timeout_s=0.5, call_id="forever")  # holds the control group
+            # before cancellation, this control call waited behind the sleep until its own deadline
+            assert await client.call("set_version", 3, timeout_s=5) == 3
+            assert "the worker accepted it and cancels it at the same deadline unless it finished" in str(caught.value)
+            record = await client.cancel("forever")
+            assert (record.state, record.error.type) == ("failed", CANCELLED)
+            assert "call 'forever' (sleep) was cancelled: its caller's deadline (" in record.error.message
+            await client.aclose()
+
+    run(scenario())
+
+
+def test_the_cancel_route_cancels_a_running_call_and_answers_its_record() -> None:
+    async def scenario() -> None:
+        async with Served() as served, httpx.AsyncClient(base_url=served.server.url, headers=AUTH) as http:
+            body = {"call_id": "held", "method": "sleep", "args": [1e308]}  # no deadline_s: only a cancel ends it
+            assert (await http.post("/rpc/submit", json=body)).json() == {"call_id": "held", "state": "running"}
+            poll = asyncio.create_task(http.get("/rpc/poll", params={"call_id": "held", "wait_s": 30}, timeout=60))
+            await asyncio.sleep(0.1)
+            cancelled = await http.post("/rpc/cancel", json={"call_id": "held"})
+            assert cancelled.status_code == 200 and cancelled.json()["error"]["type"] == CANCELLED
+            assert "was cancelled: a cancel request came" in cancelled.json()["error"]["message"]
+            assert (await poll).json() == cancelled.json()  # the held-open poll is answered at once
+            client = served.client()
+            assert await client.call("set_version", 4, timeout_s=5) == 4  # the control group is free
+            assert (await http.post("/rpc/cancel", json={"call_id": "held"})).json() == cancelled.json()  # again
+            await client.call("set_version", 5, call_id="finished", timeout_s=5)
+            done = await http.post("/rpc/cancel", json={"call_id": "finished"})  # a finished call keeps its record
+            assert done.json() == {"call_id": "finished", "state": "done", "result": 5}
+            unknown = await http.post("/rpc/cancel", json={"call_id": "nope"})
+            assert unknown.status_code == 404 and "unknown call id 'nope'" in unknown.json()["error"]
+            for bad, message in [
+                ({"call_id": ""}, "call_id must be a string of 1 to 128 characters"),
+                ({"call_id": "held", "force": True}, "unknown cancel fields ['force']"),
+                ([1], "request body must be a JSON object, got list"),
+            ]:
+                refused = await http.post("/rpc/cancel", json=bad)
+                assert refused.status_code == 400 and message in refused.json()["error"], refused.text
+            no_token = await http.post("/rpc/cancel", json={"call_id": "held"}, headers={"Authorization": "x"})
+            assert no_token.status_code == 401
+            await client.aclose()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("deadline_s", [0, -1, "5", True, [5]])
+def test_a_bad_deadline_is_a_400_and_nothing_runs(deadline_s) -> None:
+    async def scenario() -> None:
+        async with Served() as served, httpx.AsyncClient(base_url=served.server.url, headers=AUTH) as http:
+            body = json.dumps({"call_id": "d", "method": "ping", "deadline_s": deadline_s}).encode()
+            response = await http.post("/rpc/submit", content=body, headers={"Content-Type": "application/json"})
+            assert response.status_code == 400
+            assert "deadline_s must be the caller's deadline: a number of seconds > 0" in response.text
+            assert len(served.server.store) == 0
+
+    run(scenario())
+
+
+def test_a_cancelled_synchronous_call_is_answered_at_once_and_keeps_its_slot_until_its_thread_returns() -> None:
+    async def scenario() -> None:
+        served = Served()
+        served.server = RpcServer(served.worker, token=TOKEN, name="echo-0", groups={**ECHO_GROUPS, "limited": 1})
+        async with served:
+            client = served.client(long_poll_s=0.1)
+            with pytest.raises(RpcDeadlineError):
+                await client.call("hold_limited", 1.5, timeout_s=0.3, call_id="sync")
+            record = await client.cancel("sync")
+            assert record.error is not None and record.error.type == CANCELLED  # before its thread returned
+            # the thread cannot be stopped: the next call of the group waits for it, and the limit of 1 holds
+            assert await client.call("hold_limited", 0.0, timeout_s=10) == 1
+            assert served.worker.peaks["limited"] == 1
+            await client.aclose()
 
     run(scenario())

@@ -620,14 +620,19 @@ def test_stopping_answers_a_held_open_request_at_once_instead_of_after_its_wait(
     run(scenario())
 
 
-def test_an_accepted_call_that_outlives_its_deadline_says_it_may_still_run() -> None:
+def test_an_accepted_call_that_outlives_its_deadline_says_it_is_cancelled_unless_it_finished() -> None:
     async def scenario() -> None:
         async with Served() as served:
             client = RpcClient(served.server.url, token=TOKEN, worker="typed-0", long_poll_s=0.2)
-            expected = "the worker accepted it and may still run it: poll call id 'slow' to learn its outcome"
+            expected = (
+                "the worker accepted it and cancels it at the same deadline unless it finished first: poll call id "
+                "'slow' to learn its outcome"
+            )
             with pytest.raises(RpcDeadlineError, match=expected) as caught:
                 await client.call("nap", 3.0, timeout_s=0.6, call_id="slow")
             assert caught.value.may_have_run is True and served.worker.executions == {"nap": 1}
+            polled = await served.http.get("/rpc/poll", params={"call_id": "slow", "wait_s": 5})
+            assert polled.json()["error"]["type"] == "CallCancelled"  # at the worker's copy of the deadline
             await client.aclose()
 
     run(scenario())

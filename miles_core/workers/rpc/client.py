@@ -8,8 +8,9 @@ a resubmit with that call's record, so the call runs once whichever way the firs
 call *may have run*, and the client says so: a worker that no longer holds its result (404 after it was accepted,
 410 for a call id it ran and forgot) is a :class:`CallLostError`, and an :class:`RpcDeadlineError` or
 :class:`WorkerDiedError` carries ``may_have_run`` (with the call id to resubmit in its message). Polls are
-read-only and are repeated freely. Every call has a deadline; a dead worker is reported as such (fast when a
-liveness check is given, else when the deadline passes), never as a hang.
+read-only and are repeated freely. Every call has a deadline, and the submit carries it: the worker cancels the
+call when it passes, so a call nobody waits for any more holds no slot of its concurrency group. A dead worker is
+reported as such (fast when a liveness check is given, else when the deadline passes), never as a hang.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from miles_core.workers.errors import (
     WorkerDiedError,
 )
 from miles_core.workers.rpc.wire import (
+    CANCEL_PATH,
     DONE,
     GONE,
     MAX_WAIT_S,
@@ -40,6 +42,7 @@ from miles_core.workers.rpc.wire import (
     RUNNING,
     SUBMIT_PATH,
     CallRecord,
+    CancelRequest,
     ErrorBody,
     PollRequest,
     SubmitRequest,
@@ -119,6 +122,23 @@ class RpcClient:
             traceback=record.error.traceback,
         )
 
+    async def cancel(self, call_id: str, *, timeout_s: float = 10.0) -> CallRecord:
+        """Cancel the call ``call_id`` if it still runs (one request, no retries); its record after the cancel: a
+        failed one of type :data:`~miles_core.workers.rpc.wire.CANCELLED`, or the one it finished with."""
+        response = await self._client().post(
+            f"{self.url}{CANCEL_PATH}",
+            content=CancelRequest(call_id=call_id).model_dump_json().encode(),
+            headers=_JSON,
+            timeout=timeout_s,
+        )
+        if response.status_code != 200:
+            raise RpcRequestError(
+                f"{self.worker}: cancel of call {call_id!r} refused with HTTP {response.status_code}: "
+                f"{_error_message(response)}",
+                status=response.status_code,
+            )
+        return validate_json(CallRecord, response.content)
+
     async def health(self, *, timeout_s: float = 5.0) -> dict[str, Any]:
         """The worker's health record (one request, no retries)."""
         response = await self._client().get(f"{self.url}/rpc/health", timeout=timeout_s)
@@ -147,7 +167,10 @@ class _Call:
         if self.accepted and worker_died:
             return "the worker had accepted it, so it may have run in part or whole"
         if self.accepted:
-            return f"the worker accepted it and may still run it: poll call id {self.call_id!r} to learn its outcome"
+            return (
+                "the worker accepted it and cancels it at the same deadline unless it finished first: poll call id "
+                f"{self.call_id!r} to learn its outcome"
+            )
         if self.may_have_run:
             return f"it may have run: submit call id {self.call_id!r} again to learn its outcome"
         return "the worker never accepted it, so it did not run"
@@ -164,8 +187,11 @@ class _Call:
                     may_have_run=self.may_have_run,
                 )
             wait_s = max(0.0, min(self.client.long_poll_s, remaining - 0.25))
+            update: dict[str, float] = {"wait_s": wait_s}
+            if isinstance(request, SubmitRequest):
+                update["deadline_s"] = remaining  # the worker cancels the call when the caller stops waiting for it
             try:
-                response = await self._send(path, request.model_copy(update={"wait_s": wait_s}), remaining)
+                response = await self._send(path, request.model_copy(update=update), remaining)
             except NEVER_SENT as exc:
                 await self._before_resend(exc, path, maybe_reached=False)
                 continue

@@ -5,7 +5,10 @@ A worker marks the methods it serves with :func:`rpc_method`; :class:`RpcServer`
 before anything runs: its fields, the method, the arguments against the method's signature and, strictly, against
 its type hints (``true`` is not an ``int``, ``"5"`` is not an ``int``, non-finite numbers are refused, containers
 and pydantic models are checked element by element). Results are JSON. A call id is executed at most once:
-resubmitting it returns the same call.
+resubmitting it returns the same call. A call is cancelled when its caller's deadline (the submit's
+``deadline_s``) passes, or by ``POST /rpc/cancel``: an async method is cancelled where it awaits; a synchronous one
+cannot be stopped (Python has no way to stop a thread), so its record says cancelled at once and its slot in the
+concurrency group stays held until its thread returns, keeping the group's limit true.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.arguments import ArgumentCheck, ArgumentError, short_repr
 from miles_core.workers.rpc.call_store import DEFAULT_RESULT_TTL_S, CallStore, StoredCall, StoreFullError
 from miles_core.workers.rpc.wire import (
+    CANCEL_PATH,
+    CANCELLED,
     DONE,
     FAILED,
     GONE,
@@ -52,6 +57,7 @@ from miles_core.workers.rpc.wire import (
     SUBMIT_PATH,
     CallFailure,
     CallRecord,
+    CancelRequest,
     ErrorBody,
     Model,
     PollRequest,
@@ -125,7 +131,14 @@ class _Group:
         if inspect.iscoroutinefunction(method.fn):
             return await method.fn(*bound.args, **bound.kwargs)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, lambda: method.fn(*bound.args, **bound.kwargs))
+        future = loop.run_in_executor(self.executor, lambda: method.fn(*bound.args, **bound.kwargs))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: hold the group's slot (this task) until it returns, so that the
+            # group never runs more calls at once than its limit.
+            await asyncio.wait([future])
+            raise
 
 
 class RpcServer:
@@ -157,6 +170,7 @@ class RpcServer:
         self.store = CallStore(ttl_s=result_ttl_s, max_calls=max_calls, max_result_bytes=max_result_bytes)
         self.max_body_bytes = max_body_bytes
         self._tasks: set[asyncio.Task] = set()
+        self._running: dict[str, asyncio.Task] = {}  # call id -> the task running it, until it ends
         self._server: uvicorn.Server | None = None
         self._serve_task: asyncio.Task | None = None
         self._sweeper: asyncio.Task | None = None
@@ -250,6 +264,7 @@ class RpcServer:
         routes = [
             Route(SUBMIT_PATH, self._guard(self._submit), methods=["POST"]),
             Route(POLL_PATH, self._guard(self._poll), methods=["GET"]),
+            Route(CANCEL_PATH, self._guard(self._cancel_route), methods=["POST"]),
             Route(HEALTH_PATH, self._guard(self._health), methods=["GET"]),
         ]
         return Starlette(routes=routes, exception_handlers=JSON_ERRORS)
@@ -303,8 +318,30 @@ class RpcServer:
         self.store.add(record)
         task = asyncio.create_task(self._execute(record, method, bound))
         self._tasks.add(task)
+        self._running[record.call_id] = task
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._running.pop(record.call_id, None))
+        if submit.deadline_s is not None:
+            reason = f"its caller's deadline ({submit.deadline_s:g} s after the submit) passed"
+            timer = asyncio.get_running_loop().call_later(submit.deadline_s, self.cancel, record.call_id, reason)
+            task.add_done_callback(lambda _: timer.cancel())
         return record
+
+    def cancel(self, call_id: str, reason: str) -> bool:
+        """Cancel the running call ``call_id``: its record becomes a failed one of type :data:`CANCELLED` (its
+        pollers answered at once) and its task is cancelled. False when no such call is running."""
+        task = self._running.get(call_id)
+        record = self.store.get(call_id)
+        if task is None or record is None or record.done.is_set():
+            return False
+        failure = CallFailure(
+            type=CANCELLED,
+            message=wire_text(f"call {call_id!r} ({record.method}) was cancelled: {reason}"),
+            traceback="",
+        )
+        self.store.finish(record, state=FAILED, body=CallRecord(call_id=call_id, state=FAILED, error=failure).to_json())
+        task.cancel()
+        return True
 
     async def _execute(self, record: StoredCall, method: _Method, bound: inspect.BoundArguments) -> None:
         try:
@@ -315,7 +352,8 @@ class RpcServer:
             raise
         except BaseException as exc:  # SystemExit too: a call must always end with a record
             body, state = CallRecord(call_id=record.call_id, state=FAILED, error=_failure(exc)).to_json(), FAILED
-        self.store.finish(record, state=state, body=body)
+        if not record.done.is_set():  # a cancelled call keeps the record its cancel wrote
+            self.store.finish(record, state=state, body=body)
 
     async def _poll(self, request: Request) -> Response:
         poll = _parse_poll(request)
@@ -326,6 +364,17 @@ class RpcServer:
                 raise HttpError(GONE, f"call {poll.call_id!r} {reason}: its result is no longer held")
             raise HttpError(404, f"unknown call id {poll.call_id!r} on worker {self.name}")
         return await self._answer(record, poll.wait_s)
+
+    async def _cancel_route(self, request: Request) -> Response:
+        cancel = _valid(CancelRequest, parse_json_object(await read_body(request, limit=self.max_body_bytes)))
+        record = self.store.get(cancel.call_id)
+        if record is None:
+            reason = self.store.forgotten_reason(cancel.call_id)
+            if reason is not None:
+                raise HttpError(GONE, f"call {cancel.call_id!r} {reason}: it finished long ago")
+            raise HttpError(404, f"unknown call id {cancel.call_id!r} on worker {self.name}")
+        self.cancel(cancel.call_id, "a cancel request came")
+        return await self._answer(record, 0.0)
 
     async def _answer(self, record: StoredCall, wait_s: float) -> Response:
         """The call's record, once it finished or ``wait_s`` (already validated) passed."""

@@ -5,11 +5,16 @@ writes its records and errors with them.
 
 ``POST /rpc/submit``  :class:`SubmitRequest` ``{"call_id", "method", "args": [...], "kwargs": {...}, "wait_s": 0}``
 ``GET  /rpc/poll?call_id=ID&wait_s=S``  :class:`PollRequest`, as a query string
+``POST /rpc/cancel``  :class:`CancelRequest` ``{"call_id"}``
 ``GET  /rpc/health``  ``{"ok": true, "name", "pid", "calls"}``
 
-Both requests answer a :class:`CallRecord`. A submit has only these fields (``args``, ``kwargs`` and ``wait_s`` may
-be left out); ``wait_s`` is a number of seconds >= 0 (at most :data:`MAX_WAIT_S` are used), in a poll written as a
-plain decimal such as ``2.5``. Request bodies are strict JSON (no NaN or infinity, bounded integers and nesting:
+Every request answers a :class:`CallRecord`. A submit has only these fields (``args``, ``kwargs``, ``wait_s`` and
+``deadline_s`` may be left out); ``wait_s`` is a number of seconds >= 0 (at most :data:`MAX_WAIT_S` are used), in a
+poll written as a plain decimal such as ``2.5``. ``deadline_s`` is the caller's deadline, in seconds from the submit
+(relative: the two ends' clocks need not agree): when it passes the worker cancels the call, so a call nobody waits
+for any more cannot hold its concurrency group. A cancel (the deadline's, or ``/rpc/cancel``'s) ends the call as
+failed with the error type :data:`CANCELLED`; a call that had already finished keeps its record.
+Request bodies are strict JSON (no NaN or infinity, bounded integers and nesting:
 :mod:`miles_core.http`); the models are strict too (``true`` is not a number, ``"5"`` is not one either).
 
 A call record is ``{"call_id", "state": "running" | "done" | "failed"}`` plus ``"result"`` (done) or ``"error":
@@ -35,11 +40,15 @@ from miles_core.workers.rpc.arguments import short_repr
 SUBMIT_PATH = "/rpc/submit"
 POLL_PATH = "/rpc/poll"
 HEALTH_PATH = "/rpc/health"
+CANCEL_PATH = "/rpc/cancel"
 
 TOKEN_ENV = "MILES_RUN_TOKEN"
 """Environment variable that hands the run's token to worker processes (never put on a command line)."""
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
+
+CANCELLED = "CallCancelled"
+"""The error type of a cancelled call's record: its caller's deadline passed, or a cancel request came."""
 
 MAX_WAIT_S = 60.0
 """The longest a single submit or poll request is held open by the server (a larger ``wait_s`` waits this long)."""
@@ -89,6 +98,22 @@ class SubmitRequest(_WireModel):
     args: Annotated[list[Any], Field(description="a JSON list of positional arguments")] = []
     kwargs: Annotated[dict[str, Any], Field(description="a JSON object of keyword arguments")] = {}
     wait_s: WaitSeconds = 0.0
+    deadline_s: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            allow_inf_nan=False,
+            description="the caller's deadline: a number of seconds > 0 from the submit, or null for none",
+        ),
+    ] = None
+
+
+class CancelRequest(_WireModel):
+    """``POST /rpc/cancel``: cancel call ``call_id`` if it is still running; answered with its record."""
+
+    WIRE_NAME: ClassVar[str] = "cancel"
+
+    call_id: CallId
 
 
 class PollRequest(_WireModel):

@@ -97,14 +97,32 @@ def staged_views(spec: dict) -> list[tuple[str, torch.Tensor]]:
         raise StagedLoadError(f"miles staging spec is not {{staging_path, buffer_size, layout}}: {exc}") from None
     if not _is_count(buffer_size):
         raise StagedLoadError(f"miles staging spec: buffer_size {buffer_size!r} is not a byte count")
-    file = staging_file(path, buffer_size)
-    buffer = torch.from_file(str(file), shared=True, size=max(buffer_size, 1), dtype=torch.uint8)
+    buffer = mapped(staging_file(path, buffer_size), buffer_size)
     return [
         (name, buffer[offset : offset + nbytes].view(dtype).view(shape))
         for name, dtype, shape, offset, nbytes in (
             _entry(row, index, buffer_size) for index, row in enumerate(_rows(layout))
         )
     ]
+
+
+MAPPED_FILES = 4
+"""Staging files kept mapped between loads: senders alternate two per engine (double buffering); mapping a file anew
+would fault every page of it in again on each load."""
+_mapped: dict[tuple[str, int, int, int], torch.Tensor] = {}
+
+
+def mapped(file: Path, buffer_size: int) -> torch.Tensor:
+    """The file as a uint8 tensor of ``buffer_size`` bytes, mapped once while it stays the same file (same inode)."""
+    info = os.stat(file)
+    key = (str(file), info.st_ino, info.st_dev, buffer_size)
+    buffer = _mapped.pop(key, None)
+    if buffer is None:
+        buffer = torch.from_file(str(file), shared=True, size=max(buffer_size, 1), dtype=torch.uint8)
+    _mapped[key] = buffer  # the most recently used last
+    while len(_mapped) > MAPPED_FILES:  # a replaced or removed file's pages go once nothing maps them
+        _mapped.pop(next(iter(_mapped)))
+    return buffer
 
 
 def staging_file(path: object, buffer_size: int) -> Path:

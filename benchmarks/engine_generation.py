@@ -28,14 +28,14 @@ import torch
 import transformers
 from miles_plugins_sglang.standalone import cpu_unavailable_reason, engine_server
 
+from miles_core.builtin.local_engine.batch_generation import generate_batch
+from miles_core.builtin.local_engine.sampling import GenerationRequest, SamplingParams
 from miles_core.config.build import build_config
-from miles_core.engines.running_batch import generate_batch
-from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.plugin_manager import MilesPluginManager
 
 TOKEN = "bench-admin"
 LOCAL_HTTP, SGLANG_HTTP = "local engine (HTTP)", "real SGLang (HTTP)"
-LOCAL_SERVER = ["{python}", "-m", "miles_core.engines.local_server"]
+LOCAL_SERVER = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
 
 
 def in_process_rates(model: torch.nn.Module, prompts: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:

@@ -91,7 +91,7 @@ def main() -> None:
 
 def _local_command(port: int, *, model: Path) -> tuple[list[str], dict[str, str]]:
     """The local engine's server command line (no extra environment)."""
-    module = "miles_core.engines.local_server"
+    module = "miles_core.builtin.local_engine.server"
     argv = [sys.executable, "-m", module, "--model-path", str(model), "--admin-api-key", "benchmark"]
     return [*argv, "--host", "127.0.0.1", "--port", str(port)], {}
 

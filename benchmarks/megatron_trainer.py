@@ -32,10 +32,10 @@ from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.trainer import MegatronTrainer
 from safetensors.torch import load_file
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.testkit.tiny_models import save_tiny_qwen3_moe
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.workers.local_provider import LocalWorkerProvider
 
 SETTINGS = TrainSection(lr=1e-4, micro_batch_size=8)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import ray
 
-from miles_core.workers.ray_provider import loopback_node_address
+from miles_core.builtin.ray_provider import loopback_node_address
 from miles_core.workers.specs import ENGINE, TRAINER
 
 

@@ -30,7 +30,7 @@ from miles_core.run_setup import default_model
 from miles_core.workers.local_provider import LocalWorkerProvider
 
 TOKEN = "bench"
-LOCAL_ENGINE = ["{python}", "-m", "miles_core.engines.local_server"]
+LOCAL_ENGINE = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
 PARAMS = {"max_new_tokens": 8, "temperature": 1.0}
 
 

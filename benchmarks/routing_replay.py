@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
+from miles_core.builtin.local_engine.engine import LocalEngine
+from miles_core.builtin.local_engine.sampling import GenerationRequest, SamplingParams
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
-from miles_core.engines.local_engine import LocalEngine
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.models.moe_routing import RoutingCapture, replay_routing
 from miles_core.testkit.tiny_models import save_tiny_qwen3_moe
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import token_logprobs
-from miles_core.training.torch_trainer import TorchTrainer
 
 
 def generate(model_dir: Path, staging: Path, prompts: list[list[int]], new_tokens: int, *, bf16: bool) -> TrainBatch:

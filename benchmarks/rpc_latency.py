@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable
 import httpx
 import ray
 
+from miles_core.builtin.ray_provider import init_ray
 from miles_core.testkit.echo_worker import ECHO_GROUPS
 from miles_core.workers.local_provider import LocalWorkerProvider
-from miles_core.workers.ray_provider import init_ray
 from miles_core.workers.specs import PythonWorkerSpec
 
 TOKEN = "bench-token"

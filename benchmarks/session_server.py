@@ -20,13 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 
+from miles_core.builtin.chat_formats import DigitChatFormat
 from miles_core.engines.client import EngineClient
 from miles_core.engines.generate_types import SamplingParams
-from miles_core.rollout.sessions.formats import ChatMessage, DigitChatFormat
+from miles_core.rollout.sessions.formats import ChatMessage
 from miles_core.rollout.sessions.server import session_server_spec
 from miles_core.run_setup import default_model
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -34,11 +34,11 @@ from miles_core.workers.specs import CommandWorkerSpec
 
 TOKEN = "bench"
 NEW_TOKENS = 8
-CONFIG = SimpleNamespace(engine=SimpleNamespace(startup_timeout_s=300.0))
+STARTUP_TIMEOUT_S = 300.0
 
 
 def engine_spec(model: Path) -> CommandWorkerSpec:
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
+    argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model)]
     argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}"]
     return CommandWorkerSpec(
         name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate"
@@ -106,11 +106,11 @@ async def main(sessions: int, turns: int, instances: int, repeats: int) -> None:
             *(
                 provider.start(
                     session_server_spec(
-                        CONFIG,
+                        startup_timeout_s=STARTUP_TIMEOUT_S,
                         name=f"sessions-{i}",
                         engine_url=engine_info.url,
                         model_path=str(model),
-                        chat_format="default",
+                        chat_format="miles_core.builtin.chat_formats:DigitChatFormat",
                     )
                 )
                 for i in range(instances)

@@ -41,11 +41,11 @@ from miles_plugins_megatron.trainer import MegatronTrainer
 from ray_nodes import ray_nodes
 from weight_transfer import memcpy_rate  # the baseline of benchmarks/weight_transfer.py
 
+from miles_core.builtin.ray_provider import RayWorkerProvider
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.weight_transfer.protocol import EngineEndpoint
-from miles_core.workers.ray_provider import RayWorkerProvider
 from miles_core.workers.specs import ENGINE, CommandWorkerSpec
 
 TOKEN = "bench-plane"
@@ -112,7 +112,7 @@ async def one_update(protocol: Any, trainer: MegatronTrainer, path: str, version
 
 
 def engine_spec(model: Path) -> CommandWorkerSpec:
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
+    argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model)]
     argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}"]
     return CommandWorkerSpec(
         name="engine-0", argv=argv, ports=["port"], health_url="http://{host}:{port}/health", role=ENGINE

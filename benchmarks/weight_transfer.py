@@ -35,7 +35,7 @@ from miles_core.weight_transfer.protocol import EngineEndpoint
 TOKEN = "bench-admin"
 WARMUP = 2  # an RL run transfers every step: the first transfers (which create staging files) are reported apart
 LOCAL, SGLANG = "local engine", "real SGLang"
-LOCAL_SERVER = ["{python}", "-m", "miles_core.engines.local_server"]
+LOCAL_SERVER = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
 SETTINGS = {"tensor-http": ("tensor", {"shared_memory": False}), "tensor-shm": ("tensor", {"shared_memory": True})}
 
 

@@ -47,12 +47,12 @@ from weight_transfer import (  # the same baseline and warm-up as benchmarks/wei
     memcpy_rate,
 )
 
+from miles_core.builtin.ray_provider import RayWorkerProvider, init_ray
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.weight_transfer.routes import LOCAL_ENGINE
-from miles_core.workers.ray_provider import RayWorkerProvider, init_ray
 from miles_core.workers.specs import ENGINE, CommandWorkerSpec, with_role
 
 TOKEN = "bench-admin"
@@ -142,7 +142,7 @@ async def one_size(size_mb: int, provider: RayWorkerProvider, workdir: Path, arg
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(workdir / f"model-{size_mb}"),
         "--host",

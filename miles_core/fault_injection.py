@@ -8,19 +8,18 @@ rollout of step N starts (its requests fail mid-rollout), ``weight_update=N`` as
 version N) starts. Several are given comma-separated, or as a YAML list (``run.fault_injection``). The engine is
 killed with SIGKILL through the run's worker provider, so the health monitor, the retried transfer and the
 dashboard see exactly what a crashed engine gives them; the terminal says when each fault fires. The built-in
-plugin :class:`FaultInjectionPlugin` fires them; the recovery tests use the same option.
+plugin :class:`~miles_core.builtin.fault_injection.FaultInjectionPlugin` fires them; the recovery tests use the same
+option. This module holds the plan (its syntax and checks), which the config reads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
-import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from miles_core.hookspecs import hookimpl
-from miles_core.progress import notice
+if TYPE_CHECKING:
+    pass
 
 ACTIONS = ("kill_engine",)
 MOMENTS = {"step": "as step {n}'s rollout starts", "weight_update": "as step {n}'s weight update starts"}
@@ -81,38 +80,3 @@ def check_faults_fit(faults: list[str], *, num_engines: int, num_steps: int) -> 
         if fault.number > num_steps:
             problems.append(f"{fault}: the run ends at step {num_steps} (run.num_steps)")
     return problems
-
-
-class FaultInjectionPlugin:
-    """Fires the run's planned faults (``run.fault_injection``) once each, at their moments."""
-
-    def __init__(self) -> None:
-        self.pending: list[PlannedFault] = []
-        self.fired: list[PlannedFault] = []
-        self._controller: Any = None
-        self._kills: set[asyncio.Task] = set()
-
-    @hookimpl
-    def on_run_start(self, config: Any, run_dir: Any, start_step: int) -> None:
-        self.pending = [PlannedFault.parse(entry) for entry in config.run.fault_injection]
-        self.fired = []
-
-    @hookimpl
-    def prepare_rollout(self, rollout_id: int, controller: Any) -> None:
-        self._controller = controller  # the weight update's hook has none: it comes from here
-        self._fire("step", rollout_id + 1)
-
-    @hookimpl
-    def before_weight_update(self, version: int, protocol: Any) -> None:
-        self._fire("weight_update", version)
-
-    def _fire(self, moment: str, number: int) -> None:
-        due = [fault for fault in self.pending if (fault.moment, fault.number) == (moment, number)]
-        for fault in due:
-            self.pending.remove(fault)
-            self.fired.append(fault)
-            notice(f"fault injection: killing {fault.target} {fault.when()} (--fault-injection {fault})")
-            # the hooks run in the event loop; the provider's kill is a coroutine, run as soon as the hook returns
-            kill = asyncio.get_running_loop().create_task(self._controller.provider.kill(fault.target, signal.SIGKILL))
-            self._kills.add(kill)
-            kill.add_done_callback(self._kills.discard)

@@ -24,22 +24,26 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
 if TYPE_CHECKING:  # annotations only: importing these at run time would be circular
+    from miles_core.config.build import MilesConfig
     from miles_core.config.flags import ConfigFlag
     from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
     from miles_core.registry import Implementation, Registries
     from miles_core.rollout.controller import InferenceController
-    from miles_core.rollout.executor import Sample
+    from miles_core.rollout.samples import Sample
     from miles_core.weight_transfer.protocol import TransferReport, WeightTransferProtocol
 
 PROJECT_NAME = "miles"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+"""The marker of a hook specification (the core's, in this module)."""
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""The marker of a plugin's hook implementation: ``@hookimpl`` on a function named after a hook of this module
+(``@hookimpl(wrapper=True)`` for a wrapper, as pluggy spells it)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -187,7 +191,9 @@ def config_sections() -> dict[str, type] | None:
 
     Called once when the config model is assembled. Each model must be frozen with ``extra="forbid"`` (derive from
     :class:`miles_core.config.Section`) and have a default for every field. A section name contributed twice is an
-    error naming both plugins.
+    error naming both plugins (the core's own, ``run``, ``model``, ``rollout``, ``train``, ``engine`` and
+    ``weight_transfer``, are the typed fields of :class:`~miles_core.config.build.MilesConfig`). A plugin reads its
+    section back with ``config.section(name, ModelClass)``.
     """
 
 
@@ -201,12 +207,14 @@ def config_flags() -> list[ConfigFlag] | None:
 
 
 @hookspec
-def validate_config(config: Any, registries: Registries) -> None:
+def validate_config(config: MilesConfig, registries: Registries) -> None:
     """Cross-section validation of a fully built config.
 
     Called once, right after the config is constructed (every source merged, every section validated). Raise
     :class:`miles_core.errors.ConfigError` with a message that names the fields, the values and what would be
     accepted; return ``None`` otherwise. Example: "the rdt protocol needs engines hosted in Ray actors".
+    ``config`` is a :class:`~miles_core.config.build.MilesConfig`: the core's sections as typed attributes, a
+    plugin's through :meth:`~miles_core.config.build.MilesConfig.section`.
     """
 
 
@@ -237,7 +245,7 @@ def prepare_eval(rollout_id: int, controller: InferenceController) -> None:
 
 
 @hookspec
-def on_run_start(config: Any, run_dir: Path, start_step: int) -> None:
+def on_run_start(config: MilesConfig, run_dir: Path, start_step: int) -> None:
     """A run begins: called once by the RL loop after the run directory is prepared (an earlier run moved aside)
     and before the trainer and the engines start, with the config, the run directory and the first step (``0``,
     or the step a resumed run continues at). A dashboard opens its store in ``run_dir`` here."""

@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import transformers
 
@@ -25,7 +25,7 @@ from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_file
 from miles_core.progress import waiting_for
 from miles_core.registry import Registries
 from miles_core.reporting import RunReporter
-from miles_core.rollout.agents import agent_for_task, close_session_clients, session_chat_format
+from miles_core.rollout.agents import agent_for_task, chat_format_target, close_session_clients
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.rollout.filters import load_filters
@@ -37,8 +37,11 @@ from miles_core.training.backend import TrainingBackend, missing_members, weight
 from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
 
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
-async def run_training(config: Any, manager: Any, *, progress: bool = True) -> RunReporter:
+
+async def run_training(config: MilesConfig, manager: Any, *, progress: bool = True) -> RunReporter:
     """Run ``config.run.num_steps`` RL steps; returns the reporter holding every metric."""
     registries: Registries = manager.registries
     transformers.utils.logging.disable_progress_bar()  # the run has its own progress bar
@@ -53,7 +56,7 @@ async def run_training(config: Any, manager: Any, *, progress: bool = True) -> R
     return reporter
 
 
-async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:
+async def _run_with_setup(config: MilesConfig, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:
     registries: Registries = manager.registries
     protocol = make_protocol(config, registries)  # bad protocol settings fail before any worker starts
     trainer = _build_trainer(config, registries, setup)
@@ -68,7 +71,7 @@ async def _run_with_setup(config: Any, manager: Any, setup: RunSetup, *, progres
         trainer.close()
 
 
-def _build_trainer(config: Any, registries: Registries, setup: RunSetup) -> TrainingBackend:
+def _build_trainer(config: MilesConfig, registries: Registries, setup: RunSetup) -> TrainingBackend:
     """The run's trainer from its backend's ``for_run``; one lacking a :class:`TrainingBackend` member is closed
     (when it can be) and refused, naming the backend and what it lacks."""
     entry = registries.training_backends.get_or_raise(config.train.backend)
@@ -95,7 +98,7 @@ VERIFY_SAMPLES = 4
 """With ``--weight-transfer-verify-checksum``, the parameters each update reads back from every SGLang engine."""
 
 
-def make_protocol(config: Any, registries: Registries) -> WeightTransferProtocol:
+def make_protocol(config: MilesConfig, registries: Registries) -> WeightTransferProtocol:
     """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
     refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
     mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
@@ -130,7 +133,13 @@ def _protocol_factory(registries: Registries) -> Any:
 
 
 async def _run_with_trainer(
-    config: Any, manager: Any, setup: RunSetup, trainer: Any, protocol: WeightTransferProtocol, *, progress: bool
+    config: MilesConfig,
+    manager: Any,
+    setup: RunSetup,
+    trainer: Any,
+    protocol: WeightTransferProtocol,
+    *,
+    progress: bool,
 ) -> RunReporter:
     registries: Registries = manager.registries
     provider = (
@@ -162,7 +171,7 @@ async def _run_with_trainer(
             flush=True,
         )
         if agent is not None:
-            sessions = await _start_session_servers(config, provider, controller, setup)
+            sessions = await _start_session_servers(config, provider, controller, setup, registries)
         executor = RolloutExecutor(
             config=config,
             tokenizer=setup.tokenizer,
@@ -187,16 +196,19 @@ async def _run_with_trainer(
     return reporter
 
 
-async def _start_session_servers(config: Any, provider: Any, controller: InferenceController, setup: RunSetup):
+async def _start_session_servers(
+    config: MilesConfig, provider: Any, controller: InferenceController, setup: RunSetup, registries: Registries
+):
     """The session servers of an agent run, in front of the router or the first engine (each session names its
     engine: the rollout spreads them)."""
     default_engine = controller.router_client or controller.engine_clients()[0]
     sessions = await SessionServers.start(
-        config,
         provider,
+        count=config.rollout.session_servers,
+        startup_timeout_s=config.engine.startup_timeout_s,
         engine_url=default_engine.url,
         model_path=str(setup.model_path),
-        chat_format=session_chat_format(config),
+        chat_format=chat_format_target(config, registries.chat_formats),
     )
     placed = ", ".join(worker.describe() for worker in sessions.workers)
     print(f"miles: session servers by the {config.run.worker_provider} provider: {placed}", flush=True)
@@ -213,7 +225,7 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
     if config.run.schedule == "fully_async":
         default_low = setup.start_step * config.rollout.batch_size  # where a sync run's checkpoint left off
         state = StreamState.load(setup.model_path, default_low=default_low) if setup.start_step else StreamState()
-        stream = RolloutStream(executor, controller, config, state=state)
+        stream = RolloutStream(executor, controller, config.rollout, state=state)
         stream.start()
     try:
         await _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream)

@@ -48,9 +48,9 @@ AUTOLOAD_ENV = "MILES_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "MILES_PLUGINS"
 BUILTIN_PLUGINS: dict[str, str] = {
     "core": "miles_core.builtin.core_plugin",
-    "dashboard": "miles_core.dashboard.plugin:DashboardPlugin",
-    "metrics": "miles_core.metrics.plugin:MetricsPlugin",
-    "faults": "miles_core.fault_injection:FaultInjectionPlugin",
+    "dashboard": "miles_core.builtin.dashboard.plugin:DashboardPlugin",
+    "metrics": "miles_core.builtin.metrics.plugin:MetricsPlugin",
+    "faults": "miles_core.builtin.fault_injection:FaultInjectionPlugin",
 }
 """Built-in plugin name -> module, or ``module:Class`` for a plugin with state (one instance per manager)."""
 UNBLOCKABLE = {"core": "every command needs its config sections (run, model, train, ...) and its registries"}

@@ -10,16 +10,16 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import (
-    TOKENIZER_FILES,
+    CONTEXT_LENGTH_KEYS,
     checkpoint_family,
+    load_tokenizer,
     read_model_config,
-    require_checkpoint_dir,
     tokenizer_files,
 )
 from miles_core.models.selection import check_families_given
@@ -27,11 +27,12 @@ from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.targets import describe_callable, registered_or_target
 
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
+
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
 DEFAULT_CONTEXT_LENGTH = 64  # its max_position_embeddings
-CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-"""The ``config.json`` keys that bound a model's context, as the local engine reads them."""
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ class RunSetup:
     routing: RoutingShape | None = None  # the model's routing shape when --train-routing-replay is on
 
 
-def prepare_run(config: Any, registries: Registries) -> RunSetup:
+def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
     """The run's directory, model, tokenizer, prompts and reward. Everything is checked before the run directory
     changes, so a refused run moves no earlier run aside."""
     check_model_family(config)  # before an earlier run is moved aside: nothing moves for a refused run
@@ -140,7 +141,7 @@ def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
     return moved
 
 
-def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape | None:
+def routing_replay_shape(config: MilesConfig, model_path: Path | None) -> RoutingShape | None:
     """With ``--train-routing-replay``, the routing shape of the run's model (layers, ``top_k``, experts); a model
     without routed experts (the embedded default is a dense Llama), or an agent run, is a :class:`ConfigError`."""
     if not config.train.routing_replay:
@@ -161,7 +162,7 @@ def routing_replay_shape(config: Any, model_path: Path | None) -> RoutingShape |
     return shape
 
 
-def check_model_family(config: Any) -> None:
+def check_model_family(config: MilesConfig) -> None:
     """An implementation given for a family other than the model's would be ignored by every trainer: refuse it."""
     if config.model.path is None:
         family, description = DEFAULT_MODEL_FAMILY, "the default model (a tiny Llama)"
@@ -197,24 +198,6 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
         torch.manual_seed(seed)
         transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
-
-
-def load_tokenizer(model_path: Path) -> Any:
-    """The tokenizer of the model directory; a directory without tokenizer files, or one transformers cannot
-    load, is an error naming the directory and what is missing."""
-    require_checkpoint_dir(model_path)
-    if not tokenizer_files(model_path):
-        raise MilesError(
-            f"model directory {str(model_path)!r} holds no tokenizer files (one of "
-            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
-            "it (checkpoints of miles train hold theirs)"
-        )
-    import transformers  # deferred: heavy
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except Exception as exc:  # transformers raises many types
-        raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None
 
 
 def check_prompts_encode(
@@ -270,7 +253,7 @@ DEFAULT_TASK = "echo_last"
 """The embedded task, made for the embedded default model (its character tokenizer)."""
 
 
-def load_prompts(config: Any, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
+def load_prompts(config: MilesConfig, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
     """The prompt file's prompts (eval: the eval file's, else the first 64), or else the task's own."""
     rollout = config.rollout
     if rollout.prompts is not None:
@@ -285,7 +268,7 @@ def load_prompts(config: Any, registries: Registries) -> tuple[list[Prompt], lis
     return task_prompts(rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed)
 
 
-def task_given(config: Any) -> bool:
+def task_given(config: MilesConfig) -> bool:
     """Whether the run names its task (``--task``, or ``rollout.task`` in the config file) rather than taking the
     default one."""
     return "task" in config.rollout.model_fields_set
@@ -307,7 +290,7 @@ def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[P
     return result[0], result[1]
 
 
-def load_reward(config: Any, registries: Registries) -> tuple[Callable[..., float], str]:
+def load_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[..., float], str]:
     """``--reward`` (a registered name or module:function), else the reward function named like the task (with
     ``--prompts`` too, when the task was named or the model is the default one: the default task's reward is made
     for the default model)."""

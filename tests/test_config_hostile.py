@@ -412,7 +412,7 @@ def test_output_dir_that_does_not_exist_yet_is_fine(tmp_path: Path) -> None:
 
 # -- the sglang plugin's cross-section checks --------------------------------------------------------------------
 
-LOCAL_ENGINE_COMMAND = '["{python}", "-m", "miles_core.engines.local_server"]'
+LOCAL_ENGINE_COMMAND = '["{python}", "-m", "miles_core.builtin.local_engine.server"]'
 
 
 def test_verify_checksum_needs_engines_that_report_their_weights(tmp_path: Path) -> None:
@@ -473,7 +473,7 @@ def _miles_flags() -> set[str]:
         result = miles(*command)
         assert result.returncode == 0, result.stderr
         flags.update(re.findall(r"--[a-z][a-z0-9-]*", result.stdout))
-    for server in ("miles_core.engines.local_server", "miles_core.rollout.sessions.server"):
+    for server in ("miles_core.builtin.local_engine.server", "miles_core.rollout.sessions.server"):
         # the site documents the flags of the local engine and of the session server too
         answer = subprocess.run([sys.executable, "-m", server, "--help"], capture_output=True, text=True, timeout=120)
         assert answer.returncode == 0, answer.stderr

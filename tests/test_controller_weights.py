@@ -14,13 +14,13 @@ import transformers
 
 from miles_core.config.build import build_config
 from miles_core.engines.backend import load_engine_backend
-from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.loop import make_protocol
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.controller import InferenceController, RecordedWeights
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import InProcessHolders
 from miles_core.workers.local_provider import LocalWorkerProvider
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.builtin.local_engine.backend import LocalEngineBackend
 from miles_core.config.build import build_config
 from miles_core.engines.backend import EngineBackend, load_engine_backend
-from miles_core.engines.local_backend import LocalEngineBackend
 from miles_core.errors import MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.registry import RegistryError

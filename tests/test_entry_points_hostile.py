@@ -22,18 +22,19 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.dashboard.store import DashboardStore, check_run_dir
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import TrainSection
-from miles_core.dashboard.store import DashboardStore, check_run_dir
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward
+from miles_core.rollout.executor import RolloutExecutor, checked_reward
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.rollout.samples import Sample
 from miles_core.run_setup import check_prompts_encode, latest_checkpoint, load_tokenizer, prepare_run
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import MILES
 
 MEMORY_CAP = 3 << 30  # `miles train` imports torch and transformers (about 1.5 GiB of address space) before it fails

@@ -23,9 +23,9 @@ import httpx
 import pytest
 
 from miles_core import http as toolkit
-from miles_core.dashboard.server import DashboardServer
-from miles_core.dashboard.store import DashboardStore
-from miles_core.engines.local_server import MAX_PROMPTS_PER_REQUEST
+from miles_core.builtin.dashboard.server import DashboardServer
+from miles_core.builtin.dashboard.store import DashboardStore
+from miles_core.builtin.local_engine.serving import MAX_PROMPTS_PER_REQUEST
 from miles_core.http import MAX_HEAD_BYTES, MAX_MESSAGE_CHARS, HttpError, parse_json, safe_message
 from miles_core.workers.rpc.server import RpcServer, rpc_method
 from tests.engines.test_local_engine_hostile import ADMIN, EngineProcess, assert_still_serving

@@ -12,12 +12,12 @@ import transformers
 from safetensors.torch import load_file
 
 from miles_core.builtin.core_plugin import check_model_implementation
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.cli.config_args import ConfigArguments
 from miles_core.config.build import build_config
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import config_json, plugins_json, run_miles, with_pythonpath
 
 

@@ -21,14 +21,14 @@ ALLOWED = {
     "miles_core/http.py": 5,
     # the dashboard and the Prometheus endpoint: the user's own views of a run on the driver's machine, without
     # authentication, so loopback unless the user binds elsewhere on purpose (and the wildcard they may choose)
-    "miles_core/dashboard/config.py": 1,
-    "miles_core/dashboard/server.py": 2,
-    "miles_core/dashboard/hosts.py": 1,
+    "miles_core/builtin/dashboard/config.py": 1,
+    "miles_core/builtin/dashboard/server.py": 2,
+    "miles_core/builtin/dashboard/hosts.py": 1,
     "miles_core/cli/main.py": 1,
-    "miles_core/metrics/config.py": 1,
-    "miles_core/metrics/prometheus.py": 1,
+    "miles_core/builtin/metrics/config.py": 1,
+    "miles_core/builtin/metrics/prometheus.py": 1,
     # a local Ray (no cluster address) is one machine: its node address is loopback, by design
-    "miles_core/workers/ray_provider.py": 1,
+    "miles_core/builtin/ray_provider.py": 1,
     # recognising a loopback Ray address the user gave (no binding)
     "miles_core/workers/ray_settings.py": 1,
     # recognising an engine URL on the driver's own node (no binding)

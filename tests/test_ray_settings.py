@@ -11,9 +11,9 @@ import re
 import pytest
 import ray
 
+from miles_core.builtin.ray_provider import init_ray
 from miles_core.workers.errors import WorkerError
 from miles_core.workers.provider import WorkerInfo
-from miles_core.workers.ray_provider import init_ray
 from miles_core.workers.ray_settings import MAX_RESOURCES, check_ray_address, check_resources, is_loopback_address
 from miles_core.workers.specs import ENGINE, TRAINER, CommandWorkerSpec, with_role
 from tests.conftest import config_json

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import transformers
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import TrainSection
 from miles_core.default.task import echo_last_prompts
@@ -24,8 +25,9 @@ from miles_core.errors import ConfigError, MilesError
 from miles_core.loop import make_protocol, save_checkpoint
 from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_files, tokenizer_files
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.executor import RolloutExecutor, Sample, checked_reward, decode_response
+from miles_core.rollout.executor import RolloutExecutor, checked_reward, decode_response
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.samples import Sample
 from miles_core.run_setup import (
     RunSetup,
     check_prompts_encode,
@@ -37,7 +39,6 @@ from miles_core.run_setup import (
 )
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
-from miles_core.training.torch_trainer import TorchTrainer
 
 
 @pytest.fixture(scope="module")

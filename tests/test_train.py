@@ -340,7 +340,7 @@ FAILING_ENGINE = """\
 import sys
 
 from miles_core import hookimpl
-from miles_core.engines.local_backend import LocalEngineBackend
+from miles_core.builtin.local_engine.backend import LocalEngineBackend
 from miles_core.registry import Implementation
 from miles_core.workers.specs import CommandWorkerSpec
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles_core.config.flags import ConfigFlag
 from miles_core.errors import ConfigError, PluginLoadError, RegistryError
@@ -14,6 +14,9 @@ from miles_core.hookspecs import hookimpl
 from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 @hookimpl
@@ -81,7 +84,7 @@ def config_flags() -> list[ConfigFlag]:
 
 
 @hookimpl
-def validate_config(config: Any, registries: Registries) -> None:
+def validate_config(config: MilesConfig, registries: Registries) -> None:
     check_output_dir(config.run.output_dir)
     check_weight_transfer_protocol(registries, config.weight_transfer.mode)
     for family, impl in config.model.implementations.items():
@@ -113,7 +116,7 @@ def validate_config(config: Any, registries: Registries) -> None:
             ) from exc
 
 
-def check_protocol_reaches_engines(config: Any, registries: Registries) -> None:
+def check_protocol_reaches_engines(config: MilesConfig, registries: Registries) -> None:
     """Before any engine starts: the protocol uses a weight route the backend's engines serve, on the trainer's node
     (the local provider) or on some node (a provider that may place engines elsewhere; where each one lands is
     checked again when the protocol connects to it). The error names the engines, the protocol and what reaches them."""
@@ -142,7 +145,7 @@ def check_protocol_reaches_engines(config: Any, registries: Registries) -> None:
         route_for(protocol, engines, capabilities, same_node=False)
 
 
-def check_agent_settings(config: Any, registries: Registries) -> None:
+def check_agent_settings(config: MilesConfig, registries: Registries) -> None:
     """``--rollout-agent`` (a registered agent or module:function) and ``--rollout-chat-format``, checked before any
     engine starts."""
     from miles_core.rollout.agents import agent_for_task, session_chat_format  # deferred: rollout code
@@ -216,7 +219,7 @@ def provide_model_implementations() -> list[Implementation]:
 def provide_worker_providers() -> list[Implementation]:
     return [
         Implementation("local", "miles_core.workers.local_provider:LocalWorkerProvider", "child processes"),
-        Implementation("ray", "miles_core.workers.ray_provider:RayWorkerProvider", "Ray placement groups"),
+        Implementation("ray", "miles_core.builtin.ray_provider:RayWorkerProvider", "Ray placement groups"),
     ]
 
 
@@ -232,12 +235,12 @@ def provide_weight_transfer_protocols() -> list[Implementation]:
 
 @hookimpl
 def provide_training_backends() -> list[Implementation]:
-    return [Implementation("torch", "miles_core.training.torch_trainer:TorchTrainer", "transformers model, AdamW/SGD")]
+    return [Implementation("torch", "miles_core.builtin.torch_trainer:TorchTrainer", "transformers model, AdamW/SGD")]
 
 
 @hookimpl
 def provide_engine_backends() -> list[Implementation]:
-    target = "miles_core.engines.local_backend:LocalEngineBackend"
+    target = "miles_core.builtin.local_engine.backend:LocalEngineBackend"
     return [Implementation("local", target, "transformers model, SGLang HTTP API")]
 
 
@@ -296,12 +299,12 @@ def provide_chat_formats() -> list[Implementation]:
     return [
         Implementation(
             "default",
-            "miles_core.rollout.sessions.formats:DigitChatFormat",
+            "miles_core.builtin.chat_formats:DigitChatFormat",
             "the embedded default's digit tokenizer: <bos>ROLE: content <eos>, tool calls as :TOOL:ARGUMENT",
         ),
         Implementation(
             "qwen3",
-            "miles_core.rollout.sessions.formats:Qwen3ChatFormat",
+            "miles_core.builtin.chat_formats:Qwen3ChatFormat",
             "Qwen3: <|im_start|>role ... <|im_end|>, <tool_call> JSON tool calls",
         ),
     ]

@@ -8,14 +8,17 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from miles_core.cli.config_args import ConfigArguments
-from miles_core.cli.main import INTERRUPTED
+from miles_core.cli.exit_codes import INTERRUPTED
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 def prepare(
@@ -51,7 +54,7 @@ def prepare(
     return show if command == "config" else train
 
 
-def resolved_notes(config: Any) -> list[str]:
+def resolved_notes(config: MilesConfig) -> list[str]:
     """``SECTION.FIELD: what it resolves to here``, from each section's ``resolved_notes``."""
     return [
         f"{section_name}.{field}: {note}"

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
 
+from miles_core.cli.exit_codes import FAILED, INTERRUPTED, USAGE_ERROR
 from miles_core.errors import MilesError
 
 PLUGIN_HELP = (
@@ -47,8 +49,9 @@ def split_plugin_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 SHOW_USAGE = "[--json] [--config FILE.yaml] [CONFIG FLAGS]"
 TRAIN_USAGE = "[--no-progress] [--config FILE.yaml] [CONFIG FLAGS]"
 """The usage lines of the config commands: their --help lists every config flag once, the usage line none."""
-INTERRUPTED = 130
-"""The exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+BUILTIN_COMMANDS = {"dashboard": "miles_core.builtin.dashboard.command:serve_dashboard"}
+"""The commands a built-in plugin implements, by target, imported when run (as the plugin manager names the built-in
+plugins: the kernel imports no built-in)."""
 MAX_LISTED_UNKNOWN = 10
 """Unknown arguments named in an error; the rest are counted."""
 
@@ -110,13 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except MilesError as exc:
         print(f"miles: error: {_bounded(str(exc))}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     except KeyboardInterrupt:  # Ctrl-C (or SIGINT) outside plugin code: stop without a traceback
         print("miles: interrupted", file=sys.stderr)
         return INTERRUPTED
     except BrokenPipeError:  # `miles config show | head`: the reader has gone, which is no error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python reports it again at exit
-        return 1
+        return FAILED
 
 
 def _bounded(message: str, *, max_lines: int = 40, max_line: int = 600) -> str:
@@ -154,11 +157,15 @@ def _run(argv: list[str]) -> int:
 
         return list_plugins(plugin_args, as_json=args.json)
     if args.command == "dashboard":
-        from miles_core.cli.dashboard_command import serve_dashboard  # deferred: http.server, sqlite3
-
+        serve_dashboard = _builtin_command("dashboard")
         return serve_dashboard(args.run_dir, host=args.host, port=args.port)
     assert finish is not None
     return finish(args)
+
+
+def _builtin_command(name: str) -> Callable[..., int]:
+    module, _, attribute = BUILTIN_COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def _port(text: str) -> int:

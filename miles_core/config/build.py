@@ -9,20 +9,50 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 
 from miles_core.config.section import Section
+from miles_core.config.sections import (
+    EngineSection,
+    ModelSection,
+    RolloutSection,
+    RunSection,
+    TrainSection,
+    WeightTransferSection,
+)
 from miles_core.config.yaml_input import read_config_file
 from miles_core.errors import ConfigError
 from miles_core.registry import call_each_plugin
 
+SectionT = TypeVar("SectionT", bound=Section)
+
 
 class MilesConfig(pydantic.BaseModel):
-    """The root of a run's config; its fields (the sections) are contributed by plugins."""
+    """The root of a run's config: the core's sections as typed fields, and the sections other plugins contribute
+    (added by :func:`config_model`), read through :meth:`section`."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    run: RunSection = pydantic.Field(default_factory=RunSection)
+    model: ModelSection = pydantic.Field(default_factory=ModelSection)
+    rollout: RolloutSection = pydantic.Field(default_factory=RolloutSection)
+    train: TrainSection = pydantic.Field(default_factory=TrainSection)
+    engine: EngineSection = pydantic.Field(default_factory=EngineSection)
+    weight_transfer: WeightTransferSection = pydantic.Field(default_factory=WeightTransferSection)
+
+    def section(self, name: str, kind: type[SectionT]) -> SectionT:
+        """The plugin section ``name``, checked to be a ``kind``: the one typed way a plugin reads its own section
+        (``config.section("sglang", SglangSection)``). A section no loaded plugin contributes is a
+        :class:`ConfigError` naming it."""
+        value = getattr(self, name, None) if name in type(self).model_fields else None
+        if value is None:
+            contributed = ", ".join(type(self).model_fields)
+            raise ConfigError(f"config has no section {name!r} (its sections: {contributed}): is its plugin loaded?")
+        if not isinstance(value, kind):
+            raise ConfigError(f"config section {name!r} is a {type(value).__name__}, not a {kind.__name__}")
+        return value
 
 
 def config_model(manager: Any) -> type[MilesConfig]:

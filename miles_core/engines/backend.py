@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from miles_core.errors import RegistryError
 
 if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
     from miles_core.workers.specs import WorkerSpec
 
 
@@ -21,13 +22,13 @@ if TYPE_CHECKING:
 class EngineBackend(Protocol):
     """Launches the engines of a run (servers that speak SGLang's HTTP API) and the router in front of them."""
 
-    def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
+    def engine_specs(self, config: MilesConfig, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
         """The worker specs of the engine cell ``cell_id`` (``"engine-0"``, ...) serving ``model_path`` first;
         usually one ``CommandWorkerSpec`` with ``{host}``/``{port}`` placeholders. A setting that cannot work is a
         ``ConfigError`` raised here, before any engine starts."""
         ...
 
-    def router_spec(self, config: Any) -> WorkerSpec | None:
+    def router_spec(self, config: MilesConfig) -> WorkerSpec | None:
         """The worker spec of a router in front of the engines (``register_router`` and ``register_engines`` then
         tell plugins about it), or ``None`` for none: generation goes to the engines directly."""
         ...

@@ -11,9 +11,9 @@ import httpx
 
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import encode_tensors
 from miles_core.errors import EngineError  # defined with the other errors; imported from here by older callers
+from miles_core.weight_transfer.staging_layout import StagingLayout
 
 
 class EngineClient:

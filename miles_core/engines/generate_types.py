@@ -4,7 +4,7 @@ that the rollout reads fields, and a malformed answer is an :class:`~miles_core.
 engine rather than a ``KeyError`` deep in the executor.
 
 (The local engine's server validates incoming requests with its own pydantic model,
-:class:`miles_core.engines.sampling.SamplingParams`; this one is the client's, light and dependency-free.)
+:class:`miles_core.builtin.local_engine.sampling.SamplingParams`; this one is the client's, light and dependency-free.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where weight-staging files live, and the check that a path from a request names one of them.
 
 Weight updates on one machine travel through files (``/update_weights_from_tensor`` with ``safetensors_path``, or
-``/update_weights_from_staging``, whose layout :mod:`miles_core.engines.staging_layout` describes): the sender
+``/update_weights_from_staging``, whose layout :mod:`miles_core.weight_transfer.staging_layout` describes): the sender
 writes them and the engine reads, maps or removes them. A path in a request must never reach anything else, so
 senders create these files in one *staging directory* and the engine accepts only regular files directly inside it
 (after resolving symlinks). The directory is private to the user (mode 0700, owned by them, never a symlink):
@@ -20,6 +20,7 @@ from pathlib import Path
 from miles_core.errors import MilesError
 
 STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"
+"""The environment variable that names the weight-staging directory (both ends of a staging transfer read it)."""
 
 
 class StagingPathError(MilesError):

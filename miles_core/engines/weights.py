@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import bisect
 import datetime
-import hashlib
 import socket
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -185,29 +184,6 @@ def unique_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
         yield name, tensor
 
 
-def tensor_digest(name: str, tensor: torch.Tensor) -> str:
-    """A SHA-256 over one tensor's name, dtype, shape and bytes (what a process holding it contributes to
-    :func:`checksum` without sending it anywhere)."""
-    data = tensor.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()
-
-
-def combine_digests(digests: Mapping[str, str]) -> str:
-    """The :func:`checksum` of tensors from their :func:`tensor_digest` by name (computed where each tensor is)."""
-    combined = hashlib.sha256()
-    for name in sorted(digests):
-        combined.update(f"{name}={digests[name]};".encode())
-    return combined.hexdigest()
-
-
-def checksum(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A SHA-256 over every tensor's :func:`tensor_digest`, in name order: equal iff the weights are identical, and
-    combinable from digests computed in several processes (:func:`combine_digests`)."""
-    return combine_digests({name: tensor_digest(name, tensor) for name, tensor in tensors})
-
-
 GROUP_BACKENDS = ("gloo", "nccl")
 
 
@@ -283,11 +259,6 @@ def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, *, root: int = 0) 
     options = dist.BroadcastOptions()
     options.rootRank = root
     group.broadcast([tensor], options).wait()
-
-
-def map_staging_file(path: str | Path, size: int) -> torch.Tensor:
-    """A file in shared memory as a uint8 tensor (both sides map the same pages: no copy through the kernel)."""
-    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

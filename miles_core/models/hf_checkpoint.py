@@ -167,3 +167,23 @@ def copy_tokenizer_files(source: str | Path, directory: str | Path) -> list[Path
             f"{', '.join(TOKENIZER_FILES[:4])}, ...): a checkpoint needs its tokenizer"
         )
     return [Path(shutil.copy2(file, Path(directory) / file.name)) for file in files]
+
+
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""The ``config.json`` keys that bound a model's context, as the local engine reads them."""
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    """The tokenizer of the model directory; a directory without tokenizer files, or one transformers cannot
+    load, is an error naming the directory and what is missing."""
+    require_checkpoint_dir(model_path)
+    if not tokenizer_files(model_path):
+        raise MilesError(
+            f"model directory {str(model_path)!r} holds no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)}): copy the tokenizer of the model it was trained from into "
+            "it (checkpoints of miles train hold theirs)"
+        )
+    try:
+        return transformers.AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except Exception as exc:  # transformers raises many types
+        raise MilesError(f"cannot load a tokenizer from {str(model_path)!r}: {type(exc).__name__}: {exc}") from None

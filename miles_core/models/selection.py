@@ -13,6 +13,7 @@ from miles_core.errors import ConfigError
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, find_model_implementation
 
 DSV4_FAMILY = "deepseek_v4"
+"""The model family of DeepSeek-V4 checkpoints (their ``model_type``), which ``--dsv4-impl`` chooses for."""
 
 
 def implementation_flag(family: str, impl: str) -> str:

@@ -22,10 +22,13 @@ import dataclasses
 import inspect
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError
 from miles_core.targets import describe_callable, registered_or_target
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 AgentFn = Callable[..., Awaitable[Any]]
 SESSION_API_KEY = "miles-session"
@@ -68,7 +71,13 @@ def agent_for_task(task: str, agent: str | None, registry: Any) -> Agent | None:
     return None
 
 
-def session_chat_format(config: Any) -> str:
+def chat_format_target(config: MilesConfig, registry: Any) -> str:
+    """The ``module:attribute`` of the run's chat format (:func:`session_chat_format`, looked up in the chat-format
+    registry): what a session server is started with, so that it imports that class and no plugin."""
+    return registry.get_or_raise(session_chat_format(config)).target_text
+
+
+def session_chat_format(config: MilesConfig) -> str:
     """``--rollout-chat-format``, else ``default`` for the embedded default model; a ``--model`` needs one."""
     if config.rollout.chat_format is not None:
         return config.rollout.chat_format

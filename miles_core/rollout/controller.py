@@ -14,18 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 import torch
 
 from miles_core.engines.backend import EngineBackend
 from miles_core.engines.client import EngineClient, EngineError
-from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo
 from miles_core.progress import notice
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import WeightHolders
 from miles_core.weight_transfer.protocol import (
     EngineEndpoint,
@@ -38,6 +38,9 @@ from miles_core.workers.cells import Cell, CellManager
 from miles_core.workers.health import HealthMonitor
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.specs import ENGINE, ROUTER, CommandWorkerSpec, PythonWorkerSpec, WorkerSpec, with_role
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 WeightSource = Callable[[], Iterable[list]]
 """Returns a fresh iterator of weight buckets (``HfWeightIterator``) each time it is called."""
@@ -66,7 +69,7 @@ class InferenceController:
     def __init__(
         self,
         *,
-        config: Any,
+        config: MilesConfig,
         hooks: Any,
         provider: BaseWorkerProvider,
         protocol: WeightTransferProtocol,

@@ -9,7 +9,7 @@ from miles_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from miles_core.registry import Registry
-    from miles_core.rollout.executor import Group, GroupFilter
+    from miles_core.rollout.samples import Group, GroupFilter
 
 
 def nonzero_reward_std(group: Group) -> bool:

@@ -24,6 +24,8 @@ KEYS = ("prompt", "label", "metadata")
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
+    """One prompt of a task or a JSONL file: its text, the label a reward function compares with, and metadata."""
+
     text: str
     label: Any = None
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)

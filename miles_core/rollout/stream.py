@@ -25,10 +25,14 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import MilesError
-from miles_core.rollout.executor import Group, Rollout, RolloutExecutor
+from miles_core.rollout.executor import RolloutExecutor
+from miles_core.rollout.samples import Group, Rollout
+
+if TYPE_CHECKING:
+    from miles_core.config.sections import RolloutSection
 
 STATE_FILE = "rollout_stream.json"
 
@@ -76,12 +80,14 @@ class StreamState:
 class RolloutStream:
     """Generates groups ahead of the trainer, into a buffer that :meth:`take` draws batches from."""
 
-    def __init__(self, executor: RolloutExecutor, controller: Any, config: Any, *, state: StreamState) -> None:
+    def __init__(
+        self, executor: RolloutExecutor, controller: Any, rollout: RolloutSection, *, state: StreamState
+    ) -> None:
         self.executor, self.controller = executor, controller
-        self.batch_size = config.rollout.batch_size
-        self.in_flight_limit = config.rollout.batch_size + config.rollout.over_sampling
-        self.max_staleness = config.rollout.max_staleness
-        self.retry_stale = config.rollout.stale_groups == "retry"
+        self.batch_size = rollout.batch_size
+        self.in_flight_limit = rollout.batch_size + rollout.over_sampling
+        self.max_staleness = rollout.max_staleness
+        self.retry_stale = rollout.stale_groups == "retry"
         self.state = state
         self._buffer: collections.deque[Group] = collections.deque()
         self._running: dict[int, asyncio.Task] = {}

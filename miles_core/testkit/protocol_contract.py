@@ -36,11 +36,11 @@ import torch
 import transformers
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
+from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import round_robin_share, run_holder_task
 from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, WeightTransferProtocol
 from miles_core.workers.local_provider import LocalWorkerProvider
@@ -73,7 +73,7 @@ class ContractEngines:
         argv = [
             sys.executable,
             "-m",
-            "miles_core.engines.local_server",
+            "miles_core.builtin.local_engine.server",
             "--model-path",
             str(self.model_dir),
             "--host",

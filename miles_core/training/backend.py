@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
     from miles_core.training.batch import TrainBatch
     from miles_core.training.weight_iterator import HfWeightIterator
     from miles_core.weight_transfer.holders import WeightHolders
@@ -38,7 +39,14 @@ class TrainingBackend(Protocol):
 
     @classmethod
     def for_run(
-        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+        cls,
+        config: MilesConfig,
+        *,
+        model_path: Path,
+        initial_model_path: Path,
+        run_dir: Path,
+        token: str,
+        registries: Any,
     ) -> TrainingBackend:
         """The trainer of a ``miles train`` run from ``model_path`` (a resumed run's checkpoint); ``initial_model_path``
         is the KL reference; ``token`` authenticates workers it starts in ``run_dir``."""

@@ -69,6 +69,9 @@ class TrainSample:
 
 @dataclasses.dataclass(frozen=True)
 class TrainBatch:
+    """What a training backend trains on in one step: the step's samples as token ids, with their advantages and
+    masks."""
+
     samples: list[TrainSample]
 
     def __len__(self) -> int:

@@ -60,6 +60,7 @@ def entropy(
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` where ``mask`` is set (weighted by it); 0 where nothing is."""
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 

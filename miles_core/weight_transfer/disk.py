@@ -21,8 +21,8 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from miles_core.engines.weights import combine_digests, tensor_digest
 from miles_core.errors import MilesError
+from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import (

@@ -116,8 +116,8 @@ class SendsFromHolders(abc.ABC):
     @abc.abstractmethod
     async def transfer_from_holders(self, holders: Any, *, version: int, checksum: bool = False) -> TransferReport:
         """Have every holder send its share to every engine and publish ``version``; with ``checksum``, the report
-        carries the checksum of the weights sent (:func:`~miles_core.engines.weights.combine_digests` of digests the
-        holders compute)."""
+        carries the checksum of the weights sent (:func:`~miles_core.weight_transfer.digests.combine_digests` of
+        digests the holders compute)."""
 
     def sends_from_holders(self) -> bool:
         """Whether this protocol, as configured, sends from the holders (the default). One that cannot with some of

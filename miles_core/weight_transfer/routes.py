@@ -56,7 +56,7 @@ class EngineCapabilities:
 
 
 LOCAL_ENGINE = EngineCapabilities(frozenset({DISK, DISTRIBUTED, STAGING_SWAP, STAGING_COPY, TENSOR_BYTES, CHECKSUM}))
-"""Miles' local engine (``miles_core.engines.local_server``)."""
+"""Miles' local engine (``miles_core.builtin.local_engine.server``)."""
 SGLANG_HTTP_API = EngineCapabilities(frozenset({DISK, DISTRIBUTED}))
 """Any server of SGLang's HTTP API without Miles' loader: what a backend that declares nothing is taken to serve."""
 

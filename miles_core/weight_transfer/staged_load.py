@@ -31,9 +31,9 @@ import torch
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import weight_staging_dir
-from miles_core.engines.staging_layout import STAGING_DTYPES, StagingLayout
 from miles_core.errors import EngineError, MilesError
 from miles_core.weight_transfer.protocol import EngineEndpoint
+from miles_core.weight_transfer.staging_layout import STAGING_DTYPES, StagingLayout
 
 SERVED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "float32": torch.float32}
 

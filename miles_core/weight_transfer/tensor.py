@@ -6,7 +6,7 @@ memory, ``/update_weights_from_staging``).
   loopback: :func:`~miles_core.workers.node.is_this_node`) share staging files in
   the user's weight-staging directory (:mod:`miles_core.engines.staging`, the only place engines accept them from)
   with the trainer: the trainer copies a bucket into one once, every engine copies it out into its weights, and the
-  request carries only the file and its :class:`~miles_core.engines.staging_layout.StagingLayout`. Two files
+  request carries only the file and its :class:`~miles_core.weight_transfer.staging_layout.StagingLayout`. Two files
   alternate, so the trainer fills bucket k+1 while the engines empty bucket k; they are mapped once and reused for
   every bucket and version, so a steady-state transfer costs two overlapped memory copies and no serialisation.
 * With ``zero_copy`` (the default for engines on this machine) the whole model goes into one staging file and
@@ -35,10 +35,9 @@ import torch
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import weight_staging_dir
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import combine_digests, map_staging_file, tensor_digest
 from miles_core.errors import MilesError
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import InProcessHolders, NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol
 from miles_core.weight_transfer.protocol import (
@@ -50,6 +49,7 @@ from miles_core.weight_transfer.protocol import (
 )
 from miles_core.weight_transfer.routes import STAGING_COPY, STAGING_SWAP, TENSOR_BYTES, WEIGHTS_BY_NAME, route_for
 from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
+from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_core.workers.node import is_this_node
 
 

@@ -14,6 +14,7 @@ import psutil
 
 NODE_ADDRESS_ENV = "MILES_NODE_ADDRESS"
 LOOPBACK = "127.0.0.1"
+"""The loopback address: where a server binds on one machine, and what nothing on another machine reaches."""
 
 
 def node_address() -> str:

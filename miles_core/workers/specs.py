@@ -89,6 +89,7 @@ class ResolvedCommand:
 
 
 WorkerSpec = PythonWorkerSpec | CommandWorkerSpec
+"""What a provider starts: a Python worker (a class run behind the worker RPC) or a command line."""
 
 
 def with_role(spec: WorkerSpec, role: str) -> WorkerSpec:

@@ -14,10 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
-from miles_core.errors import MilesError
-from miles_core.models.causal_lm import CausalLM
-from miles_core.workers.node import LOOPBACK
+from miles_core import LOOPBACK, CausalLM, MilesError, reserve_rendezvous, tcp_init_method_address, tcp_store
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_state
 from miles_plugins_megatron.conversion import hf_to_megatron
 from miles_plugins_megatron.cpu_compat import causal_mask, seed_model_parallel_rng

@@ -11,8 +11,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import checkpoint_named_tensors, require_checkpoint_dir
+from miles_core import MilesError, checkpoint_named_tensors, require_checkpoint_dir
 from miles_plugins_megatron.conversion import attention_geometry
 
 

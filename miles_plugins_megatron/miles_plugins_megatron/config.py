@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pydantic
 
-from miles_core.config.section import Section
+from miles_core import Section
 
 
 class MegatronSection(Section):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from miles_core.errors import MilesError
+from miles_core import MilesError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 MOE_MODEL_TYPES = ("qwen3_moe", "deepseek_v3")

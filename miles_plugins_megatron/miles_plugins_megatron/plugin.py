@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.errors import ConfigError, MilesError
-from miles_core.hookspecs import hookimpl
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.registry import Implementation, model_implementation
+from miles_core import DSV4_FAMILY, ConfigError, Implementation, MilesError, hookimpl, model_implementation
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 DSV4_MILES = "miles"
@@ -59,7 +56,7 @@ def check_deepseek_v4_settings(config: Any) -> None:
 
 
 def _is_deepseek_v4(model_path: str | None) -> bool:
-    from miles_core.models.hf_checkpoint import checkpoint_family  # deferred: torch and transformers
+    from miles_core import checkpoint_family  # deferred: torch and transformers
 
     if model_path is None:
         return False

@@ -17,17 +17,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_core.config.sections import TrainSection
-from miles_core.distributed import reserve_rendezvous, tcp_init_method_address, tcp_store
-from miles_core.engines.routed_experts import NOT_ROUTED
-from miles_core.errors import MilesError
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
-from miles_core.training.optimizer import build_optimizer
-from miles_core.training.optimizer_reset import reset_optimizer_states
-from miles_core.workers.node import bind_collectives_to, node_address
-from miles_core.workers.rpc.server import rpc_method
+from miles_core import (
+    DSV4_FAMILY,
+    NOT_ROUTED,
+    MilesError,
+    TrainBatch,
+    TrainSection,
+    bind_collectives_to,
+    build_optimizer,
+    kl_k3,
+    logits_dtype,
+    masked_mean,
+    node_address,
+    policy_loss,
+    reserve_rendezvous,
+    reset_optimizer_states,
+    rpc_method,
+    tcp_init_method_address,
+    tcp_store,
+    trained_tokens,
+)
 
 EXPORT_FILE = "weights.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -456,7 +465,7 @@ class MegatronRank:
         """Run a weight-transfer protocol's holder task on this rank's share of the HF tensors (every rank at once:
         they gather each tensor together, and each keeps every world-size-th one). A failing task (an engine that
         died, say) comes back as ``holder_error``: the protocol fails, the ranks live on."""
-        from miles_core.weight_transfer.holders import round_robin_share, run_holder_task_safely
+        from miles_core import round_robin_share, run_holder_task_safely
         from miles_plugins_megatron.weight_iterator import hf_weight_iterator
 
         tensors = hf_weight_iterator(self.model, self.hf_config, bucket_bytes=1 << 30).named_tensors()

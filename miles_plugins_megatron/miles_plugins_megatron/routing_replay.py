@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from miles_core.engines.routed_experts import RoutedExpertsError, check_replayable
+from miles_core import RoutedExpertsError, check_replayable
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.mlp\.router$")
 

@@ -18,23 +18,30 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
-from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import copy_tokenizer_files
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.weight_iterator import HfWeightIterator
-from miles_core.weight_transfer.holders import raise_holder_errors
-from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.specs import TRAINER, PythonWorkerSpec
+from miles_core import (
+    DSV4_FAMILY,
+    TRAINER,
+    HfWeightIterator,
+    MilesError,
+    PythonWorkerSpec,
+    TrainBatch,
+    WorkerHandle,
+    copy_tokenizer_files,
+    raise_holder_errors,
+    trained_tokens,
+)
 from miles_plugins_megatron.checkpoint import check_checkpoint, load_hf_config, read_hf_config
 from miles_plugins_megatron.config import MegatronSection
 from miles_plugins_megatron.conversion import check_expert_parallel, check_tensor_parallel
 from miles_plugins_megatron.rank import MegatronRank
+
+if TYPE_CHECKING:
+    from miles_core import MilesConfig
 
 STATE_FILE = "trainer_state.json"
 RANK_TARGET = "miles_plugins_megatron.rank:MegatronRank"
@@ -91,14 +98,22 @@ class MegatronTrainer:
 
     @classmethod
     def for_run(
-        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+        cls,
+        config: MilesConfig,
+        *,
+        model_path: Path,
+        initial_model_path: Path,
+        run_dir: Path,
+        token: str,
+        registries: Any,
     ) -> MegatronTrainer:
         """The trainer of a ``miles train`` run: ranks started by the run's worker provider."""
+        layout = config.section("megatron", MegatronSection)
         provider_cls = registries.worker_providers.get_or_raise(config.run.worker_provider).load()
         trainer = cls.launch(
             model_path,
             train=config.train,
-            layout=config.megatron,
+            layout=layout,
             seed=config.run.seed,
             provider_factory=lambda: _run_provider(
                 provider_cls.for_run(config.run, token=token, run_dir=run_dir),
@@ -111,7 +126,7 @@ class MegatronTrainer:
             export_parent=None if config.run.worker_provider == "local" else run_dir,
         )
         print(
-            f"miles: {config.megatron.world_size} megatron ranks by the {config.run.worker_provider} provider: "
+            f"miles: {layout.world_size} megatron ranks by the {config.run.worker_provider} provider: "
             f"{trainer.ranks.describe()}",
             flush=True,
         )
@@ -210,14 +225,14 @@ class MegatronTrainer:
     def _save_sharded_weights(self, directory: Path) -> None:
         """The HF checkpoint's weights as one shard per rank (written by the ranks, as the ``disk`` protocol's, so no
         weight passes through the driver), its index, ``config.json`` and the tokenizer files."""
-        from miles_core.weight_transfer import disk
+        from miles_core import write_index, write_shard
 
         directory.mkdir(parents=True)
         self.hf_config.save_pretrained(directory)
         if self.tokenizer_from is not None:
             copy_tokenizer_files(self.tokenizer_from, directory)
-        task = f"{disk.__name__}:write_shard"
-        disk.write_index(directory, self.weight_holders().run_task(task, directory=str(directory), digests=False))
+        task = f"{write_shard.__module__}:{write_shard.__name__}"
+        write_index(directory, self.weight_holders().run_task(task, directory=str(directory), digests=False))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Restore weights, optimizer state and step on every rank from :meth:`save_checkpoint`'s directory."""

@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from miles_core.models.selection import DSV4_FAMILY
-from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core import DSV4_FAMILY, HfWeightIterator
 from miles_plugins_megatron.conversion import (
     global_expert_name,
     is_expert_parameter,
@@ -73,7 +72,7 @@ class MegatronHfWeightIterator(HfWeightIterator):
 def hf_weight_iterator(model: torch.nn.Module, hf_config: Any, *, bucket_bytes: int) -> HfWeightIterator:
     """The iterator of a rank's model: the ``miles`` DeepSeek-V4's, or a megatron-core ``GPTModel``'s."""
     if hf_config.model_type == DSV4_FAMILY:
-        from miles_plugins_megatron.deepseek_v4 import DeepseekV4HfWeightIterator  # its model's modules
+        from miles_plugins_megatron.deepseek_v4.naming import DeepseekV4HfWeightIterator  # its model's modules
 
         return DeepseekV4HfWeightIterator(model, bucket_bytes=bucket_bytes)
     return MegatronHfWeightIterator(model, hf_config, bucket_bytes=bucket_bytes)

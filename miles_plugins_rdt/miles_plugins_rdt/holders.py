@@ -23,10 +23,7 @@ from typing import Any
 import ray
 import torch
 
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import tensor_digest
-from miles_core.errors import MilesError
-from miles_core.weight_transfer.holders import NamedTensorShare
+from miles_core import MilesError, NamedTensorShare, StagingLayout, tensor_digest
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 from miles_plugins_rdt.staging import align_up
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from miles_core.errors import ConfigError
-from miles_core.hookspecs import hookimpl
-from miles_core.registry import Implementation
+from miles_core import ConfigError, Implementation, hookimpl
 
 TRANSPORTS = ("nixl", "gloo")
 

@@ -44,13 +44,21 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import combine_digests
-from miles_core.errors import MilesError
-from miles_core.weight_transfer.holders import WeightHolders, merged_digests
-from miles_core.weight_transfer.http_engines import HttpEngineProtocol
-from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, TransferReport, WeightBucket
-from miles_core.weight_transfer.routes import STAGING_COPY, STAGING_SWAP, route_for
+from miles_core import (
+    STAGING_COPY,
+    STAGING_SWAP,
+    EngineEndpoint,
+    HttpEngineProtocol,
+    MilesError,
+    SendsFromHolders,
+    StagingLayout,
+    TransferReport,
+    WeightBucket,
+    WeightHolders,
+    combine_digests,
+    merged_digests,
+    route_for,
+)
 from miles_plugins_rdt import holders as holder_side
 from miles_plugins_rdt.huge_pages import collapse_into_huge_pages, huge_page_span
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents

@@ -27,9 +27,7 @@ import psutil
 import ray
 import torch
 
-from miles_core.engines.staging import weight_staging_dir
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import map_staging_file
+from miles_core import StagingLayout, map_staging_file, weight_staging_dir
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
 
 ENGINE_CHECKS = 10
@@ -139,9 +137,9 @@ class StagingReceiver:
         tensors loaded."""
         import asyncio  # deferred: only for SGLang engines
 
-        from miles_core.engines.client import EngineClient
-        from miles_core.weight_transfer.protocol import EngineEndpoint
-        from miles_core.weight_transfer.staged_load import (
+        from miles_core import (
+            EngineClient,
+            EngineEndpoint,
             load_staged,
             sample_names,
             verify_sampled,

@@ -15,8 +15,7 @@ from pathlib import Path
 import ray
 import torch
 
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import map_staging_file
+from miles_core import StagingLayout, map_staging_file
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 

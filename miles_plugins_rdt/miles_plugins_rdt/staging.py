@@ -1,10 +1,10 @@
 """The staging bucket of an engine rank, and how tensors are laid into it.
 
 Each engine rank owns one fixed-size uint8 buffer, registered once with the transport. A chunk of HF-named tensors
-is laid into it as a :class:`~miles_core.engines.staging_layout.StagingLayout` at offsets aligned to each tensor's
-dtype (a view of a uint8 buffer as ``float32`` needs an offset that is a multiple of 4); a tensor that cannot fit is
-an error that names it and says which setting to raise. A staging bucket holds one whole version of the weights (the
-engine then serves straight from it).
+is laid into it as a :class:`~miles_core.weight_transfer.staging_layout.StagingLayout` at offsets aligned to each
+tensor's dtype (a view of a uint8 buffer as ``float32`` needs an offset that is a multiple of 4); a tensor that
+cannot fit is an error that names it and says which setting to raise. A staging bucket holds one whole version of
+the weights (the engine then serves straight from it).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from miles_core.engines.staging_layout import StagedTensor, StagingLayout, StagingOverflowError
-from miles_core.errors import MilesError
+from miles_core import MilesError, StagedTensor, StagingLayout, StagingOverflowError
 
 
 def nbytes_of(tensor: torch.Tensor) -> int:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from miles_core.config.section import Section
+from miles_core import Section
 
 TABLE_FILE = Path(__file__).with_name("server_args_table.json")
 SET_BY_MILES = {

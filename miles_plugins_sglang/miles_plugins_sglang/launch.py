@@ -10,19 +10,21 @@ from typing import Any
 
 import psutil
 
-from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
-from miles_core.errors import ConfigError
-from miles_core.models.hf_checkpoint import read_model_config
-from miles_core.weight_transfer.routes import (
+from miles_core import (
     DISK,
     DISTRIBUTED,
     LOCAL_ENGINE,
     SGLANG_HTTP_API,
     STAGING_COPY,
+    STAGING_DIR_ENV,
     WEIGHTS_BY_NAME,
+    CommandWorkerSpec,
+    ConfigError,
     EngineCapabilities,
+    WorkerSpec,
+    read_model_config,
+    weight_staging_dir,
 )
-from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 from miles_plugins_sglang.config import PYTHON, SGLANG_PYTHON, SGLANG_PYTHON_ENV, is_this_interpreter, server_flags
 
 STOCK_SERVER_ARGS: dict[str, Any] = {
@@ -49,7 +51,7 @@ ENGINE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_p
 module of its own that imports only torch (the server's environment has no Miles)."""
 STAGING_LOADER = "miles_sglang_weights.load_staged"
 """The ``load_format`` (and ``--custom-weight-loader``) of Miles' loader: SGLang copies a staged version in."""
-LOCAL_ENGINE_MODULE = "miles_core.engines.local_server"
+LOCAL_ENGINE_MODULE = "miles_core.builtin.local_engine.server"
 KV_MEMORY_FRACTION = 0.1
 """Of the machine's available memory, what a CPU engine's KV pool may take (the trainer needs the rest)."""
 KV_TOKENS_RANGE = (4096, 131072)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from miles_core.errors import ConfigError
-from miles_core.hookspecs import hookimpl
-from miles_core.registry import Implementation
+from miles_core import ConfigError, Implementation, hookimpl
 
 if TYPE_CHECKING:
     from miles_core import EngineInfo, RouterInfo

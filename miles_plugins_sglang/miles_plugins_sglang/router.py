@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from miles_core.errors import MilesError
+from miles_core import MilesError
 
 
 class RouterRegistrar:

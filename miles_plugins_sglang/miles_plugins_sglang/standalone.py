@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from miles_core.workers.local_provider import LocalWorkerProvider
-from miles_core.workers.provider import WorkerInfo
+from miles_core import LocalWorkerProvider, WorkerInfo
 from miles_plugins_sglang.config import is_this_interpreter
 from miles_plugins_sglang.launch import CPU_ENV, check_engine_environment, sglang_engine_spec
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 GUARDED = ("/rpc/submit", "/update_weights_from_disk", "/workers", "/sessions")
 """The control routes the probe tries (with bodies that would act, were the token not asked for)."""
 
-LOCAL_ENGINE_COMMAND = json.dumps(["{python}", "-m", "miles_core.engines.local_server"])
+LOCAL_ENGINE_COMMAND = json.dumps(["{python}", "-m", "miles_core.builtin.local_engine.server"])
 """Engines of the sglang backend that are local engines (they speak its API): the router routes to them."""
 
 CONTROL_REQUESTS = [

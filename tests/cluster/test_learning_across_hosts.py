@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.dashboard.store import DB_NAME, open_for_reading
+from miles_core.builtin.dashboard.store import DB_NAME, open_for_reading
 from tests.cluster.conftest import DRIVER, ENGINE, PINS, TRAINER
 from tests.cluster.hosts import MILES, Hosts
 from tests.test_train_moe import LEARNING_FLAGS, LEARNING_MARGIN, save_echo_last_moe

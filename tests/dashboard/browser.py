@@ -57,7 +57,7 @@ def wait_for_view(page: Any, view: str) -> None:
 
 
 def save_screenshot(run_dir: Path, out: Path) -> None:
-    from miles_core.dashboard.server import DashboardServer
+    from miles_core.builtin.dashboard.server import DashboardServer
 
     server = DashboardServer(run_dir).start()
     try:

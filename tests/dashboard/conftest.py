@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
+from miles_core.builtin.dashboard.server import DashboardServer
 from miles_core.config.build import build_config
-from miles_core.dashboard.server import DashboardServer
 from miles_core.plugin_manager import MilesPluginManager
 from tests.conftest import MILES
 

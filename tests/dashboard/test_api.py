@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.dashboard.plugin import DashboardPlugin
-from miles_core.dashboard.store import DashboardStore
+from miles_core.builtin.dashboard.plugin import DashboardPlugin
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo, TrainerInfo
 from miles_core.weight_transfer.protocol import TransferReport
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun, get_json
@@ -299,7 +299,7 @@ def test_a_failing_dashboard_never_stops_training(tmp_path: Path, caplog: pytest
 
 def test_a_killed_run_keeps_what_it_recorded(tmp_path: Path, serve) -> None:
     script = (
-        "import os, signal; from miles_core.dashboard.store import DashboardStore; "
+        "import os, signal; from miles_core.builtin.dashboard.store import DashboardStore; "
         f"s = DashboardStore({str(tmp_path)!r}); "
         f"s.run_started(run_dir={str(tmp_path)!r}, start_step=0, num_steps=9, config={{}}); "
         "s.add_metrics(step=0, metrics={'train/loss': 1.5}); os.kill(os.getpid(), signal.SIGKILL)"

@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.dashboard.store import DashboardStore
-from miles_core.rollout.executor import Sample
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.samples import Sample
 from tests.conftest import REPO
 from tests.dashboard.browser import browser_page, wait_for_view
 from tests.dashboard.conftest import RUN_STEPS, FinishedRun

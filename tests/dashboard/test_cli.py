@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.dashboard.store import DashboardStore
+from miles_core.builtin.dashboard.store import DashboardStore
 from tests.conftest import MILES, config_json, run_miles
 from tests.dashboard.conftest import FinishedRun, get_json
 

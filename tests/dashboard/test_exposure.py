@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.dashboard.hosts import DashboardHostError, allowed_host_names, host_header_matches
-from miles_core.dashboard.server import KEEP_ALIVE_S, DashboardServer
-from miles_core.dashboard.store import DashboardStore
+from miles_core.builtin.dashboard.hosts import DashboardHostError, allowed_host_names, host_header_matches
+from miles_core.builtin.dashboard.server import KEEP_ALIVE_S, DashboardServer
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.http import HEAD_TIMEOUT_S
 from tests.conftest import run_miles
 from tests.dashboard.test_api import sample

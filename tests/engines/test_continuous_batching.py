@@ -14,9 +14,10 @@ import pytest
 import torch
 import transformers
 
-from miles_core.engines.local_engine import LocalEngine
-from miles_core.engines.running_batch import RunningBatch, _Fixed, generate_batch, result_of
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams, _Sampler
+from miles_core.builtin.local_engine.batch_generation import FixedRow, generate_batch
+from miles_core.builtin.local_engine.engine import LocalEngine
+from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler, SamplingParams
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from tests.numerics import served_logprob_tolerance
 
@@ -261,7 +262,7 @@ def test_rows_leaving_the_batch_take_the_padding_columns_with_them(engine: Local
     short = GenerationRequest([9, 10], GREEDY)
     (alone,) = generate_batch(engine.model, [short])
     batch = RunningBatch(engine.model)
-    rows = [_Fixed(r, _Sampler(r, set(), 0)) for r in (GenerationRequest(list(range(3, 23)), LONG), short)]
+    rows = [FixedRow(r, Sampler(r, set(), 0)) for r in (GenerationRequest(list(range(3, 23)), LONG), short)]
     batch.prefill(rows)
     batch.step()
     assert batch.mask.shape == (2, 21) and batch.cache.layers[0].keys.shape[2] == 21

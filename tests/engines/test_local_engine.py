@@ -28,7 +28,7 @@ def engine_spec(name: str, model_path: Path) -> CommandWorkerSpec:
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model_path),
         "--host",

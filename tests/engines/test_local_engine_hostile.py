@@ -24,11 +24,11 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from miles_core.engines.local_engine import LocalEngine, _Pending
-from miles_core.engines.sampling import GenerationRequest, SamplingParams
+from miles_core.builtin.local_engine.engine import LocalEngine, _Pending
+from miles_core.builtin.local_engine.sampling import GenerationRequest, SamplingParams
 from miles_core.engines.staging import STAGING_DIR_ENV
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.testkit.tiny_models import save_tiny_llama
+from miles_core.weight_transfer.staging_layout import StagingLayout
 from miles_core.workers.process import free_ports
 from miles_core.workers.rpc.wire import TOKEN_ENV
 
@@ -40,7 +40,8 @@ pytestmark = pytest.mark.slow
 
 
 class EngineProcess:
-    """``python -m miles_core.engines.local_server`` as a child process (stopped by pid), its stderr in a file."""
+    """``python -m miles_core.builtin.local_engine.server`` as a child process (stopped by pid), its stderr in a
+    file."""
 
     def __init__(self, model_dir: Path, workdir: Path, *, admin_key: str | None, extra: list[str] = ()) -> None:
         self.port = free_ports(1)[0]
@@ -53,7 +54,7 @@ class EngineProcess:
         argv = [
             sys.executable,
             "-m",
-            "miles_core.engines.local_server",
+            "miles_core.builtin.local_engine.server",
             "--model-path",
             str(model_dir),
             "--host",

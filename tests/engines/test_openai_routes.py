@@ -15,10 +15,10 @@ import openai
 import pytest
 import transformers
 
+from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, SamplingParams
+from miles_core.builtin.local_engine.serving import held_back
 from miles_core.default.tokenizer import DigitTokenizer
-from miles_core.engines.local_engine import LocalEngine, TokenUpdate
-from miles_core.engines.local_server import held_back
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, SamplingParams
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from tests.engines.test_local_engine_hostile import EngineProcess, wait_for

@@ -12,12 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_core.engines.local_engine import LocalEngine, load_model
-from miles_core.engines.recomputing_batch import RecomputingBatch
-from miles_core.engines.running_batch import RunningBatch, _Fixed, generate_batch, new_running_batch, result_of
-from miles_core.engines.sampling import GenerationRequest, SamplingParams, _Sampler
-from miles_core.engines.weights import WeightLoadError, checksum, load_named_tensors
+from miles_core.builtin.local_engine.batch_generation import FixedRow, generate_batch, new_running_batch
+from miles_core.builtin.local_engine.engine import LocalEngine, load_model
+from miles_core.builtin.local_engine.recomputing_batch import RecomputingBatch
+from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
+from miles_core.builtin.local_engine.sampling import GenerationRequest, Sampler, SamplingParams
+from miles_core.engines.weights import WeightLoadError, load_named_tensors
 from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, save_tiny_llama
+from miles_core.weight_transfer.digests import checksum
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +57,11 @@ def test_recomputed_rows_get_the_models_tokens_joining_and_leaving(dsv4) -> None
     after two steps and the first leaving early: each gets exactly the tokens and logprobs it gets alone."""
     first, second = list(range(3, 14)), [5, 9, 12]
     batch = RecomputingBatch(dsv4)
-    rows = [_Fixed(GenerationRequest(p, GREEDY), _Sampler(GenerationRequest(p, GREEDY), set(), 0)) for p in (first,)]
+    rows = [FixedRow(GenerationRequest(p, GREEDY), Sampler(GenerationRequest(p, GREEDY), set(), 0)) for p in (first,)]
     batch.prefill(rows)
     batch.step()
     batch.step()
-    joining = _Fixed(GenerationRequest(second, GREEDY), _Sampler(GenerationRequest(second, GREEDY), set(), 0))
+    joining = FixedRow(GenerationRequest(second, GREEDY), Sampler(GenerationRequest(second, GREEDY), set(), 0))
     batch.prefill([joining])
     assert len(batch) == 2
     batch.step()

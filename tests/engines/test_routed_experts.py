@@ -23,10 +23,11 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.local_engine.engine import LocalEngine, RequestError
+from miles_core.builtin.local_engine.sampling import GenerationRequest, SamplingParams
 from miles_core.engines.client import EngineClient
 from miles_core.engines.generate_types import GenerateOutput
 from miles_core.engines.generate_types import SamplingParams as ClientParams
-from miles_core.engines.local_engine import LocalEngine, RequestError
 from miles_core.engines.routed_experts import (
     RoutedExpertsError,
     RoutingShape,
@@ -34,7 +35,6 @@ from miles_core.engines.routed_experts import (
     decode_routed_experts,
     encode_routed_experts,
 )
-from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import EngineError
 from miles_core.models.moe_routing import RoutingCapture
 from miles_core.testkit.tiny_models import (
@@ -178,7 +178,7 @@ def test_a_model_whose_routers_cannot_be_captured_serves_and_refuses_only_reques
 
 @pytest.fixture(scope="module")
 def server(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(moe_dir)]
+    argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(moe_dir)]
     argv += ["--host", "{host}", "--port", "{port}"]
     spec = CommandWorkerSpec(
         name="moe-engine", argv=argv, ports=["port"], health_url="http://{host}:{port}/health", startup_timeout_s=120

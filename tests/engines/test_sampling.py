@@ -10,16 +10,22 @@ import pytest
 import torch
 import transformers
 
-from miles_core.engines.running_batch import generate_batch
-from miles_core.engines.sampling import MIN_TEMPERATURE, GenerationRequest, SamplingParams, _choose, _Sampler
+from miles_core.builtin.local_engine.batch_generation import generate_batch
+from miles_core.builtin.local_engine.sampling import (
+    MIN_TEMPERATURE,
+    GenerationRequest,
+    Sampler,
+    SamplingParams,
+    choose_tokens,
+)
 from miles_core.testkit.tiny_models import tiny_llama_config
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
 
 def draw(params: SamplingParams, count: int) -> collections.Counter:
-    samplers = [_Sampler(GenerationRequest([1], params), set(), seed) for seed in range(count)]
-    tokens, _ = _choose(samplers, list(range(count)), LOGITS.expand(count, -1))
+    samplers = [Sampler(GenerationRequest([1], params), set(), seed) for seed in range(count)]
+    tokens, _ = choose_tokens(samplers, list(range(count)), LOGITS.expand(count, -1))
     return collections.Counter(tokens)
 
 
@@ -36,11 +42,11 @@ def test_top_k_and_top_p_truncate() -> None:
 
 
 def test_greedy_and_logprobs_and_seeds() -> None:
-    greedy = [_Sampler(GenerationRequest([1], SamplingParams(temperature=0)), set(), 0)]
-    tokens, logprobs = _choose(greedy, [0], LOGITS)
+    greedy = [Sampler(GenerationRequest([1], SamplingParams(temperature=0)), set(), 0)]
+    tokens, logprobs = choose_tokens(greedy, [0], LOGITS)
     assert tokens == [0] and abs(logprobs[0] - float(torch.log(torch.tensor(0.5)))) < 1e-6
     seeded = SamplingParams(sampling_seed=3)
-    runs = [_choose([_Sampler(GenerationRequest([1], seeded), set(), 0)], [0], LOGITS)[0] for _ in range(5)]
+    runs = [choose_tokens([Sampler(GenerationRequest([1], seeded), set(), 0)], [0], LOGITS)[0] for _ in range(5)]
     assert all(run == runs[0] for run in runs)
 
 
@@ -48,8 +54,8 @@ def test_a_temperature_below_the_minimum_is_greedy_with_finite_logprobs() -> Non
     """Dividing logits by 1e-30 overflows float32 (NaN logprobs); such temperatures sample greedily instead."""
     logits = torch.tensor([[40.0, 39.0, -30.0, 10.0]])
     for temperature in (1e-45, 1e-30, 1e-12, MIN_TEMPERATURE / 2):
-        sampler = _Sampler(GenerationRequest([1], SamplingParams(temperature=temperature)), set(), 0)
-        tokens, logprobs = _choose([sampler], [0], logits)
+        sampler = Sampler(GenerationRequest([1], SamplingParams(temperature=temperature)), set(), 0)
+        tokens, logprobs = choose_tokens([sampler], [0], logits)
         assert tokens == [0] and math.isfinite(logprobs[0]) and logprobs[0] <= 0, (temperature, logprobs)
     assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
 
@@ -110,8 +116,8 @@ def test_every_token_is_reported_as_it_is_sampled_with_its_alternatives() -> Non
 
 
 def test_the_alternatives_are_the_distributions_top_k() -> None:
-    sampler = _Sampler(GenerationRequest([1], SamplingParams(temperature=0.5), top_logprobs_num=2), set(), 0)
-    _choose([sampler], [0], LOGITS)
+    sampler = Sampler(GenerationRequest([1], SamplingParams(temperature=0.5), top_logprobs_num=2), set(), 0)
+    choose_tokens([sampler], [0], LOGITS)
     expected = torch.log_softmax(LOGITS[0] / 0.5, dim=-1)
     assert sampler.top_logprobs == [[(pytest.approx(expected[0].item()), 0), (pytest.approx(expected[1].item()), 1)]]
 

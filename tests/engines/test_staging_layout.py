@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import miles_core
-from miles_core.engines.staging_layout import (
+from miles_core.weight_transfer.staging_layout import (
     MAX_STAGED_TENSORS,
     StagedTensor,
     StagingLayout,
     StagingLayoutError,
     StagingOverflowError,
+    map_staging_file,
 )
-from miles_core.engines.weights import map_staging_file
 
 TENSORS = [
     ("a.bf16", torch.randn(3).to(torch.bfloat16)),

@@ -20,9 +20,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.megatron.test_megatron_trainer import launch
 from tests.megatron.test_moe import SETTINGS, assert_exported_once_as_on_disk, exported_names_and_tensors
 from tests.numerics import assert_same_sgd_step

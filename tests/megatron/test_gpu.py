@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.builtin.torch_trainer import TorchTrainer
 from tests.megatron.test_megatron_trainer import (
     SETTINGS,
     SGD_SETTINGS,

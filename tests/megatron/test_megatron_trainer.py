@@ -15,12 +15,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
-from miles_core.engines.weights import checksum, combine_digests
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.weight_transfer import disk
+from miles_core.weight_transfer.digests import checksum, combine_digests
 from miles_core.weight_transfer.holders import HolderTaskError
 from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.numerics import assert_same_sgd_step, assert_within_first_adam_step

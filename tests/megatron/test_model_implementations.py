@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from miles_core.builtin.core_plugin import check_model_implementation
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import run_miles
 from tests.megatron.test_megatron_trainer import VOCAB, perturbed_checkpoint, training_batch
 from tests.numerics import assert_same_sgd_step

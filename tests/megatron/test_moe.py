@@ -19,10 +19,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import run_miles
 from tests.megatron.test_megatron_trainer import launch
 from tests.numerics import assert_same_sgd_step

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import math
 import socket
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +16,10 @@ parser = pytest.importorskip(
     "prometheus_client.parser", reason="prometheus-client is not installed (pip install -e '.[test]' installs it)"
 )
 
-from miles_core.metrics.plugin import MetricsPlugin  # noqa: E402
-from miles_core.metrics.prometheus import PrometheusExporter, prometheus_name  # noqa: E402
+from miles_core.builtin.metrics.plugin import MetricsPlugin  # noqa: E402
+from miles_core.builtin.metrics.prometheus import PrometheusExporter, prometheus_name  # noqa: E402
+from miles_core.config.build import config_model  # noqa: E402
+from miles_core.plugin_manager import MilesPluginManager  # noqa: E402
 from miles_core.weight_transfer import TransferReport  # noqa: E402
 
 
@@ -155,10 +156,13 @@ def test_a_taken_port_warns_and_the_run_goes_on(tmp_path: Path, caplog: pytest.L
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        metrics = types.SimpleNamespace(exporters=["prometheus"], prometheus_host="127.0.0.1", prometheus_port=port)
+        metrics = {"exporters": ["prometheus"], "prometheus_host": "127.0.0.1", "prometheus_port": port}
+        config = config_model(MilesPluginManager.load(environ={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})).model_validate(
+            {"metrics": metrics}
+        )
         plugin = MetricsPlugin()
         with caplog.at_level(logging.WARNING, logger="miles.metrics"):
-            plugin.on_run_start(config=types.SimpleNamespace(metrics=metrics), run_dir=tmp_path, start_step=0)
+            plugin.on_run_start(config=config, run_dir=tmp_path, start_step=0)
         assert plugin.exporters == {}
         assert "metrics: starting the prometheus exporter failed: OSError" in caplog.text
         assert "training goes on" in caplog.text

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import ray
 
+from miles_core.builtin.ray_provider import RayWorkerProvider, init_ray
 from miles_core.engines.staging import weight_staging_dir
 from miles_core.testkit.protocol_contract import CONTRACT_TOKEN, ContractEngines
-from miles_core.workers.ray_provider import RayWorkerProvider, init_ray
 
 
 @pytest.fixture(scope="package")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from miles_plugins_rdt.protocol import RdtProtocol
 
+from miles_core.builtin.ray_provider import RayWorkerProvider
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
-from miles_core.engines.weights import checksum
 from miles_core.testkit.protocol_contract import CONTRACT_TOKEN, ContractEngines
 from miles_core.testkit.tiny_models import save_tiny_qwen3_moe
-from miles_core.training.torch_trainer import TorchTrainer
-from miles_core.workers.ray_provider import RayWorkerProvider
+from miles_core.weight_transfer.digests import checksum
 from tests.rdt.conftest import shm_files
 from tests.rdt.test_rdt_round_trip import served, tensors_of
 

@@ -14,12 +14,12 @@ import torch
 from miles_plugins_rdt.protocol import RdtProtocol, RdtTransferError
 from miles_plugins_rdt.staging import split_into_lanes
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
-from miles_core.engines.weights import checksum
 from miles_core.errors import MilesError
 from miles_core.testkit.protocol_contract import ContractEngines
-from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.weight_transfer.digests import checksum
 from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.rdt.conftest import shm_files
 

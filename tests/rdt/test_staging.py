@@ -12,8 +12,8 @@ import torch
 from miles_plugins_rdt.protocol import RdtProtocol
 from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
-from miles_core.engines.staging_layout import StagingLayout, StagingLayoutError, StagingOverflowError
 from miles_core.errors import MilesError
+from miles_core.weight_transfer.staging_layout import StagingLayout, StagingLayoutError, StagingOverflowError
 from tests.conftest import run_miles
 
 

@@ -14,8 +14,9 @@ from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.agents import Agent, agent_for_task, load_agent, session_chat_format
-from miles_core.rollout.executor import Group, RolloutExecutor, Sample, _turn_segments
+from miles_core.rollout.executor import RolloutExecutor, _turn_segments
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.samples import Group, Sample
 from miles_core.rollout.sessions.batching import TurnBatcher
 from miles_core.rollout.sessions.session import Trajectory, Turn
 

@@ -16,9 +16,10 @@ import pytest
 from miles_core.config import build_config
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.executor import Group, RolloutExecutor
+from miles_core.rollout.executor import RolloutExecutor
 from miles_core.rollout.filters import load_filters, no_truncated, nonzero_reward_std
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.samples import Group
 from miles_core.rollout.stream import RolloutStream, StreamState
 
 VOCAB = 50
@@ -212,7 +213,7 @@ def test_core_filters() -> None:
 async def stream_batches(executor: RolloutExecutor, steps: int, **state) -> tuple[list, RolloutStream]:
     """``steps`` batches from a stream, the engine's version following the trainer's, as in a run."""
     controller = executor.controller
-    stream = RolloutStream(executor, controller, executor.config, state=StreamState(**state))
+    stream = RolloutStream(executor, controller, executor.config.rollout, state=StreamState(**state))
     stream.start()
     rollouts = []
     try:

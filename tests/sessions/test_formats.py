@@ -8,16 +8,10 @@ import re
 
 import pytest
 
+from miles_core.builtin.chat_formats import DigitChatFormat, Qwen3ChatFormat
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.sessions import (
-    ChatFormatError,
-    ChatMessage,
-    DigitChatFormat,
-    Qwen3ChatFormat,
-    ToolCall,
-    check_append_only,
-)
+from miles_core.rollout.sessions import ChatFormatError, ChatMessage, ToolCall, check_append_only
 from miles_core.rollout.sessions.server import load_chat_format, model_context_length
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import qwen3_like_tokenizer, save_char_tokenizer
@@ -275,15 +269,15 @@ def test_the_core_registers_both_formats_through_the_hook() -> None:
 
 
 def test_formats_load_from_a_model_directory_and_refuse_another_models_tokenizer(tmp_path, tokenizer) -> None:
-    """What the session server's ``--chat-format NAME --model-path DIR`` does: the registered format, made for the
+    """What the session server's ``--chat-format MODULE:CLASS --model-path DIR`` does: the format, made for the
     tokenizer saved in the model directory (Qwen3's added tokens survive the save); the default format refuses it."""
     save_tiny_llama(tmp_path, vocab_size=len(tokenizer), max_position_embeddings=128)
     tokenizer.save_pretrained(tmp_path)
-    fmt = load_chat_format("qwen3", str(tmp_path))
+    fmt = load_chat_format("miles_core.builtin.chat_formats:Qwen3ChatFormat", str(tmp_path))
     conversation = [ChatMessage("user", "add 12"), ChatMessage("assistant", "", (ToolCall("add", '{"a": 12}'),))]
     assert fmt.render(conversation, tools=[ADD_TOOL]) == Qwen3ChatFormat(tokenizer).render(
         conversation, tools=[ADD_TOOL]
     )
     assert model_context_length(str(tmp_path)) == 128
     with pytest.raises(ChatFormatError, match="is for the embedded default's digit tokenizer"):
-        load_chat_format("default", str(tmp_path))
+        load_chat_format("miles_core.builtin.chat_formats:DigitChatFormat", str(tmp_path))

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -24,13 +23,17 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.chat_formats import DigitChatFormat
 from miles_core.default.tokenizer import DigitTokenizer
-from miles_core.rollout.sessions import ChatMessage, DigitChatFormat, ToolCall
+from miles_core.rollout.sessions import ChatMessage, ToolCall
 from miles_core.rollout.sessions.server import SessionLimits, session_server_spec
 from miles_core.run_setup import default_model
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.process import free_ports
 from miles_core.workers.specs import CommandWorkerSpec
+
+DIGIT_FORMAT = "miles_core.builtin.chat_formats:DigitChatFormat"
+"""The embedded default's chat format, as a session server is given it (the driver resolves ``default`` to it)."""
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +49,7 @@ CALCULATOR = {
     "type": "function",
     "function": {"name": "calculator", "parameters": {"type": "object", "properties": {"expression": {}}}},
 }
-CONFIG = SimpleNamespace(engine=SimpleNamespace(startup_timeout_s=300.0))  # what session_server_spec reads
+STARTUP_TIMEOUT_S = 300.0
 
 
 def digits(text: str) -> list[int]:
@@ -112,7 +115,7 @@ class Servers:
 
     @staticmethod
     def _engine_spec(name: str, model: Path) -> CommandWorkerSpec:
-        argv = [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model)]
+        argv = [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model)]
         argv += ["--host", "{host}", "--port", "{port}", "--admin-api-key", "{token}", "--cpu-threads", "1"]
         return CommandWorkerSpec(
             name=name, argv=argv, ports=["port"], health_url="http://{host}:{port}/health_generate"
@@ -120,7 +123,12 @@ class Servers:
 
     def _spec(self, name: str, engine_url: str, limits: SessionLimits) -> CommandWorkerSpec:
         return session_server_spec(
-            CONFIG, name=name, engine_url=engine_url, model_path=str(self.model), chat_format="default", limits=limits
+            startup_timeout_s=STARTUP_TIMEOUT_S,
+            name=name,
+            engine_url=engine_url,
+            model_path=str(self.model),
+            chat_format=DIGIT_FORMAT,
+            limits=limits,
         )
 
     def _start(self, spec: CommandWorkerSpec) -> str:
@@ -381,12 +389,12 @@ def test_the_command_line_refuses_an_unknown_format_and_a_missing_token(servers:
     base = [sys.executable, "-m", "miles_core.rollout.sessions.server", "--engine-url", servers.engine]
     base += ["--model-path", str(servers.model), "--port", "0"]
     unknown = subprocess.run(
-        [*base, "--chat-format", "llama9", "--token", "t"], capture_output=True, text=True, timeout=120
+        [*base, "--chat-format", "llama9:Format", "--token", "t"], capture_output=True, text=True, timeout=120
     )
-    assert unknown.returncode == 2 and "unknown chat format 'llama9'; available: default, qwen3" in unknown.stderr
+    assert unknown.returncode == 2 and "no module named 'llama9'" in unknown.stderr
     env = {k: v for k, v in os.environ.items() if k != "MILES_RUN_TOKEN"}
     tokenless = subprocess.run(
-        [*base, "--chat-format", "default"], capture_output=True, text=True, timeout=120, env=env
+        [*base, "--chat-format", DIGIT_FORMAT], capture_output=True, text=True, timeout=120, env=env
     )
     assert tokenless.returncode == 2 and "needs the run's token" in tokenless.stderr
 

@@ -157,7 +157,7 @@ def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_th
 
 
 def test_another_server_speaking_sglangs_api_gets_no_sglang_settings(manager, model: Path) -> None:
-    local = ["{python}", "-m", "miles_core.engines.local_server"]
+    local = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
     spec = sglang_engine_spec(config(manager, **{"sglang.launch_command": local}), cell_id="e", model_path=str(model))
     assert spec.argv[0] == sys.executable and spec.env == {}
     assert not {"--device", "--skip-tokenizer-init", "--sleep-on-idle"} & set(spec.argv)
@@ -176,7 +176,7 @@ def test_a_missing_engine_environment_is_a_clear_error_before_any_engine_starts(
     os.rename(tmp_path / "plain" / "site" / "sglang", tmp_path / "plain" / "site" / "not_sglang")
     with pytest.raises(ConfigError, match=r"has no sglang \(import sglang fails\)"):
         check_engine_environment(config(manager, **{"sglang.python": str(without)}))
-    local = ["{python}", "-m", "miles_core.engines.local_server"]
+    local = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
     check_engine_environment(config(manager, **{"sglang.launch_command": local, "sglang.python": "/nowhere"}))
 
 

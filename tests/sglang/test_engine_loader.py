@@ -12,8 +12,7 @@ import pytest
 import torch
 from miles_plugins_sglang.launch import ENGINE_PATH
 
-from miles_core.engines.staging_layout import StagingLayout
-from miles_core.engines.weights import map_staging_file
+from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 
 spec = importlib.util.spec_from_file_location("miles_sglang_weights", Path(ENGINE_PATH) / "miles_sglang_weights.py")
 loader = importlib.util.module_from_spec(spec)

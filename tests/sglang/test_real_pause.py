@@ -36,7 +36,7 @@ LOCAL_ENGINE_DIFFERS = {
     "in_place": "a weight update over requests paused in place is taken, and their KV cache recomputed under the new "
     "weights when they resume (SGLang refuses it: 'the cache was not flushed')",
 }
-"""How the local engine's pause differs from SGLang's, by mode (``miles_core/engines/local_engine.py``)."""
+"""How the local engine's pause differs from SGLang's, by mode (``miles_core/builtin/local_engine/engine.py``)."""
 SERVERS = [pytest.param("sglang", marks=requires_real_sglang), "local"]
 
 
@@ -101,7 +101,7 @@ async def local_engine_server(run_dir: Path, model: Path) -> AsyncIterator:
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model),
         "--host",

@@ -18,7 +18,6 @@ import transformers
 from miles_plugins_sglang.launch import cpu_float16_is_wrong, sglang_capabilities
 
 from miles_core.engines.client import EngineClient, EngineError
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.training.losses import token_logprobs
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
@@ -26,6 +25,7 @@ from miles_core.weight_transfer.broadcast import GROUP_NAME, BroadcastProtocol, 
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.weight_transfer.routes import STAGING_COPY, WEIGHTS_BY_NAME
 from miles_core.weight_transfer.staged_load import WeightMismatchError, load_staged, verify_sampled
+from miles_core.weight_transfer.staging_layout import StagingLayout
 from miles_core.weight_transfer.tensor import TensorProtocol
 from miles_core.workers.errors import WorkerStartError
 from tests.numerics import served_logprob_tolerance

@@ -23,7 +23,7 @@ from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.local_provider import LocalWorkerProvider
 from tests.conftest import run_miles
 
-LOCAL_ENGINE = ["{python}", "-m", "miles_core.engines.local_server"]
+LOCAL_ENGINE = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import save_tiny_llama
 
-LOCAL_ENGINE = ["{python}", "-m", "miles_core.engines.local_server"]
+LOCAL_ENGINE = ["{python}", "-m", "miles_core.builtin.local_engine.server"]
 
 
 def config(**overrides):

@@ -11,11 +11,11 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.testkit.tiny_models import tiny_llama_config
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import entropy, logits_dtype, token_logprobs
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import config_json
 from tests.test_config_cli import show_error
 

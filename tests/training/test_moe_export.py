@@ -11,13 +11,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
-from miles_core.engines.weights import checksum, load_named_tensors, unique_named_tensors
+from miles_core.engines.weights import load_named_tensors, unique_named_tensors
 from miles_core.models.hf_checkpoint import checkpoint_named_tensors
 from miles_core.testkit.tiny_models import save_tiny_qwen3_moe, tiny_llama_config, tiny_qwen3_moe_config
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
+from miles_core.weight_transfer.digests import checksum
 
 CONFIGS = {
     "moe-untied": lambda: tiny_qwen3_moe_config(),

@@ -11,12 +11,12 @@ import torch
 import transformers
 from miles_plugins_megatron.rank import MegatronRank
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.errors import MilesError
 from miles_core.testkit.tiny_models import tiny_llama_config
 from miles_core.training.batch import TrainBatch, TrainSample, trained_tokens
 from miles_core.training.losses import policy_loss, ppo_clip_loss, truncated_importance_weights
-from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.workers.rpc.arguments import ArgumentCheck, ArgumentError
 
 # -- the loss ------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.testkit.tiny_models import tiny_llama_config
 from miles_core.training.batch import TrainBatch, TrainSample
@@ -21,7 +22,6 @@ from miles_core.training.optimizer_reset import (
     register_optimizer_reset,
     reset_optimizer_states,
 )
-from miles_core.training.torch_trainer import TorchTrainer
 
 
 @dataclass

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from miles_core.builtin.local_engine.engine import LocalEngine
+from miles_core.builtin.local_engine.sampling import GenerationRequest, SamplingParams
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import TrainSection
-from miles_core.engines.local_engine import LocalEngine
 from miles_core.engines.routed_experts import RoutedExpertsError, RoutingShape
-from miles_core.engines.sampling import GenerationRequest, SamplingParams
 from miles_core.errors import ConfigError
 from miles_core.rollout.executor import _routing_continued
 from miles_core.run_setup import routing_replay_shape
@@ -28,7 +29,6 @@ from miles_core.testkit.tiny_models import (
     tiny_deepseek_v3_config,
 )
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.torch_trainer import TorchTrainer
 from tests.conftest import config_json
 
 PROMPTS = [[3, 4, 5], [6], [7, 8, 9, 10, 11], [12, 13]]

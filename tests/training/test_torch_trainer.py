@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.models.hf_checkpoint import tokenizer_files
@@ -17,7 +18,6 @@ from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import grpo_advantages, kl_k3, ppo_clip_loss
-from miles_core.training.torch_trainer import TorchTrainer
 from miles_core.training.weight_iterator import ModuleHfWeightIterator, bucketize
 
 

@@ -13,10 +13,11 @@ import torch
 import transformers
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.weights import checksum, unique_named_tensors
+from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.weight_transfer.broadcast import BroadcastProtocol
+from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.protocol import EngineEndpoint
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
@@ -82,7 +83,7 @@ def test_nccl_group_carries_the_weights_to_an_engine_on_another_gpu(tmp_path: Pa
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model_dir),
         "--host",

@@ -97,7 +97,7 @@ def test_the_protocol_with_a_real_engine_listens_on_loopback_only(tmp_path: Path
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model_dir),
         "--host",

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import TrainSection
 from miles_core.engines.client import EngineClient
-from miles_core.engines.weights import checksum
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import save_tiny_qwen3_moe
-from miles_core.training.torch_trainer import TorchTrainer
+from miles_core.weight_transfer.digests import checksum
 from tests.test_controller_weights import controller_for
 
 pytestmark = pytest.mark.slow

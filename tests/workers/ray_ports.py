@@ -12,8 +12,8 @@ import sys
 import psutil
 import ray
 
+from miles_core.builtin.ray_provider import RayWorkerProvider
 from miles_core.testkit.echo_worker import ECHO_GROUPS
-from miles_core.workers.ray_provider import RayWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec
 
 

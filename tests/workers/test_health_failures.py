@@ -167,7 +167,7 @@ def test_the_local_engine_answers_health_generate_with_503_while_paused(provider
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         str(model),
         "--host",
@@ -201,7 +201,7 @@ def test_the_local_engine_answers_health_generate_with_503_while_paused(provider
 def test_a_bad_health_check_timeout_stops_the_local_engine_at_start(value: str, tmp_path: Path) -> None:
     model = save_tiny_llama(tmp_path / "model")
     result = subprocess.run(
-        [sys.executable, "-m", "miles_core.engines.local_server", "--model-path", str(model), "--port", "0"],
+        [sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", str(model), "--port", "0"],
         env={**os.environ, "SGLANG_HEALTH_CHECK_TIMEOUT": value},
         capture_output=True,
         text=True,

@@ -8,8 +8,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+from miles_core.builtin.local_engine.backend import LocalEngineBackend
 from miles_core.config.build import build_config
-from miles_core.engines.local_backend import LocalEngineBackend
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.controller import InferenceController
 from miles_core.workers.local_provider import LocalWorkerProvider

@@ -27,10 +27,10 @@ from ray._private.utils import get_ray_address_file, read_ray_address
 from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group_table
 
+from miles_core.builtin.ray_provider import RayWorkerProvider, loopback_node_address, placement_order
 from miles_core.testkit.echo_worker import EchoWorker
 from miles_core.workers.errors import WorkerStartError
 from miles_core.workers.handle import WorkerHandle
-from miles_core.workers.ray_provider import RayWorkerProvider, loopback_node_address, placement_order
 from miles_core.workers.specs import ENGINE, ROUTER, TRAINER
 from tests.conftest import run_miles
 from tests.workers.test_ray_provider import echo_spec

@@ -13,12 +13,12 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from miles_core.builtin.ray_provider import RayWorkerProvider, _Slot, placement_order
 from miles_core.testkit.echo_worker import ECHO_GROUPS, EchoWorker
 from miles_core.workers.cells import CellManager
 from miles_core.workers.errors import WorkerDiedError, WorkerStartError
 from miles_core.workers.handle import WorkerHandle
 from miles_core.workers.health import HealthMonitor
-from miles_core.workers.ray_provider import RayWorkerProvider, _Slot, placement_order
 from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ LOCAL_RAY = """
 import os
 import ray
 from ray._raylet import AuthenticationMode, get_authentication_mode
-from miles_core.workers.ray_provider import init_ray
+from miles_core.builtin.ray_provider import init_ray
 
 init_ray(num_cpus=1)
 

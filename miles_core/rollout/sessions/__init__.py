@@ -1,12 +1,11 @@
-"""Agentic multi-turn rollouts: token-in-token-out chat formats and the session server (an OpenAI-compatible chat
-endpoint per rollout sample, recording the exact ids, loss mask and logprobs of every turn)."""
+"""Agentic multi-turn rollouts: the token-in-token-out chat format contract and the session server (an
+OpenAI-compatible chat endpoint per rollout sample, recording the exact ids, loss mask and logprobs of every turn);
+the built-in formats are in :mod:`miles_core.builtin.chat_formats`."""
 
 from miles_core.rollout.sessions.formats import (
     ChatFormat,
     ChatFormatError,
     ChatMessage,
-    DigitChatFormat,
-    Qwen3ChatFormat,
     ToolCall,
     check_append_only,
 )
@@ -16,8 +15,6 @@ __all__ = [
     "ChatFormat",
     "ChatFormatError",
     "ChatMessage",
-    "DigitChatFormat",
-    "Qwen3ChatFormat",
     "Session",
     "ToolCall",
     "Trajectory",

@@ -34,21 +34,22 @@ class SessionServers:
     @classmethod
     async def start(
         cls,
-        config: Any,
         provider: BaseWorkerProvider,
         *,
+        count: int,
+        startup_timeout_s: float,
         engine_url: str,
         model_path: str,
         chat_format: str,
         limits: SessionLimits | None = None,
     ) -> SessionServers:
-        """Start ``config.rollout.session_servers`` servers (``session-server-0``, ...) through ``provider``; one that
-        fails to start stops the others."""
+        """Start ``count`` servers (``session-server-0``, ...; ``rollout.session_servers``) through ``provider``,
+        each given ``startup_timeout_s`` to answer its health check; one that fails to start stops the others."""
         workers: list[WorkerInfo] = []
         try:
-            for index in range(config.rollout.session_servers):
+            for index in range(count):
                 spec = session_server_spec(
-                    config,
+                    startup_timeout_s=startup_timeout_s,
                     name=f"{SESSION_SERVER_PREFIX}-{index}",
                     engine_url=engine_url,
                     model_path=model_path,

@@ -80,6 +80,7 @@ from miles_core.rollout.sessions.api import (
 from miles_core.rollout.sessions.batching import TurnBatcher
 from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
 from miles_core.rollout.sessions.session import Session
+from miles_core.targets import import_target
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV
@@ -417,8 +418,8 @@ def _answer(
 
 
 def session_server_spec(
-    config: Any,
     *,
+    startup_timeout_s: float,
     name: str,
     engine_url: str,
     model_path: str,
@@ -426,8 +427,9 @@ def session_server_spec(
     limits: SessionLimits = SessionLimits(),
 ) -> CommandWorkerSpec:
     """The command worker of one session server in front of ``engine_url`` (an engine or the router), on a free
-    port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``config`` is the run's config (its engine
-    start timeout)."""
+    port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``startup_timeout_s`` is the run's engine start
+    timeout (``engine.startup_timeout_s``); ``chat_format`` is the format's ``module:attribute``
+    (:func:`~miles_core.rollout.agents.chat_format_target`)."""
     argv = [
         sys.executable,
         "-m",
@@ -456,7 +458,7 @@ def session_server_spec(
         argv=argv,
         ports=["port"],
         health_url="http://{host}:{port}/health",
-        startup_timeout_s=config.engine.startup_timeout_s,
+        startup_timeout_s=startup_timeout_s,
         num_cpus=0,
         role=SESSION_SERVER,
     )
@@ -464,21 +466,19 @@ def session_server_spec(
 
 def model_context_length(model_path: str) -> int | None:
     """The model's context length from its ``config.json`` (``None`` when it names none)."""
-    from miles_core.models.hf_checkpoint import read_model_config  # deferred, with the tokenizer's load
-    from miles_core.run_setup import CONTEXT_LENGTH_KEYS
+    from miles_core.models.hf_checkpoint import CONTEXT_LENGTH_KEYS, read_model_config  # deferred: torch
 
     config = read_model_config(Path(model_path))
     lengths = [config.get(key) for key in CONTEXT_LENGTH_KEYS]
     return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
-def load_chat_format(name: str, model_path: str) -> ChatFormat:
-    """The registered chat format ``name`` for the tokenizer of ``model_path``."""
-    from miles_core.plugin_manager import MilesPluginManager  # deferred: loads every plugin
-    from miles_core.run_setup import load_tokenizer  # deferred: imports transformers
+def load_chat_format(target: str, model_path: str) -> ChatFormat:
+    """The chat format class at ``target`` (``module:attribute``, as the driver resolved the run's chat format from
+    the registry) made for the tokenizer of ``model_path``."""
+    from miles_core.models.hf_checkpoint import load_tokenizer  # deferred: imports transformers
 
-    entry = MilesPluginManager.load().registries.chat_formats.get_or_raise(name)
-    return entry.load()(load_tokenizer(Path(model_path)))
+    return import_target(target, what=f"--chat-format {target!r}")(load_tokenizer(Path(model_path)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -486,7 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-url", required=True, help="an engine's (or the router's) URL")
     parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
-    parser.add_argument("--chat-format", required=True, help="a registered chat format (miles plugins)")
+    parser.add_argument(
+        "--chat-format", required=True, help="the chat format class, module:attribute (the driver resolves the name)"
+    )
     parser.add_argument("--model-path", required=True, help="the model directory whose tokenizer the format uses")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"the run's token (default: ${TOKEN_ENV})")
     defaults = SessionLimits()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from miles_core.models.causal_lm import CausalLM
+from miles_core import CausalLM
 from miles_plugins_megatron.checkpoint import read_hf_config, read_hf_state
 from miles_plugins_megatron.deepseek_v4.model import DeepseekV4Model, build_deepseek_v4
 from miles_plugins_megatron.deepseek_v4.naming import DeepseekV4HfWeightIterator, load_hf_state

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from miles_core.errors import MilesError
+from miles_core import MilesError
 from miles_plugins_megatron.deepseek_v4.attention import LAYER_KINDS
 from miles_plugins_megatron.deepseek_v4.moe import MLP_KINDS, SCORE_FUNCTIONS
 from miles_plugins_megatron.deepseek_v4.parallel import Layout

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from miles_core.errors import MilesError
-from miles_core.training.weight_iterator import HfWeightIterator
+from miles_core import HfWeightIterator, MilesError
 from miles_plugins_megatron.deepseek_v4.model import DeepseekV4Model
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts\.)(\d+)(\..*)$")

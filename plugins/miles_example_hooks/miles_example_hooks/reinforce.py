@@ -96,7 +96,7 @@ class ExampleLocalEngines:
 
     def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
         argv = [
-            *(sys.executable, "-m", "miles_core.engines.local_server", "--model-path", model_path),
+            *(sys.executable, "-m", "miles_core.builtin.local_engine.server", "--model-path", model_path),
             *("--host", "{host}", "--port", "{port}", "--random-seed", str(config.run.seed)),
         ]
         health = "http://{host}:{port}/health_generate"

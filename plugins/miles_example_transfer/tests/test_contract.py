@@ -3,7 +3,7 @@ this folder outside the checkout, against the package's wheel: ``.ci/wheels``)."
 
 from __future__ import annotations
 
-from miles_core.testkit.protocol_contract import ProtocolContract
+from miles_core import ProtocolContract
 
 
 class TestShardedDisk(ProtocolContract):

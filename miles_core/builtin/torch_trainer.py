@@ -11,7 +11,7 @@ import copy
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -36,6 +36,9 @@ from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator
 from miles_core.user_files import parse_json_text, read_text
 from miles_core.weight_transfer.holders import InProcessHolders
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -81,7 +84,14 @@ class TorchTrainer:
 
     @classmethod
     def for_run(
-        cls, config: Any, *, model_path: Path, initial_model_path: Path, run_dir: Path, token: str, registries: Any
+        cls,
+        config: MilesConfig,
+        *,
+        model_path: Path,
+        initial_model_path: Path,
+        run_dir: Path,
+        token: str,
+        registries: Any,
     ) -> TorchTrainer:
         """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when

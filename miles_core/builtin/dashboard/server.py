@@ -1,4 +1,4 @@
-"""The dashboard's HTTP server: the JSON API (:mod:`miles_core.dashboard.api`), the page and its scripts.
+"""The dashboard's HTTP server: the JSON API (:mod:`miles_core.builtin.dashboard.api`), the page and its scripts.
 
 An ASGI app served by uvicorn (asyncio: a slow or idle connection costs a socket, not a thread, so a flood of slow
 clients does not keep anyone else waiting; a client that does not send its request head within 10 s, or idles on a
@@ -8,7 +8,7 @@ own (``miles dashboard RUN_DIR``), and must work with no network, so everything 
 (``static/``).
 
 It binds 127.0.0.1 unless told otherwise (an empty host is refused), and answers only requests whose ``Host``
-names it (:mod:`miles_core.dashboard.hosts`: a page that rebinds its own domain name to 127.0.0.1 cannot read the
+names it (:mod:`.hosts`: a page that rebinds its own domain name to 127.0.0.1 cannot read the
 run's config and samples).
 
 Every view of the page has its own URL (``/samples/3/12/1`` is step 3's sample with index 12, occurrence 1); the
@@ -28,9 +28,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from miles_core.dashboard import hosts
-from miles_core.dashboard.api import DashboardApi
-from miles_core.dashboard.store import DashboardDatabaseError, db_path
+from miles_core.builtin.dashboard import hosts
+from miles_core.builtin.dashboard.api import DashboardApi
+from miles_core.builtin.dashboard.store import DashboardDatabaseError, db_path
 from miles_core.http import BackgroundServer
 from miles_core.workers.process import listening_socket
 
@@ -52,7 +52,7 @@ def static_files() -> dict[str, tuple[bytes, str]]:
     """Every file of ``static/`` by name, with its content type (read once: nothing on disk is looked up by a
     requested path)."""
     files = {}
-    for entry in resources.files("miles_core.dashboard").joinpath("static").iterdir():
+    for entry in resources.files("miles_core.builtin.dashboard").joinpath("static").iterdir():
         if entry.is_file():
             content_type = mimetypes.guess_type(entry.name)[0] or "application/octet-stream"
             if content_type.startswith("text/") or content_type.endswith("javascript"):
@@ -64,7 +64,7 @@ def static_files() -> dict[str, tuple[bytes, str]]:
 class DashboardServer:
     """Serves the dashboard of the run in ``run_dir`` on ``host:port`` (port 0: a free port). The socket is bound
     here, so a taken port is an ``OSError`` of the constructor, and an empty host a
-    :class:`~miles_core.dashboard.hosts.DashboardHostError`."""
+    :class:`~miles_core.builtin.dashboard.hosts.DashboardHostError`."""
 
     def __init__(self, run_dir: Path | str, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.run_dir = Path(run_dir)

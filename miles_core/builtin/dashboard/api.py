@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from miles_core.dashboard.store import open_for_reading
+from miles_core.builtin.dashboard.store import open_for_reading
 
 MAX_PAGE = 1000
 """The most samples one request returns."""

@@ -6,6 +6,6 @@ TensorBoard (both off by default: ``--metrics prometheus,tensorboard``).
 picks the numeric metrics. The exporter modules import their libraries, so this package does not import them.
 """
 
-from miles_core.metrics.values import numeric
+from miles_core.builtin.metrics.values import numeric
 
 __all__ = ["numeric"]

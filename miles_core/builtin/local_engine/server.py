@@ -1,5 +1,5 @@
 """The local engine's HTTP server: SGLang's native API (``/generate``, ``/update_weights_*``, ...) on a
-transformers model. Run it as ``python -m miles_core.engines.local_server --model-path DIR --port P``; its flags
+transformers model. Run it as ``python -m miles_core.builtin.local_engine.server --model-path DIR --port P``; its flags
 mirror ``sglang.launch_server`` so the same supervision code can launch either.
 
 Control routes (weight updates, pause, flush, version) always require ``Authorization: Bearer <admin key>``: the
@@ -10,7 +10,7 @@ engine's ``weight_version``. Every request is bounded (body size per route, stri
 with a 4xx that says what is wrong; a ``/generate`` whose client goes away is cancelled. Every ``/generate`` key is
 implemented (``stream: true`` is SGLang's native server-sent events) or refused by name
 (:data:`GENERATE_FIELDS`, :data:`NEUTRAL_GENERATE_FIELDS`). The OpenAI-compatible routes (``/v1/...``) live in
-:mod:`miles_core.engines.openai_routes`.
+:mod:`.openai_routes`.
 
 ``/generate`` needs no key, so the engine refuses what only a web page would send
 (:func:`miles_core.http.check_browser_request`): a ``Host`` that is not a name of the engine with its port (a page
@@ -31,7 +31,7 @@ import os
 import secrets
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +45,25 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from miles_core import __version__
-from miles_core.engines.local_engine import LocalEngine, TokenUpdate, check_weight_version
-from miles_core.engines.routed_experts import encode_routed_experts
-from miles_core.engines.sampling import (
+from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate, check_weight_version
+from miles_core.builtin.local_engine.openai_routes import OpenAIRoutes
+from miles_core.builtin.local_engine.sampling import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     weight_version_spans,
 )
+from miles_core.builtin.local_engine.serving import (
+    CONTROL_BODY_BYTES,
+    MAX_PROMPTS_PER_REQUEST,
+    ROUTE_BODY_BYTES,
+    held_back,
+    unless_client_leaves,
+    visible_text,
+)
+from miles_core.engines.routed_experts import encode_routed_experts
 from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
-from miles_core.engines.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.errors import MilesError
 from miles_core.http import (
     JSON_ERRORS,
@@ -68,26 +76,13 @@ from miles_core.http import (
     read_body,
     safe_message,
 )
+from miles_core.weight_transfer.staging_layout import MAX_STAGING_BYTES, StagingLayout
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 from miles_core.workers.rpc.wire import TOKEN_ENV
 
-MIB = 1 << 20
-CONTROL_BODY_BYTES = 1 * MIB
-"""Most routes carry a few fields."""
-ROUTE_BODY_BYTES = {
-    "/generate": 32 * MIB,  # a batch of long prompts as token-id lists
-    "/update_weights_from_distributed": 16 * MIB,  # names, dtypes and shapes of every tensor of a large model
-    "/update_weights_from_tensor": 1 << 30,  # weights may travel in the body (base64 safetensors)
-    "/update_weights_from_staging": 64 * MIB,  # the layout of every tensor of a large model
-}
 MAX_RID_CHARS = 256
 STAGING_FIELDS = ("staging_path", "buffer_size", "layout", "swap", "weight_version")
-MAX_PROMPTS_PER_REQUEST = 16384
-"""A /generate batch's prompts at most (a rollout sends its share of one step: thousands). Each prompt costs Python
-objects and a sampling-parameter check before the engine sees it, so 32 MiB of ``[[0],[0],...]`` (8 million
-one-token prompts) would cost gigabytes and minutes of CPU."""
-CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but logs and tests see why it ended
 
 GENERATE_FIELDS = frozenset(
     {
@@ -200,8 +195,6 @@ class LocalEngineServer:
         routes += [
             Route(path, self._wrap(path, fn, control=True), methods=["GET", "POST"]) for path, fn in control.items()
         ]
-        from miles_core.engines.openai_routes import OpenAIRoutes  # deferred: that module builds on this one
-
         routes += OpenAIRoutes(self).routes()
         return Starlette(routes=routes, lifespan=self._lifespan, exception_handlers=JSON_ERRORS)
 
@@ -535,30 +528,6 @@ def _query_fields(request: Request) -> dict[str, str]:
     return fields
 
 
-async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``work``, cancelling it if the client disconnects first (its requests leave their batch); then the
-    answer is a :data:`CLIENT_GONE` response that nobody reads."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task in done:
-        return task.result()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return Response(status_code=CLIENT_GONE)
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client has closed the connection (the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 @dataclasses.dataclass(frozen=True)
 class _LogprobOptions:
     enabled: bool
@@ -568,31 +537,6 @@ class _LogprobOptions:
 
 def _no_text(token: int) -> None:
     return None
-
-
-def visible_text(text: str, finish_reason: dict | None) -> str:
-    """``text`` as an answer shows it: cut before the stop string that ended it, as SGLang does."""
-    matched = (finish_reason or {}).get("matched")
-    if isinstance(matched, str) and matched in text:
-        return text[: text.index(matched)]
-    return text
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How much of ``text`` a stream may send now: up to a stop string it holds, else all but a tail that may be
-    the start of a stop string or an incomplete character (decoded as U+FFFD)."""
-    found = [text.index(stop) for stop in stops if stop in text]
-    if found:
-        return min(found)
-    end = len(text)
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:size]):
-                end = min(end, len(text) - size)
-                break
-    while end > 0 and text[end - 1] == "\ufffd":
-        end -= 1
-    return end
 
 
 def _check_generate_fields(body: dict) -> None:
@@ -741,7 +685,7 @@ def _sampling_params(raw: Any, count: int) -> list[SamplingParams]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m miles_core.engines.local_server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m miles_core.builtin.local_engine.server", description=__doc__)
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=30000)

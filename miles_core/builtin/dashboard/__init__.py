@@ -5,6 +5,6 @@ JSON API from it; ``server.py`` serves the API and the page in ``static/`` (no C
 ``Host`` names that ``hosts.py`` allows.
 """
 
-from miles_core.dashboard.store import DB_NAME, DashboardDatabaseError, DashboardStore, check_run_dir
+from miles_core.builtin.dashboard.store import DB_NAME, DashboardDatabaseError, DashboardStore, check_run_dir
 
 __all__ = ["DB_NAME", "DashboardDatabaseError", "DashboardStore", "check_run_dir"]

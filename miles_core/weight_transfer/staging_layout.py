@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -272,3 +273,8 @@ def _entry_problem(entry: StagedTensor, *, size: int, alignment: int) -> str | N
     if entry.offset + entry.nbytes > size:
         return f"bytes {entry.offset}..{entry.offset + entry.nbytes} lie beyond the layout's size {size}"
     return None
+
+
+def map_staging_file(path: str | Path, size: int) -> torch.Tensor:
+    """A file in shared memory as a uint8 tensor (both sides map the same pages: no copy through the kernel)."""
+    return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)

@@ -4,8 +4,9 @@
 prompts (together, left-padded), samples each one's next token and merges their KV cache into the batch;
 :meth:`~RunningBatch.step` samples one more token for every row; :meth:`~RunningBatch.remove` drops rows (finished,
 cancelled, retracted), and leading cache columns that are padding for every row left go with them. A request's
-tokens depend on its own seed alone (each :class:`~miles_core.engines.sampling._Sampler` has its own generator),
-whatever it is batched with and whenever it joins. :func:`generate_batch` runs a fixed batch to completion with it.
+tokens depend on its own seed alone (each :class:`~.sampling.Sampler` has its own generator),
+whatever it is batched with and whenever it joins. :func:`~.batch_generation.generate_batch` runs a
+fixed batch to completion with it.
 
 A row that leaves keeps its sampler (tokens, logprobs, generator): prefilled again later (its prompt plus the tokens
 so far), it continues where it stopped.
@@ -13,15 +14,15 @@ so far), it continues where it stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler, choose_tokens
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.engines.sampling import GenerationRequest, GenerationResult, _choose, _Sampler
 from miles_core.errors import MilesError
 from miles_core.models.moe_routing import RoutingCapture, moe_routers
 
@@ -30,7 +31,7 @@ class Row(Protocol):
     """What the batch needs of a request: the request itself and its sampler (its state across steps)."""
 
     request: GenerationRequest
-    sampler: _Sampler
+    sampler: Sampler
 
 
 class RunningBatch:
@@ -154,7 +155,7 @@ class RunningBatch:
         """Sample and record one token per row. Every row records its token even if one's recording fails (a
         streaming callback, a stop string's decode): the first such error is raised after, every row consistent."""
         samplers = [row.sampler for row in rows]
-        tokens, logprobs = _choose(samplers, list(range(len(rows))), logits.cpu())
+        tokens, logprobs = choose_tokens(samplers, list(range(len(rows))), logits.cpu())
         self.generated_tokens += len(tokens)
         errors = []
         for sampler, token, logprob in zip(samplers, tokens, logprobs, strict=True):
@@ -196,70 +197,12 @@ class RunningBatch:
         return list(cache.layers)
 
 
-def new_running_batch(model: torch.nn.Module, *, pad_token_id: int = 0) -> RunningBatch:
-    """The running batch that serves ``model``: continuous batching over a merged KV cache when the model's cache is
-    full attention (:class:`~transformers.cache_utils.DynamicLayer` in every layer), else a
-    :class:`~miles_core.engines.recomputing_batch.RecomputingBatch` (sliding windows, DeepSeek-V4's compressors)."""
-    from miles_core.engines.recomputing_batch import RecomputingBatch  # a cycle: it subclasses RunningBatch
-
-    config = getattr(model, "config", None)
-    layers = DynamicCache(config=config).layers if config is not None else []
-    full_attention = all(type(layer) is DynamicLayer for layer in layers)
-    return (RunningBatch if full_attention else RecomputingBatch)(model, pad_token_id=pad_token_id)
-
-
 def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, heads, columns, dim]`` with zero columns added in front up to ``width`` (masked out)."""
     return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
 
 
-class _Fixed:
-    """A row of :func:`generate_batch`."""
-
-    def __init__(self, request: GenerationRequest, sampler: _Sampler) -> None:
-        self.request, self.sampler = request, sampler
-
-
-def generate_batch(
-    model: torch.nn.Module,
-    requests: Sequence[GenerationRequest],
-    *,
-    eos_token_ids: set[int] | frozenset[int] = frozenset(),
-    pad_token_id: int = 0,
-    default_seed: int = 0,
-    should_abort: Callable[[], str | None] = lambda: None,
-    decode: Callable[[list[int]], str] | None = None,
-) -> list[GenerationResult]:
-    """Sample every request to completion in one batch (prefilled together, then stepped; finished rows leave).
-
-    ``should_abort`` is asked before every step; a message ends the unfinished requests with an ``abort`` reason.
-    A request whose ``cancel`` is set ends the same way, alone. ``decode`` (token ids to text) is what stop strings
-    are looked for in; without it a request may not have any.
-    """
-    if decode is None and any(r.params.stop for r in requests):
-        raise ValueError("stop strings need a tokenizer to decode the output: pass decode")
-    rows = [_Fixed(r, _Sampler(r, set(eos_token_ids), default_seed + i, decode)) for i, r in enumerate(requests)]
-    batch = new_running_batch(model, pad_token_id=pad_token_id)
-    waiting = [row for row in rows if row.sampler.finish_reason is None]
-    while waiting or batch.rows:
-        message = should_abort()
-        for row in [*waiting, *batch.rows]:
-            if message is not None:
-                row.sampler.finish_reason = {"type": "abort", "message": message}
-            elif row.request.cancel.is_set():  # its client went away: stop sampling it
-                row.sampler.finish_reason = {"type": "abort", "message": "cancelled: the client went away"}
-        waiting = [row for row in waiting if row.sampler.finish_reason is None]
-        batch.finished()
-        if waiting:
-            batch.prefill(waiting)
-            waiting = []
-        else:
-            batch.step()
-        batch.finished()
-    return [result_of(row.sampler) for row in rows]
-
-
-def result_of(sampler: _Sampler, finish_reason: dict | None = None) -> GenerationResult:
+def result_of(sampler: Sampler, finish_reason: dict | None = None) -> GenerationResult:
     """What a request's sampler holds, as its result (``finish_reason`` overriding the sampler's own)."""
     reason = finish_reason or sampler.finish_reason or {"type": "length", "length": len(sampler.output_ids)}
     return GenerationResult(

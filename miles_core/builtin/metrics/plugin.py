@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.builtin.core_plugin import check_output_dir
+from miles_core.builtin.dashboard.plugin import RateLimitedWarnings
 from miles_core.config.flags import ConfigFlag
-from miles_core.dashboard.plugin import RateLimitedWarnings
 from miles_core.errors import ConfigError
 from miles_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 LIBRARIES = {"prometheus": ("prometheus_client", "prometheus-client"), "tensorboard": ("tensorboard", "tensorboard")}
 """Exporter -> (the module it imports, the package that provides it)."""
@@ -31,7 +34,7 @@ class MetricsPlugin:
 
     @hookimpl
     def config_sections(self) -> dict[str, type]:
-        from miles_core.metrics.config import MetricsSection  # deferred: pydantic, as in the core plugin
+        from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic, as in the core plugin
 
         return {"metrics": MetricsSection}
 
@@ -47,27 +50,31 @@ class MetricsPlugin:
         ]
 
     @hookimpl
-    def validate_config(self, config: Any, registries: Any) -> None:
-        for name in config.metrics.exporters:
+    def validate_config(self, config: MilesConfig, registries: Any) -> None:
+        from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic (loaded with the config)
+
+        metrics = config.section("metrics", MetricsSection)
+        for name in metrics.exporters:
             module, package = LIBRARIES[name]
             if importlib.util.find_spec(module) is None:  # found, not imported: `miles config show` stays light
                 raise ConfigError(
-                    f"metrics.exporters (--metrics) = {','.join(config.metrics.exporters)}: the {name} "
+                    f"metrics.exporters (--metrics) = {','.join(metrics.exporters)}: the {name} "
                     f"exporter needs the package {package}, which is not installed: pip install "
                     f"{package} (or miles-core[metrics])"
                 )
-        if "tensorboard" in config.metrics.exporters and config.metrics.tensorboard_dir is not None:
-            check_output_dir(
-                config.metrics.tensorboard_dir, setting="metrics.tensorboard_dir (--metrics-tensorboard-dir)"
-            )
+        if "tensorboard" in metrics.exporters and metrics.tensorboard_dir is not None:
+            check_output_dir(metrics.tensorboard_dir, setting="metrics.tensorboard_dir (--metrics-tensorboard-dir)")
 
     # -- the run ------------------------------------------------------------------------------------------------
 
     @hookimpl
-    def on_run_start(self, config: Any, run_dir: Path, start_step: int) -> None:
-        for name in config.metrics.exporters:
+    def on_run_start(self, config: MilesConfig, run_dir: Path, start_step: int) -> None:
+        from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic (loaded with the config)
+
+        metrics = config.section("metrics", MetricsSection)
+        for name in metrics.exporters:
             with self.warnings.guard(f"starting the {name} exporter"):
-                exporter = _make_exporter(name, config.metrics, run_dir)
+                exporter = _make_exporter(name, metrics, run_dir)
                 exporter.start(start_step=start_step)
                 self.exporters[name] = exporter
 
@@ -106,13 +113,16 @@ class MetricsPlugin:
 def _make_exporter(name: str, section: Any, run_dir: Path) -> Any:
     """The exporter ``name`` of a run in ``run_dir``; the Prometheus one prints its URL and writes it to a file."""
     if name == "prometheus":
-        from miles_core.metrics.prometheus import PrometheusExporter, write_url_file  # deferred: prometheus-client
+        from miles_core.builtin.metrics.prometheus import (  # deferred: prometheus-client
+            PrometheusExporter,
+            write_url_file,
+        )
 
         exporter = PrometheusExporter(host=section.prometheus_host, port=section.prometheus_port)
         write_url_file(run_dir, exporter.url)
         print(f"miles: Prometheus metrics at {exporter.url}", flush=True)
         return exporter
-    from miles_core.metrics.tensorboard import DEFAULT_DIR, TensorBoardExporter  # deferred: torch, tensorboard
+    from miles_core.builtin.metrics.tensorboard import DEFAULT_DIR, TensorBoardExporter  # deferred: torch, tensorboard
 
     log_dir = Path(section.tensorboard_dir) if section.tensorboard_dir is not None else run_dir / DEFAULT_DIR
     exporter = TensorBoardExporter(log_dir=log_dir)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pydantic
 
+from miles_core.builtin.dashboard.hosts import check_host
 from miles_core.config.section import Section
-from miles_core.dashboard.hosts import check_host
 
 
 class DashboardSection(Section):

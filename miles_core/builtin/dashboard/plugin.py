@@ -12,13 +12,16 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from miles_core.builtin.dashboard.store import DashboardStore
 from miles_core.config.flags import ConfigFlag
-from miles_core.dashboard.store import DashboardStore
 from miles_core.errors import ConfigError
 from miles_core.events import EngineInfo, RouterInfo, TrainerInfo
 from miles_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 class RateLimitedWarnings:
@@ -67,7 +70,7 @@ class DashboardPlugin:
 
     @hookimpl
     def config_sections(self) -> dict[str, type]:
-        from miles_core.dashboard.config import DashboardSection  # deferred: pydantic, as in the core plugin
+        from miles_core.builtin.dashboard.config import DashboardSection  # deferred: pydantic, as in the core plugin
 
         return {"dashboard": DashboardSection}
 
@@ -84,8 +87,11 @@ class DashboardPlugin:
         ]
 
     @hookimpl
-    def validate_config(self, config: Any, registries: Any) -> None:
-        if config.dashboard.serve and not config.dashboard.record:
+    def validate_config(self, config: MilesConfig, registries: Any) -> None:
+        from miles_core.builtin.dashboard.config import DashboardSection  # deferred: pydantic (loaded with the config)
+
+        dashboard = config.section("dashboard", DashboardSection)
+        if dashboard.serve and not dashboard.record:
             raise ConfigError(
                 "dashboard.serve (--dashboard) = True needs dashboard.record = True: the dashboard "
                 "shows what the run records (drop --dashboard-record false)"
@@ -94,9 +100,12 @@ class DashboardPlugin:
     # -- the run ------------------------------------------------------------------------------------------------
 
     @hookimpl
-    def on_run_start(self, config: Any, run_dir: Path, start_step: int) -> None:
-        self.warnings.interval_s = config.dashboard.warn_interval_s
-        if not config.dashboard.record:
+    def on_run_start(self, config: MilesConfig, run_dir: Path, start_step: int) -> None:
+        from miles_core.builtin.dashboard.config import DashboardSection  # deferred: pydantic (loaded with the config)
+
+        dashboard = config.section("dashboard", DashboardSection)
+        self.warnings.interval_s = dashboard.warn_interval_s
+        if not dashboard.record:
             return
         with self.warnings.guard("opening the dashboard database"):
             self.store = DashboardStore(run_dir)
@@ -106,11 +115,11 @@ class DashboardPlugin:
                 num_steps=config.run.num_steps,
                 config=config.model_dump(mode="json"),
             )
-        if config.dashboard.serve and self.store is not None:
+        if dashboard.serve and self.store is not None:
             with self.warnings.guard("starting the dashboard server"):
-                from miles_core.dashboard.server import DashboardServer  # deferred: http.server, for runs only
+                from miles_core.builtin.dashboard.server import DashboardServer  # deferred: http.server, for runs only
 
-                self.server = DashboardServer(run_dir, host=config.dashboard.host, port=config.dashboard.port)
+                self.server = DashboardServer(run_dir, host=dashboard.host, port=dashboard.port)
                 self.server.start()
                 print(f"miles: dashboard at {self.server.url}", flush=True)
 

@@ -32,24 +32,15 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import pydantic
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from miles_core.engines.local_engine import TokenUpdate
-from miles_core.engines.local_server import (
-    MAX_PROMPTS_PER_REQUEST,
-    ROUTE_BODY_BYTES,
-    LocalEngineServer,
-    held_back,
-    unless_client_leaves,
-    visible_text,
-)
-from miles_core.engines.openai_errors import ERROR_TYPES, OpenAIError, error_response, validated_body
-from miles_core.engines.sampling import (
+from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate
+from miles_core.builtin.local_engine.sampling import (
     MAX_SEED,
     MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
@@ -57,6 +48,14 @@ from miles_core.engines.sampling import (
     GenerationResult,
     SamplingParams,
 )
+from miles_core.builtin.local_engine.serving import (
+    MAX_PROMPTS_PER_REQUEST,
+    ROUTE_BODY_BYTES,
+    held_back,
+    unless_client_leaves,
+    visible_text,
+)
+from miles_core.engines.openai_errors import ERROR_TYPES, OpenAIError, error_response, validated_body
 from miles_core.errors import MilesError
 from miles_core.http import HttpError, check_browser_request, parse_json_object, read_body, safe_message
 
@@ -263,10 +262,24 @@ def _sse(payload: dict | str) -> bytes:
     return b"data: " + (payload if isinstance(payload, str) else json.dumps(payload)).encode() + b"\n\n"
 
 
-class OpenAIRoutes:
-    """The OpenAI-compatible routes of a :class:`LocalEngineServer`."""
+class EngineServer(Protocol):
+    """What the OpenAI routes use of the server that mounts them
+    (:class:`~.server.LocalEngineServer`): its engine, its address, and generation counted
+    in its requests in flight."""
 
-    def __init__(self, server: LocalEngineServer) -> None:
+    engine: LocalEngine
+    port: int
+    served_names: frozenset[str]
+
+    async def generate_counted(self, requests: list[GenerationRequest]) -> list[GenerationResult]: ...
+
+    def stream_tokens(self, request: GenerationRequest) -> AsyncIterator[TokenUpdate | GenerationResult]: ...
+
+
+class OpenAIRoutes:
+    """The OpenAI-compatible routes of a local engine server."""
+
+    def __init__(self, server: EngineServer) -> None:
         self.server = server
         self.engine = server.engine
 

@@ -1,7 +1,7 @@
 """``LocalEngine``: a transformers model behind a continuous batcher, with SGLang's weight-update semantics.
 
 Concurrent generate requests join and leave one running batch between decode steps (up to ``max_batch_size``
-rows, see :mod:`miles_core.engines.running_batch`), stepped on one worker thread: a short request's answer comes
+rows, see :mod:`.running_batch`), stepped on one worker thread: a short request's answer comes
 as soon as it ends, whatever else runs. Weight updates wait for a step boundary at which nothing is being stepped
 (the engine paused or idle) and hold back new requests meanwhile, so an update never lands inside a step and a
 request is never served a mix of versions; an update is checked in full before anything is copied.
@@ -28,21 +28,19 @@ from typing import Any
 import torch
 import transformers
 
-from miles_core.engines.running_batch import new_running_batch, result_of
-from miles_core.engines.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, _Sampler
+from miles_core.builtin.local_engine.batch_generation import new_running_batch
+from miles_core.builtin.local_engine.running_batch import result_of
+from miles_core.builtin.local_engine.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
-from miles_core.engines.staging_layout import StagingLayout
 from miles_core.engines.weights import (
     GROUP_BACKENDS,
     WeightLoadError,
     broadcast,
     check_named_tensors,
-    checksum,
     decode_tensors,
     dtype_from_name,
     group_device,
     load_named_tensors,
-    map_staging_file,
     new_weight_update_group,
     read_checkpoint_dir,
     read_safetensors_file,
@@ -51,6 +49,8 @@ from miles_core.engines.weights import (
 )
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_named_tensors, load_causal_lm
+from miles_core.weight_transfer.digests import checksum
+from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "aborted by pause_generation"
@@ -85,7 +85,7 @@ class _Pending:
 
     request: GenerationRequest
     future: asyncio.Future
-    sampler: _Sampler | None = None  # made when it first joins the batch; kept when it leaves it and comes back
+    sampler: Sampler | None = None  # made when it first joins the batch; kept when it leaves it and comes back
     solo: bool = False  # it was in a step that failed: it runs alone, so that a fault fails only its own request
 
 
@@ -348,7 +348,7 @@ class LocalEngine:
                 default_seed = self.seed * 1_000_003 + self._requests
                 self._requests += 1
                 decode = self.decode if self.tokenizer is not None else None
-                item.sampler = _Sampler(item.request, self.eos_token_ids, default_seed, decode)
+                item.sampler = Sampler(item.request, self.eos_token_ids, default_seed, decode)
             if item.sampler.finish_reason is not None:  # max_new_tokens 0
                 self._settle(item, result=self._result(item))
                 continue
@@ -608,7 +608,7 @@ class LocalEngine:
         return self._load(received, weight_version)
 
     def weights_checksum(self) -> str:
-        """SHA-256 of the served weights (see :func:`miles_core.engines.weights.checksum`)."""
+        """SHA-256 of the served weights (see :func:`miles_core.weight_transfer.digests.checksum`)."""
         with self._weights_held(change=False):
             # under the names the trainers send (a MoE's experts one by one), so both sides' checksums agree
             return checksum(checkpoint_named_tensors(self.model, unique_named_tensors(self.model.state_dict().items())))
@@ -650,10 +650,11 @@ def _is_token_id(token: object, vocab_size: int) -> bool:
     return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
 
 
-def _context_length(config: Any, requested: int | None) -> int:
+def _context_length(hf_config: Any, requested: int | None) -> int:
     """The longest prompt plus completion: the model's (its position limit), or ``requested`` if not longer."""
     native = next(
-        (getattr(config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(config, key, None), int)), None
+        (getattr(hf_config, key) for key in _CONTEXT_LENGTH_KEYS if isinstance(getattr(hf_config, key, None), int)),
+        None,
     )
     if requested is not None and requested < 1:
         raise MilesError(f"context length must be at least 1, got {requested}")

@@ -3,32 +3,35 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 
 class LocalEngineBackend:
     """:class:`~miles_core.engines.backend.EngineBackend` of Miles' own local engine; no router."""
 
-    def engine_specs(self, config: Any, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
+    def engine_specs(self, config: MilesConfig, *, cell_id: str, model_path: str) -> list[WorkerSpec]:
         return [local_engine_spec(config, cell_id=cell_id, model_path=model_path)]
 
-    def router_spec(self, config: Any) -> WorkerSpec | None:
+    def router_spec(self, config: MilesConfig) -> WorkerSpec | None:
         return None
 
-    def weight_capabilities(self, config: Any) -> EngineCapabilities:
+    def weight_capabilities(self, config: MilesConfig) -> EngineCapabilities:
         """Every route: disk, broadcast groups, staging files (served from, or copied), safetensors bytes, checksum."""
         return LOCAL_ENGINE
 
 
-def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
+def local_engine_spec(config: MilesConfig, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """The command worker that serves ``model_path`` with SGLang's HTTP API on a free port."""
     argv = [
         sys.executable,
         "-m",
-        "miles_core.engines.local_server",
+        "miles_core.builtin.local_engine.server",
         "--model-path",
         model_path,
         "--host",

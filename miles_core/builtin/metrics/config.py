@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 import pydantic
 
+from miles_core.builtin.dashboard.hosts import check_host, is_loopback_host
 from miles_core.config.section import Section
-from miles_core.dashboard.hosts import check_host, is_loopback_host
 
 Exporter = Literal["prometheus", "tensorboard"]
 

@@ -1,5 +1,5 @@
 """Sampling for the local engine: parameters, requests, results and the per-request sampler (batched decoding with
-a KV cache is :mod:`miles_core.engines.running_batch`), on CPU or GPU, from any transformers causal LM.
+a KV cache is :mod:`.running_batch`), on CPU or GPU, from any transformers causal LM.
 
 Token in, token out: requests carry prompt token ids and get back output token ids with their logprobs. The
 logprob of a token is taken from the distribution it was sampled from before top-k / top-p truncation, that is
@@ -124,7 +124,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-class _Sampler:
+class Sampler:
     """Per-request state: generator, stop set, outputs."""
 
     def __init__(
@@ -191,7 +191,7 @@ class _Sampler:
         return min(found)[1] if found else None
 
 
-def _choose(samplers: list[_Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+def choose_tokens(samplers: list[Sampler], rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
     """Sample one token for each active row at once, by inverse CDF with one uniform number per row drawn from the
     request's own generator: a request's tokens depend on its seed alone, whatever it is batched with."""
     logits = logits[rows].float()

@@ -29,10 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from miles_core.dashboard import hosts
+from miles_core.builtin.dashboard import hosts
+from miles_core.builtin.metrics.values import numeric
 from miles_core.errors import MilesError
 from miles_core.http import BackgroundServer
-from miles_core.metrics.values import numeric
 from miles_core.workers.process import listening_socket
 
 try:

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from miles_core.builtin.metrics.values import numeric
 from miles_core.errors import MilesError
-from miles_core.metrics.values import numeric
 
 PACKAGE = "tensorboard"
 DEFAULT_DIR = "tensorboard"

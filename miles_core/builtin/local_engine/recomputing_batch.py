@@ -1,7 +1,7 @@
 """A running batch for models whose KV cache cannot be padded and merged between rows: every step recomputes each
 row's whole sequence, unpadded, without a cache.
 
-Continuous batching (:class:`~miles_core.engines.running_batch.RunningBatch`) left-pads rows and concatenates their
+Continuous batching (:class:`~.running_batch.RunningBatch`) left-pads rows and concatenates their
 caches, which needs a full-attention cache whose columns are positions. A model whose cache holds other state, such
 as DeepSeek-V4's sliding windows and compressors (entries summarising windows of ``compress_rate`` tokens counted
 from the sequence's start, which left padding would shift), cannot be served that way; recomputing is exact for any
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_core.engines.running_batch import Row, RunningBatch
+from miles_core.builtin.local_engine.running_batch import Row, RunningBatch
 
 
 class RecomputingBatch(RunningBatch):

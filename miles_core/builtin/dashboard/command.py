@@ -5,9 +5,9 @@ from __future__ import annotations
 import signal
 import sys
 
-from miles_core.dashboard.hosts import DashboardHostError, check_host
-from miles_core.dashboard.server import DashboardServer
-from miles_core.dashboard.store import check_run_dir
+from miles_core.builtin.dashboard.hosts import DashboardHostError, check_host
+from miles_core.builtin.dashboard.server import DashboardServer
+from miles_core.builtin.dashboard.store import check_run_dir
 from miles_core.errors import MilesError
 
 

@@ -355,13 +355,13 @@ class LocalEngineServer:
                 result.version_events, self.engine.weight_version, len(result.output_ids)
             )
         if logprobs.enabled:
-            text = self._token_text if logprobs.with_text else _no_text
+            token_text = self._token_text if logprobs.with_text else _no_text
             meta["output_token_logprobs"] = [
-                [lp, tok, text(tok)] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
+                [lp, tok, token_text(tok)] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
             ]
             if logprobs.top:
                 meta["output_top_logprobs"] = [
-                    [[lp, tok, text(tok)] for lp, tok in position] for position in result.top_logprobs
+                    [[lp, tok, token_text(tok)] for lp, tok in position] for position in result.top_logprobs
                 ]
         if request.return_routed_experts and finished:  # SGLang sends them with the finished answer alone
             experts = result.routed_experts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -251,7 +252,12 @@ def sample_record(sample: Any) -> dict[str, Any]:
 
 
 def _fields(instance: Any) -> dict[str, Any]:
-    return {field.name: getattr(instance, field.name) for field in dataclasses.fields(instance)}
+    return {name: getattr(instance, name) for name in _field_names(type(instance))}
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))
 
 
 def _int_or_none(value: Any) -> int | None:

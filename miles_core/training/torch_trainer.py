@@ -177,7 +177,10 @@ class TorchTrainer:
             tis_clip=self.settings.tis_clip,
             old_logprobs=old_logprobs,
         )
-        token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
+        # Only a bonus needs the entropy's gradient; as a metric alone it stays out of the backward pass (0 times its
+        # gradient adds exact zeros to the weights' gradients, at the cost of a pass through softmax and exp).
+        with torch.no_grad() if self.settings.entropy_coef == 0 else contextlib.nullcontext():
+            token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad(), self._replayed(self.reference, tensors):

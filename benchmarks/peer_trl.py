@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,8 @@ def trl_worker(spec: dict) -> dict:
     from miles_core.run_setup import default_model
 
     seed, steps = spec["seed"], spec["steps"]
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
     model_dir = default_model(Path(spec["run_dir"]), seed=seed)  # what `miles train` builds from the same seed
     train, evaluation = echo_last_prompts(seed=seed)
     order = [p for step in range(steps) for p in step_prompts(train, step, seed=seed, batch_size=BATCH_SIZE)]
@@ -155,14 +158,21 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def run_trl(python: Path, *, seed: int, steps: int) -> dict:
+def run_trl(python: Path, *, seed: int, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="miles-peer-trl-") as run_dir:
-        spec = json.dumps({"seed": seed, "steps": steps, "run_dir": run_dir})
+        spec = json.dumps({"seed": seed, "steps": steps, "run_dir": run_dir, "threads": threads})
         out = Path(run_dir) / "result.json"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run([str(python), __file__, "--trl-worker", spec, "--result", str(out)], check=True, env=env)
+        with ChildCpuSeconds() as cpu:
+            subprocess.run(
+                [str(python), __file__, "--trl-worker", spec, "--result", str(out)],
+                check=True,
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
         result = json.loads(out.read_text())
     result["evals"] = {int(step): value for step, value in result["evals"].items()}
+    result["cpu_s"] = cpu.seconds
     return result
 
 
@@ -174,7 +184,8 @@ def run_miles(*, seed: int, steps: int, schedule: str) -> dict:
             *("--seed", str(seed), "--num-steps", str(steps), "--run-schedule", schedule),
             *("--run-eval-every", str(EVAL_EVERY), "--output-dir", run_dir),
         ]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        with ChildCpuSeconds() as cpu:
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - started
         rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         weights = _digest(Path(run_dir) / "initial_model")
@@ -183,7 +194,25 @@ def run_miles(*, seed: int, steps: int, schedule: str) -> dict:
         r["time/step"] - r.get("time/eval", 0.0) - r.get("time/checkpoint", 0.0) for r in rows if "time/step" in r
     ]
     evals = {int(r["step"]): r["eval/reward_mean"] for r in rows if "eval/reward_mean" in r}
-    return {"seconds": seconds, "evals": evals, "wall_s": wall, "weights": weights}
+    return {"seconds": seconds, "evals": evals, "wall_s": wall, "weights": weights, "cpu_s": cpu.seconds}
+
+
+class ChildCpuSeconds:
+    """The CPU seconds (user and system) of the child processes that ended inside the block (the engine's too: it
+    is the Miles driver's child, waited for when the run stops it)."""
+
+    def __enter__(self) -> ChildCpuSeconds:
+        self._before = _children_cpu()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.seconds = _children_cpu() - self._before
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _digest(model_dir: Path) -> str:
@@ -201,6 +230,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--repeats", type=int, default=1, help="TRL then each schedule, this many times")
     parser.add_argument("--trl-venv", type=Path, default=DEFAULT_VENV)
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL process (0: torch's default); 1, as Miles' trainer and engine each use for "
+        "the embedded model",
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -211,11 +247,12 @@ def main() -> None:
     schedules = args.schedule.split(",")
     ratios: dict[str, list[float]] = {s: [] for s in schedules}
     for repeat in range(args.repeats):
-        trl_result = run_trl(python, seed=args.seed, steps=args.steps)
+        trl_result = run_trl(python, seed=args.seed, steps=args.steps, threads=args.trl_threads)
         trl_step = statistics.median(trl_result["seconds"])
         print(
             f"[{repeat + 1}] TRL {TRL_VERSION} GRPOTrainer: {trl_step:.3f} s/step (median of "
-            f"{len(trl_result['seconds'])}), {trl_result['wall_s']:.0f} s in all, initial weights "
+            f"{len(trl_result['seconds'])}), {trl_result['wall_s']:.0f} s in all, {trl_result['cpu_s']:.0f} CPU s, "
+            "initial weights "
             f"{trl_result['weights']}\n    eval {_curve(trl_result['evals'])}",
             flush=True,
         )
@@ -226,7 +263,8 @@ def main() -> None:
             ratios[schedule].append(miles_step / trl_step)
             print(
                 f"[{repeat + 1}] miles train --run-schedule {schedule}: {miles_step:.3f} s/step (median of "
-                f"{len(miles_result['seconds'])}), {miles_result['wall_s']:.0f} s in all with start-up, initial "
+                f"{len(miles_result['seconds'])}), {miles_result['wall_s']:.0f} s in all with start-up, "
+                f"{miles_result['cpu_s']:.0f} CPU s, initial "
                 f"weights {miles_result['weights']} ({same})\n    eval {_curve(miles_result['evals'])}",
                 flush=True,
             )

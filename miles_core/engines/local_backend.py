@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from miles_core.default.threads import torch_threads
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
 
@@ -20,6 +21,7 @@ class LocalEngineBackend:
 
 def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """The command worker that serves ``model_path`` with SGLang's HTTP API on a free port."""
+    threads = torch_threads(config.engine.cpu_threads, config)
     argv = [
         sys.executable,
         "-m",
@@ -34,7 +36,7 @@ def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandW
         str(config.engine.max_batch_size),
         "--random-seed",
         str(config.run.seed),
-        *(["--cpu-threads", str(config.engine.cpu_threads)] if config.engine.cpu_threads else []),
+        *(["--cpu-threads", str(threads)] if threads is not None else []),
     ]
     return CommandWorkerSpec(
         name=cell_id,

@@ -233,9 +233,8 @@ def main() -> None:
     parser.add_argument(
         "--trl-threads",
         type=int,
-        default=1,
-        help="torch threads of the TRL process (0: torch's default); 1, as Miles' trainer and engine each use for "
-        "the embedded model",
+        default=0,
+        help="torch threads of the TRL process (0, the default: torch's, one per core, as Miles' sync trainer)",
     )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)

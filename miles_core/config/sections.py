@@ -203,8 +203,9 @@ class TrainSection(Section):
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of the torch trainer (None: 1 for the embedded default model, else torch's "
-        "default, one per core); on a small machine, split the cores between trainer and engines for fully_async.",
+        description="torch CPU threads of the torch trainer (None: 1 for the embedded default model under "
+        "one_step_off and fully_async, where it shares the cores with the engine, else torch's default, one per "
+        "core); on a small machine, split the cores between trainer and engines for fully_async.",
     )
     optimizer: Literal["adamw", "sgd"] = pydantic.Field(default="adamw", description="Optimizer of every trainer.")
     lr: float = pydantic.Field(default=3e-3, gt=0, description="Learning rate.")

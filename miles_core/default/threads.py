@@ -5,16 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 EMBEDDED_MODEL_THREADS = 1
-"""The embedded default model's: its tensors (``[128, 15, 64]`` in a step) are too small for torch to gain from
-splitting an op across cores, and the trainer and the engine are two processes: with a thread per core each, they
-fight over the cores whenever both run (an overlapping schedule, a health check, another program), and a thread
-that waits for a descheduled sibling at every op makes a step several times slower on a busy machine."""
+"""One thread for a process of the embedded default model that shares the cores: its tensors (``[128, 15, 64]`` in
+a step) are too small for torch to gain from splitting an op across cores, while two processes with a thread per
+core each fight over them whenever both run, and a thread that waits for a descheduled sibling at every op makes a
+step several times slower on a busy machine."""
+
+OVERLAPPING_SCHEDULES = ("one_step_off", "fully_async")
+"""The schedules whose trainer trains while the engines generate."""
 
 
-def torch_threads(setting: int | None, config: Any) -> int | None:
-    """``setting`` (``train.cpu_threads`` or ``engine.cpu_threads``) when given; else
-    :data:`EMBEDDED_MODEL_THREADS` for a run of the embedded default model (no ``--model``); else ``None``: torch's
-    default, one thread per core."""
-    if setting is not None:
-        return setting
+def engine_threads(config: Any) -> int | None:
+    """``engine.cpu_threads`` when given; else :data:`EMBEDDED_MODEL_THREADS` for a run of the embedded default
+    model (no ``--model``), which generates as fast with one; else ``None``: torch's default, one per core."""
+    if config.engine.cpu_threads is not None:
+        return config.engine.cpu_threads
     return EMBEDDED_MODEL_THREADS if config.model.path is None else None
+
+
+def trainer_threads(config: Any) -> int | None:
+    """``train.cpu_threads`` when given; else, for the embedded default model under an overlapping schedule,
+    :data:`EMBEDDED_MODEL_THREADS` (the trainer and the engine then run at once, a core each on a small machine);
+    else ``None``: torch's default. Under ``sync`` the trainer runs alone and keeps every core: its thread count
+    also sets the order of the gradients' float sums, and so the run's exact trajectory."""
+    if config.train.cpu_threads is not None:
+        return config.train.cpu_threads
+    overlapping = config.run.schedule in OVERLAPPING_SCHEDULES
+    return EMBEDDED_MODEL_THREADS if config.model.path is None and overlapping else None

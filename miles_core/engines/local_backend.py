@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from miles_core.default.threads import torch_threads
+from miles_core.default.threads import engine_threads
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
 
@@ -21,7 +21,7 @@ class LocalEngineBackend:
 
 def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """The command worker that serves ``model_path`` with SGLang's HTTP API on a free port."""
-    threads = torch_threads(config.engine.cpu_threads, config)
+    threads = engine_threads(config)
     argv = [
         sys.executable,
         "-m",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import transformers
 
-from miles_core.default.threads import torch_threads
+from miles_core.default.threads import trainer_threads
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
@@ -87,7 +87,7 @@ class TorchTrainer:
         """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
         ``model_path`` is a checkpoint to resume from."""
-        threads = torch_threads(config.train.cpu_threads, config)
+        threads = trainer_threads(config)
         if threads is not None:
             torch.set_num_threads(threads)
         hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)

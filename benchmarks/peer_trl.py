@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from miles_core.default.threads import omp_wait_policy
+
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
 DEFAULT_VENV = ROOT / ".cache" / "peer-trl" / "venv"
@@ -162,7 +164,7 @@ def run_trl(python: Path, *, seed: int, steps: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="miles-peer-trl-") as run_dir:
         spec = json.dumps({"seed": seed, "steps": steps, "run_dir": run_dir, "threads": threads})
         out = Path(run_dir) / "result.json"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **omp_wait_policy(), "PYTHONPATH": str(ROOT)}  # OpenMP waits as in Miles' processes
         with ChildCpuSeconds() as cpu:
             subprocess.run(
                 [str(python), __file__, "--trl-worker", spec, "--result", str(out)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from miles_core.default.threads import engine_threads
+from miles_core.default.threads import engine_threads, omp_wait_policy
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
 
@@ -43,6 +43,7 @@ def local_engine_spec(config: Any, *, cell_id: str, model_path: str) -> CommandW
         argv=argv,
         ports=["port"],
         health_url="http://{host}:{port}/health_generate",
+        env=omp_wait_policy(),
         startup_timeout_s=config.engine.startup_timeout_s,
         num_cpus=0,
     )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 
+from miles_core.default.threads import trainer_threads
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
@@ -96,8 +97,9 @@ class TorchTrainer:
         """The trainer of a ``miles train`` run (the training-backend interface every backend offers): the model
         implementation chosen for the checkpoint's family. The KL reference is the run's initial model, also when
         ``model_path`` is a checkpoint to resume from."""
-        if config.train.cpu_threads is not None:
-            torch.set_num_threads(config.train.cpu_threads)
+        threads = trainer_threads(config)
+        if threads is not None:
+            torch.set_num_threads(threads)
         hf_config = transformers.AutoConfig.from_pretrained(require_checkpoint_dir(model_path), local_files_only=True)
         name, entry = model_implementation_for(
             config.model.implementations,
@@ -187,7 +189,10 @@ class TorchTrainer:
             tis_clip=self.settings.tis_clip,
             old_logprobs=old_logprobs,
         )
-        token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
+        # Only a bonus needs the entropy's gradient; as a metric alone it stays out of the backward pass (0 times its
+        # gradient adds exact zeros to the weights' gradients, at the cost of a pass through softmax and exp).
+        with torch.no_grad() if self.settings.entropy_coef == 0 else contextlib.nullcontext():
+            token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
         kl = torch.zeros(())
         if self.reference is not None:
             with torch.no_grad(), self._replayed(self.reference, tensors):

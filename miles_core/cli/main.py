@@ -17,6 +17,7 @@ import typing
 from collections.abc import Callable, Sequence
 
 from miles_core.cli.exit_codes import FAILED, INTERRUPTED, USAGE_ERROR
+from miles_core.default.threads import omp_wait_policy
 from miles_core.errors import MilesError
 
 PLUGIN_HELP = (
@@ -109,6 +110,7 @@ def build_parser(command: str | None, plugin_args: list[str]) -> tuple[argparse.
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``miles`` command line; returns the exit status."""
+    os.environ.update(omp_wait_policy())  # before torch is imported (its OpenMP reads it once), inherited by workers
     try:
         return _run(list(sys.argv[1:] if argv is None else argv))
     except MilesError as exc:

@@ -216,8 +216,9 @@ class TrainSection(Section):
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of the torch trainer (None: torch's default, one per core); on a small "
-        "machine, split the cores between trainer and engines for fully_async.",
+        description="torch CPU threads of the torch trainer (None: 1 for the embedded default model under "
+        "one_step_off and fully_async, where it shares the cores with the engine, else torch's default, one per "
+        "core); on a small machine, split the cores between trainer and engines for fully_async.",
     )
     optimizer: Literal["adamw", "sgd"] = pydantic.Field(default="adamw", description="Optimizer of every trainer.")
     lr: float = pydantic.Field(default=3e-3, gt=0, description="Learning rate.")
@@ -262,7 +263,10 @@ class EngineSection(Section):
     num_engines: int = pydantic.Field(default=1, ge=1, description="Engines (cells) to run.")
     max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
     cpu_threads: int | None = pydantic.Field(
-        default=None, ge=1, description="torch CPU threads of each local engine (None: torch's default)."
+        default=None,
+        ge=1,
+        description="torch CPU threads of each local engine (None: 1 for the embedded default model, else torch's "
+        "default).",
     )
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)

@@ -46,9 +46,14 @@ class SamplingParams:
 
     def to_sglang(self) -> dict[str, Any]:
         """SGLang's ``sampling_params`` object (no ``sampling_seed`` key when it is ``None``)."""
-        params = {**dataclasses.asdict(self), "temperature": float(self.temperature), "top_p": float(self.top_p)}
-        if self.sampling_seed is None:
-            del params["sampling_seed"]
+        params = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p),
+            "top_k": self.top_k,
+        }
+        if self.sampling_seed is not None:
+            params["sampling_seed"] = self.sampling_seed
         return params
 
 
@@ -161,7 +166,15 @@ def _logprobs(meta: Mapping[str, Any], output_ids: list[int], bad: Any) -> list[
             f"meta_info.output_token_logprobs = {_excerpt(entries)}, expected a list of {len(output_ids)} "
             "[logprob, token_id, text] entries, one per output id (was return_logprob honoured?)"
         )
-    logprobs = []
+    if entries and set(map(type, entries)) == {list} and min(map(len, entries)) >= 2:  # the well-formed answer, fast
+        values = [entry[0] for entry in entries]
+        if (
+            [entry[1] for entry in entries] == output_ids
+            and set(map(type, values)) <= {float, int}
+            and all(map(math.isfinite, values))
+        ):
+            return [float(value) for value in values]
+    logprobs = []  # something is wrong: find the first bad entry, to name it
     for position, (entry, token) in enumerate(zip(entries, output_ids, strict=True)):
         if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token or not _is_finite(entry[0]):
             raise bad(

@@ -24,7 +24,8 @@ class TransformersCausalLM(CausalLM):
         return cls(load_causal_lm(path, dtype=dtype, attn_implementation="eager"))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids).logits
+        # no KV cache: a training forward never decodes on from it, and filling one costs a copy per layer
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights as ``save_pretrained`` names them (a tied ``lm_head.weight`` is the embedding)."""

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from miles_core.rollout.sessions.pool import SessionServers
 
 MAX_ATTEMPTS = 5
+STEP_PROMPTS_KEPT = 8
 
 
 MAX_FILTER_ROUNDS = 8
@@ -90,20 +91,21 @@ class RolloutExecutor:
         self.agent, self.sessions = agent, sessions
         self._next_engine = 0
         self._next_session_engine = 0
+        self._step_prompts: dict[int, list[Prompt]] = {}  # the last rollouts' prompts (fully_async has several)
 
     # -- data order -----------------------------------------------------------------------------------------
 
     def prompts_for(self, rollout_id: int) -> list[Prompt]:
-        """The step's prompts: consecutive slices of a seeded shuffle per epoch (depends on the id alone)."""
-        size = self.config.rollout.batch_size
-        per_epoch = max(1, len(self.train_prompts) // size)
-        epoch, slot = divmod(rollout_id, per_epoch)
-        order = list(range(len(self.train_prompts)))
-        random.Random(self.config.run.seed * 7919 + epoch).shuffle(order)
-        chosen = order[slot * size : (slot + 1) * size]
-        while len(chosen) < size:  # fewer prompts than a batch: wrap around
-            chosen.append(order[len(chosen) % len(order)])
-        return [self.train_prompts[i] for i in chosen]
+        """The step's prompts (:func:`step_prompts`), shuffled once per rollout (every group of it asks)."""
+        chosen = self._step_prompts.get(rollout_id)
+        if chosen is None:
+            chosen = step_prompts(
+                self.train_prompts, rollout_id, seed=self.config.run.seed, batch_size=self.config.rollout.batch_size
+            )
+            if len(self._step_prompts) >= STEP_PROMPTS_KEPT:  # the oldest goes: rollouts move forward
+                del self._step_prompts[min(self._step_prompts)]
+            self._step_prompts[rollout_id] = chosen
+        return list(chosen)
 
     def prompt_of(self, rollout_id: int, slot: int) -> Prompt:
         """The prompt of a step's group ``slot``: :meth:`prompts_for` for the first ``batch_size`` slots, then (extra
@@ -501,6 +503,20 @@ class RolloutExecutor:
             f"{prefix}/response_length": statistics.fmean(lengths),
             f"{prefix}/samples": float(len(samples)),
         }
+
+
+def step_prompts(prompts: list[Prompt], rollout_id: int, *, seed: int, batch_size: int) -> list[Prompt]:
+    """Rollout ``rollout_id``'s ``batch_size`` prompts: consecutive slices of a seeded shuffle per epoch (a function
+    of the prompts, the id and the run's seed alone, so a resumed run, or a peer given the same prompts, sees the same
+    data in the same order)."""
+    per_epoch = max(1, len(prompts) // batch_size)
+    epoch, slot = divmod(rollout_id, per_epoch)
+    order = list(range(len(prompts)))
+    random.Random(seed * 7919 + epoch).shuffle(order)
+    chosen = order[slot * batch_size : (slot + 1) * batch_size]
+    while len(chosen) < batch_size:  # fewer prompts than a batch: wrap around
+        chosen.append(order[len(chosen) % len(order)])
+    return [prompts[i] for i in chosen]
 
 
 def _segments(output: GenerateOutput, engine: str) -> list[tuple[int | None, int]]:

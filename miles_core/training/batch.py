@@ -87,17 +87,18 @@ class TrainBatch:
         layers, top_k]`` (:data:`NOT_ROUTED` where nothing was recorded: padding, the last token, samples without
         them)."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
-        batch = len(self.samples)
-        input_ids = torch.full((batch, length), pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, length - 1))
-        old = torch.zeros((batch, length - 1))
-        for row, sample in enumerate(self.samples):
-            sequence = sample.prompt_ids + sample.response_ids
-            input_ids[row, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-            start = len(sample.prompt_ids) - 1  # target position of the first response token
-            end = start + len(sample.response_ids)
-            mask[row, start:end] = 1 if sample.loss_mask is None else torch.tensor(sample.loss_mask)
-            old[row, start:end] = torch.tensor(sample.rollout_logprobs)
+        ids, masks, olds = [], [], []  # Python rows, then one tensor each: a tensor per row costs more than its data
+        for sample in self.samples:
+            sequence = [*sample.prompt_ids, *sample.response_ids]
+            ids.append(sequence + [pad_token_id] * (length - len(sequence)))
+            before = [0.0] * (len(sample.prompt_ids) - 1)  # up to the target position of the first response token
+            after = [0.0] * (length - len(sequence))
+            response = [1.0] * len(sample.response_ids) if sample.loss_mask is None else list(sample.loss_mask)
+            masks.append(before + response + after)
+            olds.append(before + list(sample.rollout_logprobs) + after)
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        mask = torch.tensor(masks, dtype=torch.float32)
+        old = torch.tensor(olds, dtype=torch.float32)
         advantages = torch.tensor([s.advantage for s in self.samples], dtype=torch.float32)
         tensors = {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
         routed = self.routed_experts(length)

@@ -150,9 +150,15 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         slot = self._next_slot
         try:
             staged = await asyncio.to_thread(self._stage, tensors, slot)
+            # the version travels with the swap: each engine serves the new weights under the new version at once,
+            # and one request per engine is spared
             await self.on_each_engine(
                 lambda client: client.update_weights_from_staging(
-                    staging_path=str(staged.path), buffer_size=staged.buffer_size, layout=staged.layout, swap=True
+                    staging_path=str(staged.path),
+                    buffer_size=staged.buffer_size,
+                    layout=staged.layout,
+                    swap=True,
+                    weight_version=str(version),
                 )
             )
         except BaseException:
@@ -161,7 +167,6 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
             raise
         self._next_slot = 1 - slot
         self._served_zero_copy = staged
-        await self.publish_version(version)
         return self.report(
             version=version, num_bytes=sum(t.numel() * t.element_size() for _, t in tensors), started=started
         )

@@ -54,6 +54,8 @@ class HealthMonitor:
         self._pause_depth = 0
         self._round = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._http: httpx.AsyncClient | None = None  # one client for every check: making one costs milliseconds
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop ``_http`` belongs to
 
     # -- control --------------------------------------------------------------------------------------------
 
@@ -68,6 +70,9 @@ class HealthMonitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     @contextlib.asynccontextmanager
     async def paused(self) -> AsyncIterator[None]:
@@ -115,20 +120,28 @@ class HealthMonitor:
         if not (alive and all(alive)):
             return False
         urls = [worker.url for worker in cell.workers if worker.url]
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            return all(await asyncio.gather(*(_answers_http(client, url) for url in urls)))
+        client = self._client()
+        return all(await asyncio.gather(*(_answers_http(client, url) for url in urls)))
 
     async def answers_health(self, cell: Cell) -> bool:
         """Every worker with a health URL answers it with 200 within ``timeout_s``."""
         headers = {"Authorization": f"Bearer {self.cells.provider.token}"}
-        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as client:
-            for url in (worker.health_url for worker in cell.workers if worker.health_url is not None):
-                try:
-                    if (await client.get(url)).status_code != 200:
-                        return False
-                except httpx.HTTPError:
+        client = self._client()
+        for url in (worker.health_url for worker in cell.workers if worker.health_url is not None):
+            try:
+                if (await client.get(url, headers=headers)).status_code != 200:
                     return False
+            except httpx.HTTPError:
+                return False
         return True
+
+    def _client(self) -> httpx.AsyncClient:
+        """The monitor's HTTP client (made on first use, in the event loop the checks run in; closed by
+        :meth:`stop`). A client of another event loop, closed with it, is replaced."""
+        if self._http is None or self._http.is_closed or self._loop is not asyncio.get_running_loop():
+            self._http = httpx.AsyncClient(timeout=self.timeout_s)
+            self._loop = asyncio.get_running_loop()
+        return self._http
 
     async def _needs_recovery(self, cell: Cell, *, liveness_only: bool) -> bool:
         if cell.state == CellState.FAILED:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -156,11 +157,11 @@ class DashboardStore:
                     (int(step),),
                 ).fetchall()
             )
+            rows = []
             for record in records:
                 occurrence = taken.get(record["sample_index"], 0)
                 taken[record["sample_index"]] = occurrence + 1
-                db.execute(
-                    "INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?)",
+                rows.append(
                     (
                         int(step),
                         record["sample_index"],
@@ -169,8 +170,9 @@ class DashboardStore:
                         record["prompt"],
                         record["response"],
                         _to_json(record["data"]),
-                    ),
+                    )
                 )
+            db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
         return len(records)
 
     def add_weight_update(self, *, report: Any, started: float | None) -> None:
@@ -225,16 +227,19 @@ class _Transaction:
 
 def sample_record(sample: Any) -> dict[str, Any]:
     """A sample (the executor's ``Sample``, a mapping, or any object with attributes) as a row: its index, reward,
-    prompt text, response text, and every other field as JSON-ready data."""
+    prompt text, response text, and every other field as JSON-ready data (nested dataclasses become mappings when
+    the row is written, :func:`_to_json`)."""
     if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
-        data = dataclasses.asdict(sample)
+        data = _fields(sample)  # shallow: copying a step's token lists and logprobs again would cost milliseconds
     elif isinstance(sample, Mapping):
         data = dict(sample)
     else:
         data = dict(vars(sample))
     index = data.pop("sample_index", data.pop("index", None))
     prompt = data.pop("prompt", "")
-    if isinstance(prompt, Mapping):  # the executor's Prompt, after asdict: text, label, metadata
+    if dataclasses.is_dataclass(prompt) and not isinstance(prompt, type):
+        prompt = _fields(prompt)
+    if isinstance(prompt, Mapping):  # the executor's Prompt: text, label, metadata
         data["label"], data["prompt_metadata"] = prompt.get("label"), prompt.get("metadata")
         prompt = prompt.get("text", "")
     return {
@@ -246,6 +251,15 @@ def sample_record(sample: Any) -> dict[str, Any]:
     }
 
 
+def _fields(instance: Any) -> dict[str, Any]:
+    return {name: getattr(instance, name) for name in _field_names(type(instance))}
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))
+
+
 def _int_or_none(value: Any) -> int | None:
     try:
         return int(value)
@@ -254,10 +268,23 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def _to_json(value: Any) -> str:
-    return json.dumps(_replace_non_finite(value), default=str, allow_nan=False)
+    """``value`` as strict JSON: dataclasses as mappings, other unknown objects as their ``str``, and NaN or
+    infinity as ``null`` (a first, strict pass finds whether there are any: most rows hold none)."""
+    try:
+        return json.dumps(value, default=_jsonable, allow_nan=False)
+    except (ValueError, TypeError):  # a NaN or an infinity somewhere, or a key that is not a string or a number
+        return json.dumps(_replace_non_finite(value), default=str, allow_nan=False)
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _fields(value)
+    return str(value)
 
 
 def _replace_non_finite(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = _fields(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
+from miles_core.default.threads import engine_threads, omp_wait_policy
 from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
 from miles_core.workers.specs import CommandWorkerSpec, WorkerSpec
 
@@ -28,6 +29,7 @@ class LocalEngineBackend:
 
 def local_engine_spec(config: MilesConfig, *, cell_id: str, model_path: str) -> CommandWorkerSpec:
     """The command worker that serves ``model_path`` with SGLang's HTTP API on a free port."""
+    threads = engine_threads(config)
     argv = [
         sys.executable,
         "-m",
@@ -42,13 +44,14 @@ def local_engine_spec(config: MilesConfig, *, cell_id: str, model_path: str) -> 
         str(config.engine.max_batch_size),
         "--random-seed",
         str(config.run.seed),
-        *(["--cpu-threads", str(config.engine.cpu_threads)] if config.engine.cpu_threads else []),
+        *(["--cpu-threads", str(threads)] if threads is not None else []),
     ]
     return CommandWorkerSpec(
         name=cell_id,
         argv=argv,
         ports=["port"],
         health_url="http://{host}:{port}/health_generate",
+        env=omp_wait_policy(),
         startup_timeout_s=config.engine.startup_timeout_s,
         num_cpus=0,
     )

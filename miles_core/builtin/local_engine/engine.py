@@ -166,7 +166,7 @@ class LocalEngine:
         if not ids:
             raise RequestError("a prompt needs at least one token id")
         for where, tokens in (("input_ids", ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = next((t for t in tokens if not _is_token_id(t, self.vocab_size)), None)
+            bad = _bad_token_id(tokens, self.vocab_size)
             if bad is not None:
                 raise RequestError(f"{where} holds {bad!r}: token ids are integers from 0 to {self.vocab_size - 1}")
         room = self.context_length - len(ids)
@@ -200,11 +200,22 @@ class LocalEngine:
         empty without a tokenizer."""
         return self.tokenizer.decode(output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-        """Admit requests (all or none), queue them and wait for their results (they may be batched with other
-        callers' requests). Cancelling the caller cancels its requests, running or queued."""
+    def decode_many(self, outputs: list[list[int]]) -> list[str]:
+        """:meth:`decode` of each of ``outputs``: a fast tokenizer that cleans up nothing decodes them all in one call
+        into its Rust side (transformers' own loop over them costs more than the decoding)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(self.tokenizer, "clean_up_tokenization_spaces", True) is False:
+            return backend.decode_batch(outputs, skip_special_tokens=True)
+        return [self.decode(ids) for ids in outputs]
+
+    async def generate(
+        self, requests: Sequence[GenerationRequest], *, admitted: bool = False
+    ) -> list[GenerationResult]:
+        """Admit requests (all or none; ``admitted``: the caller passed each through :meth:`admit` already, as the
+        server does for a whole batch before it queues any), queue them and wait for their results (they may be
+        batched with other callers' requests). Cancelling the caller cancels its requests, running or queued."""
         assert self._event_loop is not None, "call start() first"
-        admitted = [self.admit(request) for request in requests]
+        admitted = list(requests) if admitted else [self.admit(request) for request in requests]
         loop = asyncio.get_running_loop()
         pending = [_Pending(request, loop.create_future()) for request in admitted]
         with self._state:
@@ -648,6 +659,14 @@ def _load_tokenizer(model_path: str | Path) -> Any:
 
 def _is_token_id(token: object, vocab_size: int) -> bool:
     return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
+
+
+def _bad_token_id(tokens: Sequence[object], vocab_size: int) -> object | None:
+    """The first of ``tokens`` that is not a token id of the vocabulary, or ``None``: all plain ints in range (the
+    check of every prompt of a batch, so it runs in C: their types, then their minimum and maximum)."""
+    if not tokens or (set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size):
+        return None
+    return next(t for t in tokens if not _is_token_id(t, vocab_size))
 
 
 def _context_length(hf_config: Any, requested: int | None) -> int:

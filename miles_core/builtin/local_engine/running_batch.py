@@ -63,11 +63,10 @@ class RunningBatch:
         recorded a token)."""
         inputs = [row.request.input_ids + row.sampler.output_ids for row in rows]
         width = max(len(ids) for ids in inputs)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for index, ids in enumerate(inputs):
-            input_ids[index, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[index, width - len(ids) :] = 1
+        # left-padded as Python lists, then one tensor each: a tensor per row would cost more than the forward
+        pad = self.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in inputs], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in inputs], dtype=torch.long)
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         out = self.model(
             input_ids=input_ids,

@@ -23,6 +23,8 @@ MAX_SEED = 2**63 - 1  # what torch.Generator.manual_seed takes
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+UNIFORMS_AHEAD = 64
+"""How many of a request's uniform numbers its sampler draws at once (at most the tokens it may still sample)."""
 """The most alternatives a request may ask for at each position (OpenAI's own limit)."""
 
 TokenCallback = Callable[[int, float, list[tuple[float, int]] | None], None]
@@ -141,6 +143,8 @@ class Sampler:
         self.top_logprobs: list[list[tuple[float, int]]] = []
         seed = self.params.sampling_seed if self.params.sampling_seed is not None else default_seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._uniforms: list[float] = []  # drawn ahead from the generator, in order (see next_uniform)
+        self._next_uniform = 0
         self.stop_ids = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else eos_token_ids)
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -163,6 +167,17 @@ class Sampler:
             self.finish_reason = {"type": "length", "length": len(self.output_ids)}
         if self.on_token is not None:  # last: a callback that fails leaves the request's state whole
             self.on_token(token, logprob, self.top_logprobs[-1] if self.top_logprobs_num > 0 else None)
+
+    def next_uniform(self) -> float:
+        """The next uniform number of the request's generator: one per sampled token (the same numbers as one
+        ``torch.rand(1)`` a token, drawn up to :data:`UNIFORMS_AHEAD` at a time, since a draw of n numbers is the n
+        draws of one in a row; a Python call per token per row would cost more than the sampling)."""
+        if self._next_uniform == len(self._uniforms):
+            left = self.params.max_new_tokens - len(self.output_ids)
+            self._uniforms = torch.rand(min(max(left, 1), UNIFORMS_AHEAD), generator=self.generator).tolist()
+            self._next_uniform = 0
+        self._next_uniform += 1
+        return self._uniforms[self._next_uniform - 1]
 
     @property
     def routed_tokens(self) -> int:
@@ -204,7 +219,7 @@ def choose_tokens(samplers: list[Sampler], rows: list[int], logits: torch.Tensor
         params = samplers[row].params
         if params.top_k > 0 or params.top_p < 1.0:
             probs[i] = torch.softmax(_filter(scaled[i], params.top_k, params.top_p), dim=-1)
-    uniform = torch.cat([torch.rand(1, generator=samplers[r].generator) for r in rows])
+    uniform = torch.tensor([samplers[r].next_uniform() for r in rows], dtype=torch.float32)
     cdf = probs.cumsum(-1)
     sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)

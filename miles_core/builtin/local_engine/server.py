@@ -269,16 +269,20 @@ class LocalEngineServer:
                 raise HttpError(400, "stream=true takes one prompt: send one request per prompt")
             return self._stream(requests[0], logprobs, rids[0])
         results = await self.generate_counted(requests)
-        outputs = [self._output(r, req, logprobs, rid) for r, req, rid in zip(results, requests, rids, strict=True)]
+        texts = self.engine.decode_many([result.output_ids for result in results])
+        outputs = [
+            self._output(r, req, logprobs, rid, text=text)
+            for r, req, rid, text in zip(results, requests, rids, texts, strict=True)
+        ]
         return outputs[0] if single else outputs
 
     async def generate_counted(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """``engine.generate``, counted in ``in_flight`` (``/flush_cache`` refuses while requests run) and
-        ``generate_requests`` (a batch counts once)."""
+        """``engine.generate`` of requests the caller admitted (``engine.admit``), counted in ``in_flight``
+        (``/flush_cache`` refuses while requests run) and ``generate_requests`` (a batch counts once)."""
         self.in_flight += len(requests)
         self.generate_requests += 1
         try:
-            return await self.engine.generate(requests)
+            return await self.engine.generate(requests, admitted=True)
         finally:
             self.in_flight -= len(requests)
 
@@ -328,7 +332,9 @@ class LocalEngineServer:
         rid: str | None,
         *,
         finished: bool = True,
+        text: str | None = None,
     ) -> dict:
+        """SGLang's answer to ``request``; ``text``: its output decoded already (``engine.decode_many``)."""
         meta: dict[str, Any] = {
             "id": rid or f"local-{os.getpid()}-{id(result)}",
             "finish_reason": result.finish_reason if finished else None,
@@ -342,18 +348,18 @@ class LocalEngineServer:
                 result.version_events, self.engine.weight_version, len(result.output_ids)
             )
         if logprobs.enabled:
-            text = self._token_text if logprobs.with_text else _no_text
+            token_text = self._token_text if logprobs.with_text else _no_text
             meta["output_token_logprobs"] = [
-                [lp, tok, text(tok)] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
+                [lp, tok, token_text(tok)] for lp, tok in zip(result.logprobs, result.output_ids, strict=True)
             ]
             if logprobs.top:
                 meta["output_top_logprobs"] = [
-                    [[lp, tok, text(tok)] for lp, tok in position] for position in result.top_logprobs
+                    [[lp, tok, token_text(tok)] for lp, tok in position] for position in result.top_logprobs
                 ]
         if request.return_routed_experts and finished:  # SGLang sends them with the finished answer alone
             experts = result.routed_experts
             meta["routed_experts"] = encode_routed_experts(experts if experts is not None else numpy.zeros((0,)))
-        text = self.engine.decode(result.output_ids)
+        text = self.engine.decode(result.output_ids) if text is None else text
         # a finished answer is cut before its stop string; a streamed one never shows a piece of one either
         text = visible_text(text, result.finish_reason) if finished else text[: held_back(text, request.params.stop)]
         return {"text": text, "output_ids": result.output_ids, "meta_info": meta}

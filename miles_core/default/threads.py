@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 EMBEDDED_MODEL_THREADS = 1
 """One thread for a process of the embedded default model that shares the cores: its tensors (``[128, 15, 64]`` in
@@ -15,7 +18,7 @@ OVERLAPPING_SCHEDULES = ("one_step_off", "fully_async")
 """The schedules whose trainer trains while the engines generate."""
 
 
-def engine_threads(config: Any) -> int | None:
+def engine_threads(config: MilesConfig) -> int | None:
     """``engine.cpu_threads`` when given; else :data:`EMBEDDED_MODEL_THREADS` for a run of the embedded default
     model (no ``--model``), which generates as fast with one; else ``None``: torch's default, one per core."""
     if config.engine.cpu_threads is not None:
@@ -23,7 +26,7 @@ def engine_threads(config: Any) -> int | None:
     return EMBEDDED_MODEL_THREADS if config.model.path is None else None
 
 
-def trainer_threads(config: Any) -> int | None:
+def trainer_threads(config: MilesConfig) -> int | None:
     """``train.cpu_threads`` when given; else, for the embedded default model under an overlapping schedule,
     :data:`EMBEDDED_MODEL_THREADS` (the trainer and the engine then run at once, a core each on a small machine);
     else ``None``: torch's default. Under ``sync`` the trainer runs alone and keeps every core: its thread count

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miles_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from miles_core.config.build import MilesConfig
 
 DISK = "disk"
 """``/update_weights_from_disk``: the engine reads a checkpoint directory by path (shared storage across nodes)."""
@@ -61,7 +64,7 @@ SGLANG_HTTP_API = EngineCapabilities(frozenset({DISK, DISTRIBUTED}))
 """Any server of SGLang's HTTP API without Miles' loader: what a backend that declares nothing is taken to serve."""
 
 
-def capabilities_of(backend: Any, config: Any) -> EngineCapabilities:
+def capabilities_of(backend: Any, config: MilesConfig) -> EngineCapabilities:
     """The backend's declared capabilities (``weight_capabilities(config)``), else :data:`SGLANG_HTTP_API`."""
     declare = getattr(backend, "weight_capabilities", None)
     return declare(config) if callable(declare) else SGLANG_HTTP_API

@@ -16,9 +16,14 @@ from miles_core.workers.node import LOOPBACK, url_host
 
 WorkerName = Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")]
 WorkerRole = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
-TRAINER, ENGINE, ROUTER, SESSION_SERVER = "trainer", "engine", "router", "session_server"
-"""The roles the core gives: trainer ranks, engine workers (set by the controller unless the backend set one),
-routers and an agent run's session servers."""
+TRAINER = "trainer"
+"""The role of trainer ranks (``WorkerSpec.role``; ``--run-ray-trainer-resources`` pins it)."""
+ENGINE = "engine"
+"""The role of engine workers (set by the controller unless the backend set one)."""
+ROUTER = "router"
+"""The role of a router in front of the engines."""
+SESSION_SERVER = "session_server"
+"""The role of an agent run's session servers."""
 
 
 class _Spec(pydantic.BaseModel):

@@ -125,7 +125,7 @@ def test_first_party_protocol_name_says_which_package(tmp_path: Path) -> None:
     stderr = run_miles(
         "config", "show", "--update-weight-transfer-mode", "rdt", env={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"}
     ).stderr
-    assert "unknown weight transfer protocol 'rdt'; available: broadcast, disk, tensor (" in stderr
+    assert "unknown weight transfer protocol 'rdt'; available: auto, broadcast, disk, tensor (" in stderr
 
 
 def test_unknown_model_implementation_lists_installed_ones() -> None:

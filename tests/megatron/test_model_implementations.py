@@ -65,7 +65,9 @@ def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, 
     checkpoint = perturbed_checkpoint(tmp_path / family, family, tie_word_embeddings=False, head_dim=24, **overrides)
     settings = TrainSection(lr=0.1, micro_batch_size=3, kl_coef=0.05, optimizer="sgd")  # linear in the gradient
     config = types.SimpleNamespace(
-        train=settings, run=types.SimpleNamespace(seed=0), model=types.SimpleNamespace(implementations={})
+        train=settings,
+        run=types.SimpleNamespace(seed=0, schedule="sync"),
+        model=types.SimpleNamespace(implementations={}, path=str(checkpoint)),
     )
     results, initial = {}, None
     for impl in ("transformers", "megatron"):

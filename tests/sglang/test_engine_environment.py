@@ -19,9 +19,16 @@ from miles_plugins_sglang.config import (
     resolve_sglang_python,
     server_arg_fields,
 )
-from miles_plugins_sglang.launch import KV_TOKENS_RANGE, check_engine_environment, sglang_engine_spec
+from miles_plugins_sglang.launch import (
+    ENGINE_PATH,
+    KV_TOKENS_RANGE,
+    STAGING_LOADER,
+    check_engine_environment,
+    sglang_engine_spec,
+)
 
 from miles_core.config.build import build_config
+from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
 from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.run_setup import default_model
@@ -133,7 +140,9 @@ def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_th
     tokens = int(argv[argv.index("--max-total-tokens") + 1])
     assert KV_TOKENS_RANGE[0] <= tokens <= KV_TOKENS_RANGE[1]
     assert argv[argv.index("--max-running-requests") + 1] == "256"  # engine.max_batch_size
-    assert spec.env == {"SGLANG_USE_CPU_ENGINE": "1"} and spec.num_gpus == 0
+    loader = {"PYTHONPATH": ENGINE_PATH, STAGING_DIR_ENV: str(weight_staging_dir())}  # Miles' weight loader
+    assert spec.env == {"SGLANG_USE_CPU_ENGINE": "1", **loader} and spec.num_gpus == 0
+    assert argv[argv.index("--custom-weight-loader") + 1] == STAGING_LOADER
     overridden = sglang_engine_spec(
         config(
             manager,
@@ -153,7 +162,7 @@ def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_th
     assert overridden.count("--attention-backend") == 1 and "intel_amx" in overridden
     assert "--sleep-on-idle" not in overridden and overridden[overridden.index("--max-total-tokens") + 1] == "1024"
     off = sglang_engine_spec(config(manager, **{"sglang.cpu_launch": "off"}), cell_id="e", model_path=str(model))
-    assert "--device" not in off.argv and off.env == {} and "--skip-tokenizer-init" in off.argv
+    assert "--device" not in off.argv and off.env == loader and "--skip-tokenizer-init" in off.argv
 
 
 def test_another_server_speaking_sglangs_api_gets_no_sglang_settings(manager, model: Path) -> None:

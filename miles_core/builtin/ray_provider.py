@@ -24,7 +24,6 @@ import dataclasses
 import ipaddress
 import os
 import re
-import secrets
 import signal
 import socket
 from collections.abc import Mapping
@@ -34,7 +33,6 @@ from typing import Any
 import psutil
 import ray
 from ray._private import ray_constants
-from ray._raylet import Config as RayConfig
 from ray.exceptions import AuthenticationError as RayAuthenticationError
 from ray.util.placement_group import (
     PlacementGroup,
@@ -420,7 +418,7 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
     if os.environ.get("RAY_ADDRESS"):
         _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
         return
-    with loopback_node_address(), local_token_auth(), waiting_for("a local Ray to start"):
+    with loopback_node_address(), waiting_for("a local Ray to start"):
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
         )
@@ -500,36 +498,6 @@ def loopback_node_address():
             os.environ.pop(CLUSTER_ENV, None)
         else:
             os.environ[CLUSTER_ENV] = saved_env
-
-
-AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
-"""How Ray's token authentication is set for the processes a local Ray starts (its GCS, raylet and workers)."""
-
-
-@contextlib.contextmanager
-def local_token_auth():
-    """While a local Ray starts, unless ``RAY_AUTH_MODE`` is set: token authentication on, with a token of its own.
-    Ray 2.60 turns token authentication on by default for a new local cluster, and then warns on every start and
-    keeps one token for all of them in ``~/.ray/auth_token``; Miles' local Ray belongs to one run, so it gets a
-    fresh token, in the environment the Ray processes inherit, and no warning (Ray warns only when the mode is
-    not set explicitly). The driver keeps the token Ray loaded; the environment is restored afterwards so that
-    nothing else this process starts inherits it."""
-    if os.environ.get("RAY_AUTH_MODE") is not None:  # the user's choice, respected as Ray respects it
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in AUTH_ENV}
-    os.environ["RAY_AUTH_MODE"] = "token"
-    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    RayConfig.initialize("")  # Ray read its settings at import: read them again (as Ray does when it sets the mode)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def check_cluster_offers(bundle: Mapping[str, float], *, count: int, names: str) -> None:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -166,40 +164,3 @@ def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(
             await provider.place([too_big])
 
     loop.run_until_complete(scenario())
-
-
-LOCAL_RAY = """
-import os
-import ray
-from ray._raylet import AuthenticationMode, get_authentication_mode
-from miles_core.builtin.ray_provider import init_ray
-
-init_ray(num_cpus=1)
-
-
-@ray.remote(num_cpus=0)
-def inherited():
-    return os.environ.get("RAY_AUTH_MODE"), len(os.environ.get("RAY_AUTH_TOKEN", ""))
-
-
-print("MODE", get_authentication_mode() == AuthenticationMode.TOKEN, ray.get(inherited.remote()))
-print("DRIVER_ENV", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN"))
-ray.shutdown()
-"""
-
-
-def test_a_local_ray_has_token_authentication_of_its_own_and_no_warning(tmp_path: Path) -> None:
-    """Ray 2.60 warns on every new local cluster that it turned token authentication on (and writes a token into
-    ~/.ray/auth_token); Miles' local Ray sets it explicitly, with a token for that Ray only."""
-    env = {
-        key: value for key, value in os.environ.items() if key not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_ADDRESS")
-    }
-    env["HOME"] = str(tmp_path)  # no token of an earlier Ray; nothing may be written here
-    done = subprocess.run(
-        [sys.executable, "-c", LOCAL_RAY], capture_output=True, text=True, env=env, timeout=180, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Token authentication is enabled for this Ray cluster" not in done.stderr  # Ray's warning
-    assert "MODE True ('token', 64)" in done.stdout  # on, in the driver and in the workers Ray starts
-    assert "DRIVER_ENV None None" in done.stdout  # nothing else this process starts inherits the token
-    assert not (tmp_path / ".ray" / "auth_token").exists()

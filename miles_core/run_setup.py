@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import os
 import re
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
 from miles_core.targets import describe_callable, registered_or_target
+from miles_core.workers.rpc.wire import new_run_token
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
@@ -89,7 +89,7 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
         eval_prompts,
         reward_fn,
         reward_name,
-        token=secrets.token_urlsafe(24),
+        token=new_run_token(),
         routing=routing,
     )
     if config.run.resume:

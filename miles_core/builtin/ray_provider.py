@@ -43,10 +43,10 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from miles_core.progress import waiting_for
-from miles_core.workers.errors import WorkerError, WorkerStartError
+from miles_core.workers.errors import PortTakenError, WorkerError, WorkerStartError
 from miles_core.workers.node import collective_interface_env, set_node_address
 from miles_core.workers.node_check import NodeCheckError, make_witnesses, miles_packages, node_problems, probe_node
-from miles_core.workers.process import SupervisedProcess, free_ports, log_tail, wait_until
+from miles_core.workers.process import PORT_ATTEMPTS, SupervisedProcess, free_ports, log_tail, wait_until
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
 from miles_core.workers.ray_settings import (
@@ -103,29 +103,39 @@ class WorkerActor:
         return {"url": url, "pid": os.getpid(), "ports": {}, "health_url": f"{url}{HEALTH_PATH}"}
 
     def _start_command(self, spec: CommandWorkerSpec, *, token: str, log_file: str, host: str) -> dict[str, Any]:
-        ports = dict(zip(spec.ports, free_ports(len(spec.ports), host), strict=True))
-        command = spec.resolve(ports, host=host, token=token)
-        env = {**os.environ, TOKEN_ENV: token, **collective_interface_env(host), **command.env}
-        self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
-        if command.health_url is not None and not self._wait_healthy(command.health_url, spec.startup_timeout_s):
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            ports = dict(zip(spec.ports, free_ports(len(spec.ports), host), strict=True))
+            command = spec.resolve(ports, host=host, token=token)
+            env = {**os.environ, TOKEN_ENV: token, **collective_interface_env(host), **command.env}
+            self.process = SupervisedProcess(command.argv, env=env, log_file=log_file, cwd=spec.cwd)
+            if command.health_url is None or self._wait_healthy(command.health_url, spec.startup_timeout_s):
+                return {"url": command.url, "pid": self.process.pid, "ports": ports, "health_url": command.health_url}
+            port_taken = self.process.found_port_taken()
             what = "exited while starting" if not self.process.is_alive() else "did not become healthy in time"
+            what = "found its port taken while starting" if port_taken else what
             detail = f"  {self.process.describe()}, exit code {self.process.exit_code}\n  --- log tail ---\n"
             self.process.stop()
-            raise WorkerStartError(f"worker {spec.name} {what} ({command.health_url})\n{detail}{log_tail(log_file)}")
-        return {"url": command.url, "pid": self.process.pid, "ports": ports, "health_url": command.health_url}
+            if not port_taken or attempt == PORT_ATTEMPTS:
+                error = PortTakenError if port_taken else WorkerStartError
+                raise error(f"worker {spec.name} {what} ({command.health_url})\n{detail}{log_tail(log_file)}")
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _wait_healthy(self, url: str, timeout_s: float) -> bool:
         import httpx  # deferred: only command workers with a health URL need it
 
         def healthy() -> bool:
-            if not self.process.is_alive():
-                return True  # stop waiting; the caller sees the exit
+            if not self.process.is_alive() or self.process.found_port_taken():
+                return True  # stop waiting; the caller sees the exit or the taken port
             try:
                 return httpx.get(url, timeout=2.0).status_code == 200
             except httpx.HTTPError:
                 return False
 
-        return wait_until(healthy, timeout_s=timeout_s, interval_s=0.1) and self.process.is_alive()
+        return (
+            wait_until(healthy, timeout_s=timeout_s, interval_s=0.1)
+            and self.process.is_alive()
+            and not self.process.found_port_taken()
+        )
 
     def is_alive(self) -> bool:
         if self.process is not None:

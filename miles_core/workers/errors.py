@@ -58,3 +58,8 @@ class RpcDeadlineError(_OutcomeUnknownError):
 
 class WorkerStartError(WorkerError):
     """A worker did not start or never became healthy; the message carries the tail of its log."""
+
+
+class PortTakenError(WorkerStartError):
+    """A starting worker's bind found its port taken by another process; the provider starts it again on other
+    ports."""

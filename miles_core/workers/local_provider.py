@@ -10,14 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from miles_core.progress import waiting_for
-from miles_core.workers.errors import WorkerStartError
+from miles_core.progress import notice, waiting_for
+from miles_core.workers.errors import PortTakenError, WorkerStartError
 from miles_core.workers.node import LOOPBACK, NODE_ADDRESS_ENV
-from miles_core.workers.process import SupervisedProcess, free_ports, log_tail
+from miles_core.workers.process import PORT_ATTEMPTS, SupervisedProcess, free_ports, log_tail
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo, wait_healthy
 from miles_core.workers.python_worker import READY_FILE_ENV, SPEC_ENV
 from miles_core.workers.rpc.wire import HEALTH_PATH, TOKEN_ENV
-from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, WorkerSpec
+from miles_core.workers.specs import CommandWorkerSpec, PythonWorkerSpec, ResolvedCommand, WorkerSpec
 
 
 class LocalWorkerProvider(BaseWorkerProvider):
@@ -87,6 +87,27 @@ class LocalWorkerProvider(BaseWorkerProvider):
         )
 
     async def _start_command(self, spec: CommandWorkerSpec, log_file: Path) -> WorkerInfo:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                ports, command = await self._launch_command(spec, log_file)
+                break
+            except PortTakenError:
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                notice(f"{spec.name}: a port it was given was taken while it started; starting it on other ports")
+        return WorkerInfo(
+            name=spec.name,
+            kind="command",
+            url=command.url,
+            ports=ports,
+            pid=self.processes[spec.name].pid,
+            node=LOOPBACK,
+            log_file=str(log_file),
+            health_url=command.health_url,
+        )
+
+    async def _launch_command(self, spec: CommandWorkerSpec, log_file: Path) -> tuple[dict[str, int], ResolvedCommand]:
+        """Start ``spec`` on freshly chosen ports and wait until it is healthy."""
         ports = dict(zip(spec.ports, free_ports(len(spec.ports), LOOPBACK), strict=True))
         command = spec.resolve(ports, host=LOOPBACK, token=self.token)
         env = {**os.environ, TOKEN_ENV: self.token, NODE_ADDRESS_ENV: LOOPBACK, **command.env}
@@ -100,20 +121,12 @@ class LocalWorkerProvider(BaseWorkerProvider):
                     deadline=time.monotonic() + spec.startup_timeout_s,
                     alive=self._alive_fn(spec.name),
                     describe=self._describe_fn(spec.name),
+                    port_taken=process.found_port_taken,
                 )
             except BaseException:
                 await self._discard(spec.name)
                 raise
-        return WorkerInfo(
-            name=spec.name,
-            kind="command",
-            url=command.url,
-            ports=ports,
-            pid=process.pid,
-            node=LOOPBACK,
-            log_file=str(log_file),
-            health_url=command.health_url,
-        )
+        return ports, command
 
     async def stop(self, name: str) -> None:
         await self._discard(name)

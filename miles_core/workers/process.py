@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,17 +20,53 @@ from miles_core.workers.node import node_address
 LOG_TAIL_BYTES = 4096
 
 
+PORT_FLOOR = 10000
+"""The lowest port :func:`free_ports` hands out (below it sit well-known and registered services' ports)."""
+
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_ATTEMPTS = 3
+"""How many times a provider starts a command worker on fresh ports when another process took one of its ports."""
+
+ADDRESS_IN_USE = "address already in use"
+"""How a bind that found its port taken reads in a worker's log (the text of ``EADDRINUSE`` on Linux, in Python,
+uvicorn, Rust and C alike; compared lowercased)."""
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (``ip_local_port_range``; Linux's default where it cannot be read): the
+    ports the kernel gives outgoing connections and ``bind(port 0)``."""
+    try:
+        low, high = map(int, EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_ports(count: int, host: str | None = None) -> list[int]:
     """``count`` distinct ports that are free on ``host`` (a name, an IPv4 or an IPv6 address; default: this node's
-    address) right now (all held open until all are chosen)."""
+    address) right now (all held open until all are chosen).
+
+    They come from below the kernel's ephemeral range where there is room (:data:`PORT_FLOOR` up to it): a worker
+    binds its port seconds after this choice (a real SGLang server about 10 s), and a port of the ephemeral range may
+    meanwhile become the local end of any outgoing connection on the machine (seen in CI: a server's port taken during
+    its start-up). Ports of the ephemeral range are the fallback where it leaves no room below it."""
     host = host or node_address()
     family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sockets = []
+    low, _high = ephemeral_port_range()
+    candidates = list(range(PORT_FLOOR, low)) if low - PORT_FLOOR >= 1000 else []
+    random.shuffle(candidates)
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for port in [*candidates, *[0] * count]:
+            if len(sockets) == count:
+                break
             sock = socket.socket(family, kind, proto)
+            try:
+                sock.bind((address[0], port, *address[2:]))
+            except OSError:
+                sock.close()
+                continue
             sockets.append(sock)
-            sock.bind(address)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
@@ -83,6 +120,7 @@ class SupervisedProcess:
         self.log_file = Path(log_file)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open_private_log(self.log_file) as log:
+            self.log_offset = log.tell()  # where this process's output starts (a restart appends to the same log)
             self.popen = subprocess.Popen(
                 self.argv,
                 env=dict(env),
@@ -123,19 +161,46 @@ class SupervisedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace_s)
 
+    def found_port_taken(self) -> bool:
+        """Whether this process's log says a bind found its address in use (another process took a port between
+        :func:`free_ports` and the bind; the worker may hang rather than exit, as SGLang's server does)."""
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(max(self.log_offset, os.fstat(log.fileno()).st_size - LOG_TAIL_BYTES))
+                return ADDRESS_IN_USE in log.read().decode(errors="replace").lower()
+        except OSError:
+            return False
+
     def describe(self) -> str:
         return f"pid {self.pid}, command {' '.join(redacted(self.argv))!r}, log {self.log_file}"
 
 
+SECRET_FLAG_WORDS = frozenset({"key", "keys", "token", "password", "passwd", "secret"})
+"""A flag whose name ends in one of these words takes a secret (``--admin-api-key``, ``--control-plane-api-keys``);
+``--max-total-tokens`` and ``--skip-tokenizer-init`` do not."""
+
+
 def redacted(argv: list[str]) -> list[str]:
-    """``argv`` with the value after a flag naming a key, token or password replaced by ``***`` (for messages)."""
-    secret_flag = ("key", "token", "password", "secret")
-    return [
-        "***"
-        if index and argv[index - 1].startswith("--") and any(word in argv[index - 1].lower() for word in secret_flag)
-        else arg
-        for index, arg in enumerate(argv)
-    ]
+    """``argv`` with the value of each flag that takes a secret (:data:`SECRET_FLAG_WORDS`) replaced by ``***``, in
+    either form (``--api-key VALUE``, ``--api-key=VALUE``), for messages."""
+    shown: list[str] = []
+    for index, arg in enumerate(argv):
+        flag, equals, _value = arg.partition("=")
+        if arg.startswith("--") and equals and _takes_secret(flag):
+            shown.append(f"{flag}=***")
+        elif index and _takes_secret(argv[index - 1]) and not arg.startswith("--"):
+            shown.append("***")
+        else:
+            shown.append(arg)
+    return shown
+
+
+def _takes_secret(flag: str) -> bool:
+    return (
+        flag.startswith("--")
+        and "=" not in flag
+        and flag[2:].lower().replace("_", "-").split("-")[-1] in SECRET_FLAG_WORDS
+    )
 
 
 def kill_tree(pids: Iterable[int], *, grace_s: float = 5.0) -> None:

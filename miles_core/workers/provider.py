@@ -7,12 +7,13 @@ import asyncio
 import dataclasses
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from miles_core.workers.errors import WorkerError, WorkerStartError
+from miles_core.workers.errors import PortTakenError, WorkerError, WorkerStartError
 from miles_core.workers.rpc.client import RpcClient
 from miles_core.workers.specs import WorkerSpec
 
@@ -128,11 +129,20 @@ class BaseWorkerProvider(abc.ABC):
 
 
 async def wait_healthy(
-    *, name: str, url: str, deadline: float, alive: Any, describe: Any, headers: dict[str, str] | None = None
+    *,
+    name: str,
+    url: str,
+    deadline: float,
+    alive: Any,
+    describe: Any,
+    headers: dict[str, str] | None = None,
+    port_taken: Callable[[], bool] | None = None,
 ) -> None:
     """Poll ``url`` until it answers 200, the process dies (``alive()`` false) or ``deadline`` passes.
 
-    ``describe()`` gives the text (command, log tail) put into the error.
+    ``describe()`` gives the text (command, log tail) put into the error. When ``port_taken()`` says the worker's
+    bind found its port taken, the wait ends at once with :class:`PortTakenError` (the worker may hang rather than
+    exit).
     """
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         while True:
@@ -143,6 +153,8 @@ async def wait_healthy(
                     return
             except httpx.HTTPError:
                 pass
+            if port_taken is not None and port_taken():
+                raise PortTakenError(f"worker {name} found its port taken while starting\n{await describe()}")
             if time.monotonic() > deadline:
                 raise WorkerStartError(f"worker {name} did not become healthy at {url} in time\n{await describe()}")
             await asyncio.sleep(0.1)

@@ -94,7 +94,7 @@ def sglang_engine_spec(config: Any, *, cell_id: str, model_path: str) -> Command
         *_command(sglang.launch_command, sglang_python=sglang.sglang_python()),
         *("--model-path", _literal(model_path), "--host", "{host}", "--port", "{port}"),
         *("--tp-size", str(sglang.tp_size), "--dp-size", str(sglang.dp_size), "--ep-size", str(sglang.ep_size)),
-        *("--random-seed", str(config.run.seed), "--admin-api-key", "{token}"),
+        *("--random-seed", str(config.run.seed), "--admin-api-key={token}"),  # attached: a value never read as a flag
         *map(_literal, server_flags(server_args)),
         *map(_literal, sglang.extra_args),
     ]

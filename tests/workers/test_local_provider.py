@@ -247,3 +247,67 @@ def test_a_slow_start_says_which_worker_it_waits_for_and_where_its_log_is(
     log = tmp_path / "logs" / "slow-engine.log"
     assert any(line.startswith(f"miles: waiting for slow-engine to start (log: {log}) ... ") for line in lines), lines
     assert any(re.fullmatch(r"miles: slow-engine to start: done after \d+ s", line) for line in lines), lines
+
+
+HANGS_ON_A_TAKEN_PORT = """  # a command template: its braces doubled
+import http.server, sys, time
+try:
+    server = http.server.HTTPServer((sys.argv[1], int(sys.argv[2])), http.server.SimpleHTTPRequestHandler)
+except OSError as exc:
+    print(f"ERROR: {{exc}}", flush=True)  # like SGLang's server: it says so, then hangs instead of exiting
+    time.sleep(600)
+server.serve_forever()
+"""
+
+
+def test_a_command_worker_whose_port_was_taken_starts_again_on_other_ports(
+    provider: LocalWorkerProvider, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture
+) -> None:
+    """Another process binds the port chosen for a worker before the worker does (CI saw it: a real SGLang server
+    found its port taken 10 s into its start-up, then hung until its start-up deadline): the provider sees the bind
+    error in the worker's log, stops that process at once and starts the worker again on other ports."""
+    import socket
+
+    from miles_core.workers import local_provider, process
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    choices = iter([[taken]])
+    monkeypatch.setattr(
+        local_provider, "free_ports", lambda count, host: next(choices, None) or process.free_ports(count, host)
+    )
+    spec = CommandWorkerSpec(
+        name="unlucky",
+        argv=[sys.executable, "-c", HANGS_ON_A_TAKEN_PORT, "{host}", "{port}"],
+        ports=["port"],
+        health_url="http://{host}:{port}/",
+        startup_timeout_s=120.0,
+    )
+    started = time.monotonic()
+    try:
+        info = asyncio.run(provider.start(spec))
+    finally:
+        squatter.close()
+    assert time.monotonic() - started < 30  # not the 120 s start-up deadline of the hung first try
+    assert info.ports["port"] != taken
+    log = Path(info.log_file).read_text()
+    assert "Address already in use" in log  # the first try's line, kept in the same log
+    notices = capfd.readouterr().err
+    assert "miles: unlucky: a port it was given was taken while it started; starting it on other ports" in notices
+    assert len(provider.processes["unlucky"].tree_pids()) == 1  # the hung first process is gone
+
+
+def test_a_worker_that_fails_for_another_reason_is_not_started_again(provider: LocalWorkerProvider) -> None:
+    """Only a taken port is worth another start: a worker that exits reports its log once."""
+    spec = CommandWorkerSpec(
+        name="crashes",
+        argv=[sys.executable, "-c", "print('boom', flush=True); raise SystemExit(4)"],
+        ports=["port"],
+        health_url="http://{host}:{port}/",
+    )
+    with pytest.raises(WorkerStartError) as caught:
+        asyncio.run(provider.start(spec))
+    assert "exit code 4" in str(caught.value)
+    assert (provider.run_dir / "logs" / "crashes.log").read_text().count("boom") == 1

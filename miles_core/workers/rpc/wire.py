@@ -30,6 +30,7 @@ and what the field allows, in the words of the field's ``description``.
 
 from __future__ import annotations
 
+import secrets
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import pydantic
@@ -44,6 +45,13 @@ CANCEL_PATH = "/rpc/cancel"
 
 TOKEN_ENV = "MILES_RUN_TOKEN"
 """Environment variable that hands the run's token to worker processes (never put on a command line)."""
+
+
+def new_run_token() -> str:
+    """A fresh run token: 192 random bits as hex. Servers take it as a flag value (``--admin-api-key TOKEN``), so it
+    must never begin with ``-`` (a URL-safe base64 token does one time in 64, and argparse then reads it as a flag)."""
+    return secrets.token_hex(24)
+
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
-from miles_plugins_sglang.config import server_arg_fields, server_flags
+from miles_plugins_sglang.config import find_sglang_python, server_arg_fields, server_flags
 from miles_plugins_sglang.launch import sglang_engine_spec
 from miles_plugins_sglang.plugin import SglangPlugin
 
@@ -127,6 +128,37 @@ def start_engine(manager, tmp_path: Path, **overrides) -> None:
             await provider.shutdown()
 
     asyncio.run(scenario())
+
+
+ARGPARSE_PROBE = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser(exit_on_error=False)
+ServerArgs.add_cli_args(parser)
+print(json.dumps(vars(parser.parse_args(sys.argv[1:])), default=str))
+"""
+
+
+def test_sglangs_own_parser_reads_the_engine_command_line_whatever_the_token(manager, tmp_path: Path) -> None:
+    """The argv of a stock SGLang engine, parsed by SGLang's own ``ServerArgs`` parser in the SGLang environment, with
+    a token that begins with ``-`` (a CI run's engine died of one: argparse read it as a flag)."""
+    python, how = find_sglang_python()
+    if subprocess.run([python, "-c", "import sglang"], capture_output=True, timeout=120, check=False).returncode:
+        pytest.skip(f"no SGLang environment to parse with ({python}, {how}): `make sglang` makes one")
+    config = sglang_config(manager, **{"sglang.python": python, "sglang.cpu_launch": "off"})
+    argv = (
+        sglang_engine_spec(config, cell_id="engine-0", model_path=str(tmp_path))
+        .resolve({"port": 31000}, token="-starts-like-a-flag")
+        .argv
+    )
+    module = argv.index("sglang.launch_server")
+    done = subprocess.run(
+        [python, "-c", ARGPARSE_PROBE, *argv[module + 1 :]], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parsed = json.loads(done.stdout.splitlines()[-1])
+    assert parsed["admin_api_key"] == "-starts-like-a-flag" and parsed["port"] == 31000
+    assert parsed["custom_weight_loader"] == ["miles_sglang_weights.load_staged"]
 
 
 def test_a_launch_command_that_exits_at_once_reports_its_log(manager, tmp_path: Path) -> None:

@@ -164,3 +164,31 @@ def test_workers_that_reserve_no_cpu_are_placed_and_too_big_ones_fail_clearly(
             await provider.place([too_big])
 
     loop.run_until_complete(scenario())
+
+
+def test_a_command_worker_that_keeps_finding_its_port_taken_fails_fast_after_each_try(
+    provider: RayWorkerProvider, loop
+) -> None:
+    """A server whose bind finds its port taken and then hangs (SGLang's does) is stopped as soon as its log says so
+    and started on fresh ports, up to three tries, each a separate start in the same log; the error says why, long
+    before the start-up deadline."""
+    import time
+
+    hangs = CommandWorkerSpec(
+        name="always-taken",
+        argv=[
+            sys.executable,
+            "-c",
+            "import time; print('ERROR: [Errno 98] address already in use', flush=True); time.sleep(600)",
+        ],
+        ports=["port"],
+        health_url="http://{host}:{port}/",
+        startup_timeout_s=300,
+        num_cpus=0.25,
+    )
+    started = time.monotonic()
+    with pytest.raises(WorkerStartError, match="worker always-taken found its port taken while starting"):
+        loop.run_until_complete(provider.start(hangs))
+    assert time.monotonic() - started < 120  # three quick tries, not one 300 s deadline
+    log = Path(provider.run_dir / "logs" / "always-taken.log").read_text()
+    assert log.count("address already in use") == 3

@@ -207,6 +207,7 @@ async def _start_session_servers(
         count=config.rollout.session_servers,
         startup_timeout_s=config.engine.startup_timeout_s,
         engine_url=default_engine.url,
+        engine_is_router=default_engine.is_router,
         model_path=str(setup.model_path),
         chat_format=chat_format_target(config, registries.chat_formats),
     )

@@ -359,11 +359,13 @@ class RolloutExecutor:
                 await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
             server = self.sessions.pick()
             try:
+                engine = self._session_engine()
                 session_id, base_url = await self.sessions.create(
                     server,
                     sampling=self._session_sampling(sample, temperature),
                     metadata={},
-                    engine_url=self._engine_url(),
+                    engine_url=engine.url,
+                    engine_is_router=engine.is_router,
                 )
             except Exception as exc:
                 if not is_session_failure(exc):
@@ -396,15 +398,15 @@ class RolloutExecutor:
             f"{type(failure).__name__}: {failure}"
         )
 
-    def _engine_url(self) -> str:
+    def _session_engine(self) -> EngineClient:
         """The engine the next session generates with (in turn), or the router."""
         if self.controller.router_client is not None:
-            return self.controller.router_client.url
+            return self.controller.router_client
         clients = self.controller.engine_clients()
         if not clients:
             raise MilesError("no engine is running")
         self._next_session_engine = (self._next_session_engine + 1) % len(clients)
-        return clients[self._next_session_engine].url
+        return clients[self._next_session_engine]
 
     def _session_sampling(self, sample: Sample, temperature: float) -> dict[str, Any]:
         rollout = self.config.rollout

@@ -123,6 +123,9 @@ class CreateSessionRequest(_Body):
     engine_url: str | None = pydantic.Field(default=None, pattern=r"^https?://[^/\s]+/?$", max_length=1024)
     """The engine (or router) that generates the session's turns; ``None``: the server's ``--engine-url``. The
     rollout names one per session, so that a restarted engine's new address is used from its next session on."""
+    engine_is_router: bool = False
+    """``engine_url`` is an sglang-router: it takes a batch only with one ``sampling_params`` for all its prompts
+    (a list is a 422), so turns of different settings (every session has its own seed) go to it one request each."""
 
 
 def canonical_arguments(arguments: str) -> str:

@@ -42,6 +42,7 @@ class SessionServers:
         model_path: str,
         chat_format: str,
         limits: SessionLimits | None = None,
+        engine_is_router: bool = False,
     ) -> SessionServers:
         """Start ``count`` servers (``session-server-0``, ...; ``rollout.session_servers``) through ``provider``,
         each given ``startup_timeout_s`` to answer its health check; one that fails to start stops the others."""
@@ -55,6 +56,7 @@ class SessionServers:
                     model_path=model_path,
                     chat_format=chat_format,
                     limits=limits or SessionLimits(),
+                    engine_is_router=engine_is_router,
                 )
                 workers.append(await provider.start(spec))
         except BaseException:
@@ -73,10 +75,22 @@ class SessionServers:
         return self.workers[next(self._next)].url
 
     async def create(
-        self, server: str, *, sampling: dict[str, Any], metadata: dict[str, Any], engine_url: str
+        self,
+        server: str,
+        *,
+        sampling: dict[str, Any],
+        metadata: dict[str, Any],
+        engine_url: str,
+        engine_is_router: bool = False,
     ) -> tuple[str, str]:
         """A new session on ``server``: its id and ``base_url`` (what the agent's OpenAI client is given)."""
-        body = {"messages": [], "sampling": sampling, "metadata": metadata, "engine_url": engine_url}
+        body = {
+            "messages": [],
+            "sampling": sampling,
+            "metadata": metadata,
+            "engine_url": engine_url,
+            "engine_is_router": engine_is_router,
+        }
         answer = await self._call("POST", f"{server}/sessions", json=body)
         return answer["session_id"], answer["base_url"]
 

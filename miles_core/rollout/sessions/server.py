@@ -3,8 +3,9 @@ black-box agent, token-in-token-out across turns, and the session's trajectory (
 
 Routes (every one answers only loopback ``Host`` names and no web page's ``Origin``, as every Miles server):
 
-- ``POST /sessions`` (bearer: the run's token) ``{"messages", "sampling", "metadata", "engine_url"}`` creates a
-  session (generating with ``engine_url``, an engine or the router; default: ``--engine-url``) and
+- ``POST /sessions`` (bearer: the run's token) ``{"messages", "sampling", "metadata", "engine_url",
+  "engine_is_router"}`` creates a session (generating with ``engine_url``, an engine or the router; default:
+  ``--engine-url``) and
   answers ``{"session_id", "base_url"}``; ``base_url`` is ``http://HOST:PORT/sessions/<id>/v1``, what an
   ``openai.OpenAI(base_url=...)`` client is given.
 - ``POST /sessions/<id>/v1/chat/completions``: OpenAI's chat schema (``tools`` passed to the chat format). It needs
@@ -125,12 +126,14 @@ class SessionServer:
         port: int,
         limits: SessionLimits = SessionLimits(),
         engine_timeout_s: float = 600.0,
+        engine_is_router: bool = False,
     ) -> None:
         if not token:
             raise MilesError(f"the session server needs the run's token (--token or ${TOKEN_ENV}) for its routes")
         self.fmt, self.token, self.host, self.port, self.limits = fmt, token, host, port, limits
         self.engine_url, self.engine_timeout_s = engine_url.rstrip("/"), engine_timeout_s
-        self.engines: dict[str, TurnBatcher] = {}  # by URL: --engine-url's and those sessions named
+        self.engine_is_router = engine_is_router
+        self.engines: dict[tuple[str, bool], TurnBatcher] = {}  # by URL and kind: --engine-url's, those sessions named
         self.served_names = allowed_host_names(host)
         self.sessions: dict[str, Session] = {}
         self.expired: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -161,11 +164,16 @@ class SessionServer:
     def _engine_of(self, session: Session) -> TurnBatcher:
         """The client of the engine ``session`` generates with: one per URL, kept while the server runs (only the
         run's token creates sessions, so there are as many as the addresses its engines had)."""
-        url = (session.engine_url or self.engine_url).rstrip("/")
-        batcher = self.engines.get(url)
+        if session.engine_url is None:
+            url, is_router = self.engine_url, self.engine_is_router
+        else:
+            url, is_router = session.engine_url.rstrip("/"), session.engine_is_router
+        batcher = self.engines.get((url, is_router))
         if batcher is None:
-            name = f"session-engine-{len(self.engines)}"
-            batcher = self.engines[url] = TurnBatcher(EngineClient(url, name=name, timeout_s=self.engine_timeout_s))
+            client = EngineClient(
+                url, name=f"session-engine-{len(self.engines)}", timeout_s=self.engine_timeout_s, is_router=is_router
+            )
+            batcher = self.engines[(url, is_router)] = TurnBatcher(client)
         return batcher
 
     @property
@@ -252,6 +260,7 @@ class SessionServer:
             sampling=body.sampling.model_dump(),
             metadata=body.metadata,
             engine_url=body.engine_url,
+            engine_is_router=body.engine_is_router,
         )
         return {"session_id": sid, "base_url": f"{self.base}/sessions/{sid}/v1"}
 
@@ -425,6 +434,7 @@ def session_server_spec(
     model_path: str,
     chat_format: str,
     limits: SessionLimits = SessionLimits(),
+    engine_is_router: bool = False,
 ) -> CommandWorkerSpec:
     """The command worker of one session server in front of ``engine_url`` (an engine or the router), on a free
     port; the provider gives it the run's token in ``$MILES_RUN_TOKEN``. ``startup_timeout_s`` is the run's engine start
@@ -452,6 +462,7 @@ def session_server_spec(
         str(limits.max_session_tokens),
         "--idle-timeout-s",
         str(limits.idle_timeout_s),
+        *(["--engine-is-router"] if engine_is_router else []),
     ]
     return CommandWorkerSpec(
         name=name,
@@ -484,6 +495,9 @@ def load_chat_format(target: str, model_path: str) -> ChatFormat:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m miles_core.rollout.sessions.server", description=__doc__)
     parser.add_argument("--engine-url", required=True, help="an engine's (or the router's) URL")
+    parser.add_argument(
+        "--engine-is-router", action="store_true", help="--engine-url is an sglang-router (one request per setting)"
+    )
     parser.add_argument("--host", default=node_address(), help="address to bind (default: this node's address)")
     parser.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
     parser.add_argument(
@@ -521,7 +535,13 @@ def main(argv: list[str] | None = None) -> None:
     port = sock.getsockname()[1]
     try:
         server = SessionServer(
-            fmt=fmt, engine_url=args.engine_url, token=args.token or "", host=args.host, port=port, limits=limits
+            fmt=fmt,
+            engine_url=args.engine_url,
+            token=args.token or "",
+            host=args.host,
+            port=port,
+            limits=limits,
+            engine_is_router=args.engine_is_router,
         )
     except MilesError as exc:
         print(f"session server: error: {exc}", file=sys.stderr, flush=True)

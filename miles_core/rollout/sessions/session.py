@@ -57,9 +57,11 @@ class Session:
         sampling: dict[str, Any],
         metadata: dict[str, Any],
         engine_url: str | None = None,
+        engine_is_router: bool = False,
     ) -> None:
         self.id = session_id
         self.engine_url = engine_url  # None: the server's engine
+        self.engine_is_router = engine_is_router
         self.messages: list[ChatMessage] = list(messages)
         self.sampling = dict(sampling)
         self.metadata = dict(metadata)
@@ -82,7 +84,12 @@ class Session:
         seed = self.sampling["seed"]
         sampling = {**self.sampling, "seed": None if seed is None else (seed * 2_654_435_761 + self.forks) % (1 << 62)}
         branch = Session(
-            session_id, messages=self.messages, sampling=sampling, metadata=self.metadata, engine_url=self.engine_url
+            session_id,
+            messages=self.messages,
+            sampling=sampling,
+            metadata=self.metadata,
+            engine_url=self.engine_url,
+            engine_is_router=self.engine_is_router,
         )
         branch.root, branch.tools, branch.prompt_length = self.root, self.tools, self.prompt_length
         branch.ids, branch.mask, branch.logprobs, branch.turns = (

@@ -165,3 +165,40 @@ def test_every_schedule_trains_on_the_sessions_tokens_and_an_engine_death_loses_
     assert indices == [[str(step), "16"] for step in range(1, 4)]  # a branch shares its sample's index
     steps = [row for row in metrics(tmp_path / "run") if "train/loss" in row]
     assert [row["step"] for row in steps] == [1, 2, 3]
+
+
+def test_the_tool_task_runs_through_the_real_sglang_router(tmp_path: Path) -> None:
+    """Two local engines behind the real sglang-router, the session server in front of the router: every session's
+    turns (a seed of its own each, batched by the session server) reach the engines through it. Before the client sent
+    a router one request per setting, every eval session failed on the router's 422 and the run stopped."""
+    plugin = tmp_path / "checks.py"
+    plugin.write_text(CHECKS)
+    engine = '["{python}", "-m", "miles_core.builtin.local_engine.server"]'
+    result = train(
+        tmp_path / "run",
+        "--no-progress",
+        "--task",
+        "tool_lookup",
+        "--engine",
+        "sglang",
+        "--sglang-launch-command",
+        engine,
+        "--sglang-router",
+        "true",
+        "--engine-num-engines",
+        "2",
+        "--num-steps",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--run-eval-every",
+        "0",
+        "--run-checkpoint-every",
+        "0",
+        "--plugin",
+        str(plugin),
+    )
+    assert "router pid" in result.stdout
+    lines = sample_lines(result.stdout)
+    assert [line[:3] for line in lines] == [[1, 32, 32], [2, 32, 32]], lines  # 4 prompts x 8, each consistent
+    assert [row["step"] for row in metrics(tmp_path / "run") if "train/loss" in row] == [1, 2]

@@ -37,11 +37,16 @@ from miles_core.rollout.controller import InferenceController
 from miles_core.training.batch import TrainBatch
 from miles_core.weight_transfer.tensor import TensorProtocol
 
+INSIDE_ENGINE = "inside the engine (meta_info.e2e_latency)"
+BEYOND_ENGINE = "beyond it (HTTP, JSON, the client)"
+
 # (label, owner, attribute, depth): what is timed, listed in the order printed; depth indents a part under the one
 # before it that it runs inside
 PARTS: list[tuple[str, Any, str, int]] = [
     ("rollout", loop, "_rollout", 0),
     ("engine /generate round trip (HTTP, JSON, generation)", EngineClient, "generate", 1),
+    (INSIDE_ENGINE, None, "", 2),
+    (BEYOND_ENGINE, None, "", 2),
     ("answers parsed (GenerateOutput)", GenerateOutput, "from_sglang", 1),
     ("responses detokenised", executor, "decode_response", 1),
     ("rewards", executor.RolloutExecutor, "_score", 1),
@@ -131,8 +136,32 @@ def untimed(tally: Tally, function: Any) -> Any:
     return wrapper
 
 
+def split_round_trip(tally: Tally) -> None:
+    """The ``/generate`` round trip split at the engine's own account of it (``meta_info.e2e_latency``, which the
+    local engine and SGLang report): the part inside the engine, and the rest (the transport and both ends' JSON)."""
+    generate = EngineClient.generate
+
+    @functools.wraps(generate)
+    async def wrapper(self: EngineClient, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        answer = await generate(self, *args, **kwargs)
+        elapsed = time.perf_counter() - started
+        answers = answer if isinstance(answer, list) else [answer]
+        latencies = [a.get("meta_info", {}).get("e2e_latency") for a in answers if isinstance(a, dict)]
+        inside = max((x for x in latencies if isinstance(x, float)), default=None)
+        if inside is not None:  # one request's prompts are answered together: the longest is the request's
+            tally.add(INSIDE_ENGINE, inside)
+            tally.add(BEYOND_ENGINE, elapsed - inside)
+        return answer
+
+    EngineClient.generate = wrapper
+
+
 def instrument(tally: Tally) -> None:
+    split_round_trip(tally)
     for label, owner, name, _ in PARTS:
+        if owner is None:  # filled in by split_round_trip
+            continue
         original = inspect.getattr_static(owner, name)
         if isinstance(original, classmethod):
             setattr(owner, name, classmethod(timed(tally, label, original.__func__)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -71,9 +72,12 @@ def reference_logprobs(model: torch.nn.Module, prompt: list[int], output: list[i
 def test_generate_matches_the_model(engine, model_dir: Path) -> None:
     async def scenario() -> None:
         async with EngineClient(engine.url, admin_key=ADMIN) as client:
+            started = time.perf_counter()
             single = await client.generate([5, 6, 7], {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 1})
+            round_trip = time.perf_counter() - started
             batch = await client.generate([[5, 6, 7], [9]], [{"max_new_tokens": 4}, {"max_new_tokens": 2}])
         meta = single["meta_info"]
+        assert 0 < meta["e2e_latency"] < round_trip  # SGLang's key: the engine's own part of the round trip
         assert len(single["output_ids"]) == meta["completion_tokens"] <= 6
         assert meta["prompt_tokens"] == 3 and meta["weight_version"] == "default"
         assert meta["finish_reason"]["type"] in ("length", "stop")

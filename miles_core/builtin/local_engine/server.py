@@ -31,6 +31,7 @@ import os
 import secrets
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -247,6 +248,7 @@ class LocalEngineServer:
     async def generate(self, body: dict) -> Any:
         """Every field is checked here and every prompt admitted by the engine before any is queued: a bad
         request gets its own 400 and never reaches (or fails) a batch."""
+        started = time.perf_counter()  # SGLang's meta_info.e2e_latency: from the request's arrival to its answer
         _check_generate_fields(body)
         _optional(body, "log_metrics", bool, True)
         stream = _optional(body, "stream", bool, False)
@@ -270,8 +272,9 @@ class LocalEngineServer:
             return self._stream(requests[0], logprobs, rids[0])
         results = await self.generate_counted(requests)
         texts = self.engine.decode_many([result.output_ids for result in results])
+        latency = time.perf_counter() - started
         outputs = [
-            self._output(r, req, logprobs, rid, text=text)
+            self._output(r, req, logprobs, rid, text=text, e2e_latency=latency)
             for r, req, rid, text in zip(results, requests, rids, texts, strict=True)
         ]
         return outputs[0] if single else outputs
@@ -333,8 +336,10 @@ class LocalEngineServer:
         *,
         finished: bool = True,
         text: str | None = None,
+        e2e_latency: float | None = None,
     ) -> dict:
-        """SGLang's answer to ``request``; ``text``: its output decoded already (``engine.decode_many``)."""
+        """SGLang's answer to ``request``; ``text``: its output decoded already (``engine.decode_many``);
+        ``e2e_latency``: seconds from the request's arrival to its answer (SGLang's ``meta_info`` key)."""
         meta: dict[str, Any] = {
             "id": rid or f"local-{os.getpid()}-{id(result)}",
             "finish_reason": result.finish_reason if finished else None,
@@ -343,6 +348,8 @@ class LocalEngineServer:
             "cached_tokens": 0,
             "weight_version": self.engine.weight_version,
         }
+        if e2e_latency is not None:
+            meta["e2e_latency"] = e2e_latency
         if result.version_events:  # a weight update came while it held tokens: where each version's tokens are
             meta["weight_versions"] = weight_version_spans(
                 result.version_events, self.engine.weight_version, len(result.output_ids)

@@ -14,6 +14,9 @@ Network: with no cluster address (``address``, or Ray's own ``RAY_ADDRESS``), th
 whose node address is 127.0.0.1, so every port Ray opens (GCS, raylet, object manager, workers, runtime-env agent)
 listens on loopback only; it starts no dashboard. Given a cluster address, it joins that cluster as configured
 (a cluster whose head is on loopback, such as several raylets on one machine, is joined on loopback).
+
+Authentication: a local Ray has Ray's token authentication, set up explicitly (:func:`local_token_auth`): one token
+per driver process, shared by every Ray that process starts, so Ray prints no warning about it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import secrets
 import signal
 import socket
 from collections.abc import Mapping
@@ -33,6 +37,8 @@ from typing import Any
 import psutil
 import ray
 from ray._private import ray_constants
+from ray._raylet import AuthenticationTokenLoader
+from ray._raylet import Config as RayConfig
 from ray.exceptions import AuthenticationError as RayAuthenticationError
 from ray.util.placement_group import (
     PlacementGroup,
@@ -420,14 +426,16 @@ CLUSTER_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 def init_ray(address: str | None = None, **ray_init: Any) -> None:
     """Join the Ray cluster at ``address`` (or ``RAY_ADDRESS``); with neither, start a local Ray (never one that a
-    ``ray start`` left running) whose node address, and so every port, is on 127.0.0.1 only. An address of the
-    wrong form, or a cluster that cannot be joined, is a :class:`WorkerError` that names the address and its source."""
+    ``ray start`` left running) whose node address, and so every port, is on 127.0.0.1 only, with token
+    authentication (:func:`local_token_auth`). An address of the wrong form, or a cluster that cannot be joined, is
+    a :class:`WorkerError` that names the address and its source."""
     if address is not None:
         _join_cluster(address, "run.ray_address (--run-ray-address)", ray_init)
         return
     if os.environ.get("RAY_ADDRESS"):
         _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
         return
+    local_token_auth()
     with loopback_node_address(), waiting_for("a local Ray to start"):
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
@@ -451,6 +459,8 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
         raise WorkerError(f"{source} = {address!r}: {exc}") from None
     if address != "auto":
         _check_listening(address, source)
+    if any(os.environ.get(name) for name in TOKEN_ENV_VARS):  # (so that Ray, reloading, finds one)
+        reload_token_auth()  # Ray kept the token of an earlier Ray of this process: send the one given now
     loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
     try:
         with loopback, waiting_for(f"the Ray cluster at {address} to be joined"):
@@ -508,6 +518,37 @@ def loopback_node_address():
             os.environ.pop(CLUSTER_ENV, None)
         else:
             os.environ[CLUSTER_ENV] = saved_env
+
+
+AUTH_MODE_ENV_VAR = "RAY_AUTH_MODE"
+"""Ray's authentication mode: ``token`` or ``disabled``; unset, Ray turns tokens on for a new local Ray and warns."""
+TOKEN_ENV_VARS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Where Ray looks for a token before its file ``~/.ray/auth_token``, in this order."""
+
+
+def local_token_auth() -> None:
+    """Before a local Ray starts: token authentication set explicitly, so Ray prints no warning (it warns only when
+    it turns authentication on by itself, mode unset), with one token for this process.
+
+    ``RAY_AUTH_MODE=token``, and unless a token is given (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``), a fresh
+    one in ``RAY_AUTH_TOKEN``; nothing is written to ``~/.ray``. Both stay in this process's environment, as Ray
+    leaves ``RAY_AUTH_MODE`` after its own default start: Ray loads a token once per process and keeps it, so every
+    Ray this process starts later (by Miles or with Ray's own API) must get that same token, and the processes a Ray
+    starts (GCS, raylet, workers) read it from the environment they inherit. A ``RAY_AUTH_MODE`` other than
+    ``token`` (``disabled``) is the user's choice and is left as it is."""
+    if os.environ.get(AUTH_MODE_ENV_VAR, "token").lower() != "token":
+        return
+    os.environ[AUTH_MODE_ENV_VAR] = "token"
+    if not any(os.environ.get(name) for name in TOKEN_ENV_VARS):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)  # 256 bits, as Ray makes its own
+    reload_token_auth()
+
+
+def reload_token_auth() -> None:
+    """Make this process's Ray read its authentication settings again: its config (read at import, so a mode set
+    since is not seen otherwise) and the token it keeps once loaded. The config first, as Ray's own tests do."""
+    RayConfig.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def check_cluster_offers(bundle: Mapping[str, float], *, count: int, names: str) -> None:

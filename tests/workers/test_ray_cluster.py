@@ -6,7 +6,9 @@ runs with the ranks and the engines on other hosts than the driver, over each pr
 (network namespaces: each host its own network stack, which raylets on one loopback are not).
 
 The cluster uses token authentication, as Ray 2.60 sets up a new local cluster: the token of ``~/.ray/auth_token``
-(made if missing, as ``ray.init`` does), and ``RAY_AUTH_MODE=token`` for the drivers that join it."""
+(made if missing, as ``ray.init`` does), and ``RAY_AUTH_MODE=token`` for the drivers that join it; after a local Ray
+of Miles in this process, that process's token (in ``RAY_AUTH_TOKEN``, which Ray reads first, and which its nodes
+and the drivers started here inherit)."""
 
 from __future__ import annotations
 

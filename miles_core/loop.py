@@ -177,7 +177,10 @@ async def _run_with_trainer(
         if agent is not None:
             sessions = await _start_session_servers(config, provider, controller, setup, registries)
         executor = RolloutExecutor(
-            config=config,
+            run=config.run,
+            rollout=config.rollout,
+            train=config.train,
+            engine=config.engine,
             tokenizer=setup.tokenizer,
             train_prompts=setup.train_prompts,
             eval_prompts=setup.eval_prompts,

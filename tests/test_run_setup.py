@@ -9,7 +9,6 @@ import math
 import os
 import re
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ import transformers
 
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
-from miles_core.config.sections import TrainSection
+from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
@@ -259,7 +258,10 @@ def test_anything_else_is_an_error_naming_the_sample_and_the_function(value, pro
 def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
     """An executor used only for scoring (no engine is needed to score given responses)."""
     return RolloutExecutor(
-        config=types.SimpleNamespace(),
+        run=RunSection(),
+        rollout=RolloutSection(),
+        train=TrainSection(),
+        engine=EngineSection(),
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],

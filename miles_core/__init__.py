@@ -8,8 +8,9 @@ examples in ``plugins/``, a third party's package) imports from ``miles_core`` a
   documented in :mod:`miles_core.hookspecs`), :class:`Implementation` and :func:`model_implementation`;
 * **backends**: :class:`TrainingBackend`, :class:`EngineBackend`, :class:`CausalLM`, :class:`HfWeightIterator`,
   the :class:`TrainBatch` a trainer trains on, and the losses and optimizer helpers the torch trainer uses;
-* **weight-transfer protocols**: :class:`WeightTransferProtocol` and its types, the weight holders of the trainer
-  ranks, and the ``disk`` protocol's shard writer (a trainer's checkpoint uses it);
+* **weight-transfer protocols**: :class:`WeightTransferProtocol` and its types, :class:`ProtocolSettings` (the base
+  of the settings model a protocol declares), the weight holders of the trainer ranks, and the ``disk`` protocol's
+  shard writer (a trainer's checkpoint uses it);
 * **wire formats** both ends of a weight transfer read: :class:`StagingLayout` and the weight digests;
 * **workers and providers**: the worker specs, :class:`WorkerHandle`, :func:`rpc_method`, the local provider, and
   the node address and rendezvous helpers of collectives;
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
         EngineCapabilities,
         route_for,
     )
+    from miles_core.weight_transfer.settings import ProtocolSettings
     from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
     from miles_core.weight_transfer.staging_layout import (
         StagedTensor,
@@ -142,6 +144,7 @@ _LAZY = {
     "TransferReport": "miles_core.weight_transfer.protocol",
     "WeightBucket": "miles_core.weight_transfer.protocol",
     "SendsFromHolders": "miles_core.weight_transfer.protocol",
+    "ProtocolSettings": "miles_core.weight_transfer.settings",
     "HttpEngineProtocol": "miles_core.weight_transfer.http_engines",
     "WeightHolders": "miles_core.weight_transfer.holders",
     "NamedTensorShare": "miles_core.weight_transfer.holders",
@@ -268,6 +271,7 @@ __all__ = [
     "PluginLoadError",
     "Prompt",
     "ProtocolContract",
+    "ProtocolSettings",
     "PythonWorkerSpec",
     "RegistryError",
     "RoutedExpertsError",

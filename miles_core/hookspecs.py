@@ -92,8 +92,11 @@ def provide_weight_transfer_protocols() -> list[Implementation] | None:
     """Weight-transfer protocols (``--update-weight-transfer-mode NAME``), such as ``disk`` or ``rdt``.
 
     Called once when the registries are built. Each entry's target is a
-    :class:`~miles_core.weight_transfer.WeightTransferProtocol` subclass. Packages that only add a protocol need no
-    hook code: the core feeds the entry-point group ``miles.weight_transfer`` into this registry.
+    :class:`~miles_core.weight_transfer.WeightTransferProtocol` subclass that declares its settings
+    (``--weight-transfer-settings``) as a :class:`~miles_core.weight_transfer.settings.ProtocolSettings` model in
+    ``settings_model``; the core validates the run's settings against it when the config is built, so no
+    ``validate_config`` is needed for them. Packages that only add a protocol need no hook code: the core feeds the
+    entry-point group ``miles.weight_transfer`` into this registry.
     """
 
 

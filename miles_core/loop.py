@@ -99,18 +99,11 @@ VERIFY_SAMPLES = 4
 
 
 def make_protocol(config: MilesConfig, registries: Registries) -> WeightTransferProtocol:
-    """The configured weight-transfer protocol, built from ``weight_transfer.settings``; settings its constructor
-    refuses (see :class:`WeightTransferProtocol`) are a :class:`ConfigError` naming the protocol and the settings."""
+    """The configured weight-transfer protocol, built from ``weight_transfer.settings`` (which the config build
+    validated against the protocol's settings model); a protocol that refuses to be built here (NCCL without a CUDA
+    device) is a :class:`ConfigError` naming it and its settings."""
     mode, settings = config.weight_transfer.mode, config.weight_transfer.settings
-    protocol_cls = registries.weight_transfer_protocols.get_or_raise(mode).load()
-    try:
-        protocol = protocol_cls(**settings)
-    except (TypeError, ValueError, MilesError) as exc:  # an unknown keyword, a bad value: the documented refusals
-        raise ConfigError(
-            f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings, default=str)} "
-            f"do not fit the protocol {mode!r} ({describe_callable(protocol_cls)}): "
-            f"{type(exc).__name__}: {exc}"
-        ) from None
+    protocol = _build_protocol(registries, mode, settings, field="weight_transfer.settings")
     if config.weight_transfer.verify_checksum:
         protocol.verify_samples = VERIFY_SAMPLES
     if isinstance(protocol, AutoProtocol):
@@ -119,15 +112,26 @@ def make_protocol(config: MilesConfig, registries: Registries) -> WeightTransfer
     return protocol
 
 
+def _build_protocol(
+    registries: Registries, name: str, settings: dict[str, Any], *, field: str
+) -> WeightTransferProtocol:
+    protocol_cls = registries.weight_transfer_protocols.get_or_raise(name).load()
+    try:
+        return protocol_cls(**settings)
+    except ConfigError:  # settings its model refuses: the error names them already
+        raise
+    except MilesError as exc:  # a refusal that depends on this machine
+        raise ConfigError(
+            f"{field} (--weight-transfer-settings) {json.dumps(settings, default=str)} do not fit the protocol "
+            f"{name!r} ({describe_callable(protocol_cls)}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
 def _protocol_factory(registries: Registries) -> Any:
     """Builds the protocols ``auto`` chooses, by name, with the settings ``auto`` keeps for each."""
 
     def build(name: str, settings: dict[str, Any]) -> WeightTransferProtocol:
-        protocol_cls = registries.weight_transfer_protocols.get_or_raise(name).load()
-        try:
-            return protocol_cls(**settings)
-        except (TypeError, ValueError, MilesError) as exc:
-            raise ConfigError(f"weight_transfer.settings.{name} {settings} do not fit {name}: {exc}") from None
+        return _build_protocol(registries, name, settings, field=f"weight_transfer.settings.{name}")
 
     return build
 
@@ -173,7 +177,10 @@ async def _run_with_trainer(
         if agent is not None:
             sessions = await _start_session_servers(config, provider, controller, setup, registries)
         executor = RolloutExecutor(
-            config=config,
+            run=config.run,
+            rollout=config.rollout,
+            train=config.train,
+            engine=config.engine,
             tokenizer=setup.tokenizer,
             train_prompts=setup.train_prompts,
             eval_prompts=setup.eval_prompts,

@@ -137,15 +137,15 @@ def test_plain_yaml_features_still_work(tmp_path: Path) -> None:
     )
     stderr = refused("--config", str(path))  # 'shared' is not a section: the aliases themselves were accepted
     assert "shared: unknown key; allowed sections:" in stderr
-    path.write_text(
-        "weight_transfer:\n  settings: {a: &w {transport: gloo}, b: *w, c: {<<: *w, lanes: 2}, when: 2024-01-01}\n"
+    path.write_text(  # auto's settings per protocol, each checked against that protocol's settings model
+        "weight_transfer:\n  settings:\n    tensor: {shm_dir: &d 2024-01-01}\n    disk: {work_dir: *d}\n"
+        "    broadcast: {<<: {timeout_s: 5, backend: gloo}, timeout_s: 7}\n"
     )
     settings = config_json("--config", str(path))["weight_transfer"]["settings"]
-    assert settings == {
-        "a": {"transport": "gloo"},
-        "b": {"transport": "gloo"},
-        "c": {"transport": "gloo", "lanes": 2},
-        "when": "2024-01-01",
+    assert settings == {  # a date is read as its text, an alias as its value, a merged key as a default
+        "tensor": {"shm_dir": "2024-01-01"},
+        "disk": {"work_dir": "2024-01-01"},
+        "broadcast": {"timeout_s": 7, "backend": "gloo"},
     }
 
 
@@ -162,6 +162,40 @@ def test_plain_yaml_features_still_work(tmp_path: Path) -> None:
 )
 def test_structured_flag_values_are_read_within_the_same_bounds(flag: str, value: str, expected: str) -> None:
     assert expected in refused(flag, value)
+
+
+# -- protocol settings (each protocol's declared model) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--weight-transfer-settings", "{tensr: {zero_copy: false}}"], "auto has no setting 'tensr' (did you mean"),
+        (["--weight-transfer-settings", "{broadcast: {timeout_s: -1}}"], "broadcast setting timeout_s = -1: expected"),
+        (["--weight-transfer-settings", "{tensor: yes}"], "auto setting tensor = True: expected a mapping"),
+        (
+            ["--update-weight-transfer-mode", "disk", "--weight-transfer-settings", "{keep_versions: true}"],
+            "disk setting keep_versions = True: expected a whole number of at least 1 (a boolean is not a number)",
+        ),
+        (
+            ["--update-weight-transfer-mode", "tensor", "--weight-transfer-settings", "{zero_copy: 'no'}"],
+            "tensor setting zero_copy = 'no': expected true or false",
+        ),
+        (
+            [
+                "--update-weight-transfer-mode",
+                "broadcast",
+                "--weight-transfer-settings",
+                "{bakend: gloo, timeout_s: 0}",
+            ],
+            "broadcast has no setting 'bakend' (did you mean 'backend'?)",
+        ),
+    ],
+)
+def test_protocol_settings_are_refused_by_config_show(args: list[str], expected: str) -> None:
+    """Refused when the config is built (``miles config show`` builds it), not first when a run builds the protocol."""
+    stderr = refused(*args, max_lines=4)
+    assert "do not fit the protocol" in stderr and expected in stderr, stderr
 
 
 # -- inf and nan ------------------------------------------------------------------------------------------------

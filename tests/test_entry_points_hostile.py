@@ -15,7 +15,6 @@ import resource
 import signal
 import sqlite3
 import subprocess
-import types
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import transformers
 from miles_core.builtin.dashboard.store import DashboardStore, check_run_dir
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
-from miles_core.config.sections import TrainSection
+from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
 from miles_core.plugin_manager import MilesPluginManager
@@ -247,7 +246,10 @@ def test_the_autoload_switch_is_read_strictly(tmp_path: Path) -> None:
 
 def _executor(reward_fn) -> RolloutExecutor:
     return RolloutExecutor(
-        config=types.SimpleNamespace(),
+        run=RunSection(),
+        rollout=RolloutSection(),
+        train=TrainSection(),
+        engine=EngineSection(),
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],

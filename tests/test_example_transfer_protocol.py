@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from miles_core.builtin.core_plugin import check_weight_transfer_protocol
+from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.weight_transfer import WeightTransferProtocol
 
@@ -65,6 +66,25 @@ def test_keeps_only_the_newest_versions(tmp_path: Path, protocol_class: type) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
 
 
-def test_rejects_bad_settings(protocol_class: type) -> None:
-    with pytest.raises(ValueError, match="keep_versions must be at least 1, got 0"):
-        protocol_class(keep_versions=0)
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"keep_versions": 0}, "sharded-disk setting keep_versions = 0: expected a whole number of at least 1"),
+        ({"keep_versions": True}, "keep_versions = True: expected a whole number of at least 1 (a boolean is not"),
+        ({"timeout_s": -5}, "sharded-disk setting timeout_s = -5: expected a number above 0"),
+        ({"directory": 7}, "sharded-disk setting directory = 7: expected a string or null"),
+        ({"keep_version": 2}, "has no setting 'keep_version' (did you mean 'keep_versions'?)"),
+    ],
+)
+def test_rejects_bad_settings(protocol_class: type, settings: dict, message: str) -> None:
+    """Its declared settings model refuses them (a boolean was taken as 1 and a negative timeout passed before)."""
+    with pytest.raises(ConfigError) as refused:
+        protocol_class(**settings)
+    assert message in str(refused.value)
+    assert "do not fit the protocol 'sharded-disk' (miles_example_transfer.protocol:" in str(refused.value)
+
+
+def test_reads_its_settings_as_typed_attributes(tmp_path: Path, protocol_class: type) -> None:
+    protocol = protocol_class(directory=str(tmp_path), keep_versions=3, timeout_s=5)
+    assert (protocol.settings.keep_versions, protocol.settings.timeout_s) == (3, 5.0)
+    assert isinstance(protocol.settings.timeout_s, float) and protocol.directory == tmp_path

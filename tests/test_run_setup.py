@@ -9,16 +9,16 @@ import math
 import os
 import re
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import transformers
 
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
-from miles_core.config.sections import TrainSection
+from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.errors import ConfigError, MilesError
@@ -258,7 +258,10 @@ def test_anything_else_is_an_error_naming_the_sample_and_the_function(value, pro
 def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
     """An executor used only for scoring (no engine is needed to score given responses)."""
     return RolloutExecutor(
-        config=types.SimpleNamespace(),
+        run=RunSection(),
+        rollout=RolloutSection(),
+        train=TrainSection(),
+        engine=EngineSection(),
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],
@@ -355,29 +358,24 @@ def test_a_bad_reward_target_is_a_clear_error_naming_it(work_dir: Path, manager,
 @pytest.mark.parametrize(
     ("mode", "settings", "message"),
     [
-        (
-            "disk",
-            {"keep_versions": 0},
-            "ValueError: disk setting keep_versions = 0: expected a whole number of at least 1",
-        ),
-        ("disk", {"keep_versions": "2"}, "disk setting keep_versions = '2'"),
-        ("disk", {"keep_versions": True}, "disk setting keep_versions = True"),
-        ("disk", {"work_dir": 5}, "disk setting work_dir = 5: expected a directory path"),
-        ("disk", {"no_such_setting": 1}, "TypeError: "),
-        ("broadcast", {"timeout_s": -1}, "broadcast setting timeout_s = -1: expected a number of seconds above 0"),
-        ("broadcast", {"timeout_s": "soon"}, "broadcast setting timeout_s = 'soon'"),
-        ("broadcast", {"master_address": ""}, "broadcast setting master_address = ''"),
-        ("broadcast", {"backend": "mpi"}, "MilesError: weight-update group backend 'mpi': use auto, gloo or nccl"),
+        ("disk", {"keep_versions": 0}, "disk setting keep_versions = 0: expected a whole number of at least 1"),
+        ("disk", {"keep_versions": "2"}, "disk setting keep_versions = '2': expected a whole number"),
+        ("disk", {"keep_versions": True}, "disk setting keep_versions = True: expected a whole number of at least 1"),
+        ("disk", {"work_dir": 5}, "disk setting work_dir = 5: expected a string or null"),
+        ("disk", {"no_such_setting": 1}, "disk has no setting 'no_such_setting'; disk's settings: work_dir,"),
+        ("broadcast", {"timeout_s": -1}, "broadcast setting timeout_s = -1: expected a number above 0"),
+        ("broadcast", {"timeout_s": "soon"}, "broadcast setting timeout_s = 'soon': expected a number above 0"),
+        ("broadcast", {"master_address": ""}, "broadcast setting master_address = '': expected a non-empty string"),
+        ("broadcast", {"backend": "mpi"}, "broadcast setting backend = 'mpi': expected 'auto', 'gloo' or 'nccl'"),
         ("tensor", {"zero_copy": "yes"}, "tensor setting zero_copy = 'yes': expected true or false"),
         ("tensor", {"shared_memory": 1}, "tensor setting shared_memory = 1: expected true, false or null"),
     ],
 )
-def test_settings_a_protocol_refuses_are_a_config_error_naming_it(
+def test_settings_a_protocol_refuses_are_a_config_error_when_the_config_is_built(
     manager, mode: str, settings: dict, message: str
 ) -> None:
-    run_config = config(manager, **{"weight_transfer.mode": mode, "weight_transfer.settings": settings})
     with pytest.raises(ConfigError) as error:
-        make_protocol(run_config, manager.registries)
+        config(manager, **{"weight_transfer.mode": mode, "weight_transfer.settings": settings})
     text = str(error.value)
     assert text.startswith(
         f"weight_transfer.settings (--weight-transfer-settings) {json.dumps(settings)} do not "
@@ -386,20 +384,35 @@ def test_settings_a_protocol_refuses_are_a_config_error_naming_it(
     assert message in text, text
 
 
-def test_a_third_party_protocol_raising_value_error_is_a_config_error(manager) -> None:
-    """The example protocol (an entry point of its own distribution) raises ValueError for a bad value."""
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA, so NCCL is usable")
+def test_a_protocol_refusing_to_be_built_on_this_machine_is_a_config_error(manager) -> None:
+    """NCCL without a CUDA device: the settings fit the model; the constructor refuses them here."""
+    run_config = config(
+        manager, **{"weight_transfer.mode": "broadcast", "weight_transfer.settings": {"backend": "nccl"}}
+    )
+    with pytest.raises(ConfigError) as error:
+        make_protocol(run_config, manager.registries)
+    assert str(error.value).startswith(
+        'weight_transfer.settings (--weight-transfer-settings) {"backend": "nccl"} do not fit the protocol '
+        "'broadcast' (miles_core.weight_transfer.broadcast:BroadcastProtocol): MilesError: weight-update group "
+        "backend 'nccl' needs a CUDA device"
+    )
+
+
+def test_a_third_party_protocols_settings_model_is_checked_when_the_config_is_built() -> None:
+    """The example protocol (an entry point of its own distribution) declares its settings model."""
     plugins = MilesPluginManager.load()
     if "sharded-disk" not in plugins.registries.weight_transfer_protocols:
         pytest.fail("the example distribution miles-example-transfer is not installed: `make setup` installs it")
-    run_config = build_config(
-        plugins, overrides={"weight_transfer.mode": "sharded-disk", "weight_transfer.settings": {"keep_versions": 0}}
-    )
     with pytest.raises(
         ConfigError,
         match=r"protocol 'sharded-disk' \(miles_example_transfer.protocol:.*\): "
-        "ValueError: keep_versions must be at least 1, got 0",
+        "sharded-disk setting keep_versions = 0: expected a whole number of at least 1",
     ):
-        make_protocol(run_config, plugins.registries)
+        build_config(
+            plugins,
+            overrides={"weight_transfer.mode": "sharded-disk", "weight_transfer.settings": {"keep_versions": 0}},
+        )
 
 
 # -- tasks (--task) --------------------------------------------------------------------------------------------

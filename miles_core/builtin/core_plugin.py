@@ -14,6 +14,7 @@ from miles_core.hookspecs import hookimpl
 from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
 from miles_core.weight_transfer import WeightTransferProtocol
+from miles_core.weight_transfer.settings import validate_run_settings
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
@@ -86,7 +87,7 @@ def config_flags() -> list[ConfigFlag]:
 @hookimpl
 def validate_config(config: MilesConfig, registries: Registries) -> None:
     check_output_dir(config.run.output_dir)
-    check_weight_transfer_protocol(registries, config.weight_transfer.mode)
+    check_weight_transfer_settings(config, registries)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
     named = [
@@ -185,9 +186,27 @@ def check_output_dir(output_dir: str, *, setting: str = "run.output_dir (--outpu
         return
 
 
-def check_weight_transfer_protocol(registries: Registries, name: str) -> type:
-    """Load the protocol class called ``name``; a :class:`ConfigError` names the flag and lists what exists."""
-    field = f"weight_transfer.mode (--update-weight-transfer-mode) = {name!r}"
+def check_weight_transfer_settings(config: MilesConfig, registries: Registries) -> None:
+    """The run's protocol exists and its settings fit the model it declares (and, for ``auto``, the settings it keeps
+    for each protocol fit that protocol's), before any worker starts."""
+
+    def protocol_named(name: str) -> type:
+        return check_weight_transfer_protocol(
+            registries,
+            name,
+            field=f"weight_transfer.settings.{name} (--weight-transfer-settings): settings of the protocol",
+        )
+
+    protocol = check_weight_transfer_protocol(registries, config.weight_transfer.mode)
+    validate_run_settings(protocol, config.weight_transfer.settings, protocol_named=protocol_named)
+
+
+def check_weight_transfer_protocol(
+    registries: Registries, name: str, *, field: str = "weight_transfer.mode (--update-weight-transfer-mode) ="
+) -> type:
+    """Load the protocol class called ``name``; a :class:`ConfigError` names the flag (``field``) and lists what
+    exists."""
+    field = f"{field} {name!r}"
     try:
         protocol = registries.weight_transfer_protocols.get_or_raise(name).load()
     except (RegistryError, PluginLoadError) as exc:

@@ -298,7 +298,11 @@ class WeightTransferSection(Section):
         description="Weight-transfer protocol (see `miles plugins`); auto: per engine, tensor on the trainer's node, "
         "rdt (NIXL, Ray) or broadcast on another.",
     )
-    settings: dict[str, Any] = pydantic.Field(default_factory=dict, description="Keyword arguments of the protocol.")
+    settings: dict[str, Any] = pydantic.Field(
+        default_factory=dict,
+        description="The protocol's settings, checked against the settings model it declares; auto's are per protocol "
+        'it may choose: {"tensor": {"zero_copy": false}}.',
+    )
     bucket_size_mb: int = pydantic.Field(default=512, gt=0, description="Bytes per transfer bucket, in MiB.")
     verify_checksum: bool = pydantic.Field(
         default=False,

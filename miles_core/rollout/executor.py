@@ -38,7 +38,7 @@ from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.losses import grpo_advantages
 
 if TYPE_CHECKING:
-    from miles_core.config.build import MilesConfig
+    from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
     from miles_core.rollout.sessions.pool import SessionServers
 
 MAX_ATTEMPTS = 5
@@ -54,7 +54,10 @@ class RolloutExecutor:
     def __init__(
         self,
         *,
-        config: MilesConfig,
+        run: RunSection,
+        rollout: RolloutSection,
+        train: TrainSection,
+        engine: EngineSection,
         tokenizer: Any,
         train_prompts: list[Prompt],
         eval_prompts: list[Prompt],
@@ -67,10 +70,12 @@ class RolloutExecutor:
         sessions: SessionServers | None = None,
         routing: RoutingShape | None = None,
     ) -> None:
-        """``agent`` and ``sessions``: an agent run's agent and the session servers it plays samples through (both or
-        neither); without them, samples are generated single-turn, in batches. ``routing``: the model's routing
-        shape, to ask the engines for every token's routed experts and hand them to the trainer (routing replay;
-        not with an agent, whose turns go through the session servers)."""
+        """``run``, ``rollout``, ``train``, ``engine``: the config's sections it reads (the seed, the rollout's
+        settings, whether advantages are normalised, how long to wait for engines). ``agent`` and ``sessions``: an
+        agent run's agent and the session servers it plays samples through (both or neither); without them, samples
+        are generated single-turn, in batches. ``routing``: the model's routing shape, to ask the engines for every
+        token's routed experts and hand them to the trainer (routing replay; not with an agent, whose turns go
+        through the session servers)."""
         if (agent is None) != (sessions is None):
             raise MilesError("an agent needs session servers, and session servers an agent")
         if routing is not None and agent is not None:
@@ -79,7 +84,7 @@ class RolloutExecutor:
                 "session servers do not carry routed experts yet; turn one of them off"
             )
         self.routing = routing
-        self.config = config
+        self.run, self.rollout, self.train, self.engine = run, rollout, train, engine
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
         self.eval_prompts = eval_prompts
@@ -100,7 +105,7 @@ class RolloutExecutor:
         chosen = self._step_prompts.get(rollout_id)
         if chosen is None:
             chosen = step_prompts(
-                self.train_prompts, rollout_id, seed=self.config.run.seed, batch_size=self.config.rollout.batch_size
+                self.train_prompts, rollout_id, seed=self.run.seed, batch_size=self.rollout.batch_size
             )
             if len(self._step_prompts) >= STEP_PROMPTS_KEPT:  # the oldest goes: rollouts move forward
                 del self._step_prompts[min(self._step_prompts)]
@@ -110,10 +115,10 @@ class RolloutExecutor:
     def prompt_of(self, rollout_id: int, slot: int) -> Prompt:
         """The prompt of a step's group ``slot``: :meth:`prompts_for` for the first ``batch_size`` slots, then (extra
         groups that replace filtered ones) a seeded draw that depends on the id and slot alone."""
-        size = self.config.rollout.batch_size
+        size = self.rollout.batch_size
         if slot < size:
             return self.prompts_for(rollout_id)[slot]
-        draw = random.Random(f"{self.config.run.seed}/{rollout_id}/{slot}")
+        draw = random.Random(f"{self.run.seed}/{rollout_id}/{slot}")
         return self.train_prompts[draw.randrange(len(self.train_prompts))]
 
     # -- steps ----------------------------------------------------------------------------------------------
@@ -121,7 +126,7 @@ class RolloutExecutor:
     async def get(self, rollout_id: int) -> Rollout:
         """Step ``rollout_id``'s batch: ``batch_size`` groups (plus ``--rollout-over-sampling`` extra ones) generated
         together; groups the filters refuse are replaced by further ones, in rounds, until the batch is full."""
-        size, extra = self.config.rollout.batch_size, self.config.rollout.over_sampling
+        size, extra = self.rollout.batch_size, self.rollout.over_sampling
         kept: list[Group] = []
         filtered, next_slot = 0, 0
         for _ in range(MAX_FILTER_ROUNDS):
@@ -148,12 +153,12 @@ class RolloutExecutor:
     async def groups_at(self, places: list[tuple[int, int]]) -> list[Group]:
         """The groups at ``(rollout_id, slot)`` places, generated together (one request per engine: every request
         costs the driver's HTTP client CPU time) and scored."""
-        size, batch_size = self.config.rollout.group_size, self.config.rollout.batch_size
+        size, batch_size = self.rollout.group_size, self.rollout.batch_size
         groups = []
         for rollout_id, slot in places:
             prompt = self.prompt_of(rollout_id, slot)
             ids = self.encode(prompt.text)
-            index, seed_base = rollout_id * batch_size + slot, (self.config.run.seed * 1_000_003 + rollout_id) * 4096
+            index, seed_base = rollout_id * batch_size + slot, (self.run.seed * 1_000_003 + rollout_id) * 4096
             samples = [
                 Sample(
                     index=slot * size + k,
@@ -165,7 +170,7 @@ class RolloutExecutor:
                 for k in range(size)
             ]
             groups.append(Group(index, rollout_id, slot, samples))
-        temperature = self.config.rollout.temperature
+        temperature = self.rollout.temperature
         wheres = [f"sample {{index}} of rollout {g.rollout_id} (step {g.rollout_id + 1})" for g in groups]
         if self.agent is not None:  # every sample at once; an agent's branches join their sample's group
             played = await asyncio.gather(
@@ -203,14 +208,14 @@ class RolloutExecutor:
         """The training batch of ``groups``: GRPO advantages within each group; with ``--rollout-mask-off-policy``,
         each sample's tokens from before its last weight version masked off."""
         samples = [sample for group in groups for sample in group.samples]
-        normalize = self.config.train.normalize_advantages
+        normalize = self.train.normalize_advantages
         advantages = torch.cat(  # group by group: an agent's branches make a group larger than group_size
             [
                 grpo_advantages(torch.tensor([s.reward for s in g.samples]), len(g.samples), normalize_std=normalize)
                 for g in groups
             ]
         )
-        mask = self.config.rollout.mask_off_policy
+        mask = self.rollout.mask_off_policy
         batch = TrainBatch(
             [
                 TrainSample(
@@ -246,7 +251,7 @@ class RolloutExecutor:
         return list(self.tokenizer.encode(text))
 
     def _sampling(self, *, temperature: float) -> SamplingParams:
-        rollout = self.config.rollout
+        rollout = self.rollout
         return SamplingParams(
             max_new_tokens=rollout.max_new_tokens, temperature=temperature, top_p=rollout.top_p, top_k=rollout.top_k
         )
@@ -278,7 +283,7 @@ class RolloutExecutor:
                 failures += 1
                 if failures == MAX_ATTEMPTS:
                     raise MilesError(f"{len(still)} samples could not be generated: {failed[:1]}")
-                await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
+                await self.controller.wait_for_engines(self.engine.startup_timeout_s)
             else:
                 cuts = 0 if len(still) < len(pending) else cuts + 1
                 if cuts == MAX_CUTS:
@@ -319,7 +324,7 @@ class RolloutExecutor:
         if output.aborted:
             if not output.output_ids:
                 return  # cut before it produced anything: sent again as it was
-            if not (self.config.rollout.partial and len(output.logprobs) == len(output.output_ids)):
+            if not (self.rollout.partial and len(output.logprobs) == len(output.output_ids)):
                 sample.response_ids, sample.logprobs, sample.segments = [], [], []
                 sample.routed_experts = None
                 return
@@ -331,7 +336,7 @@ class RolloutExecutor:
         sample.weight_version = output.weight_version
         finish = output.finish_reason
         if output.aborted:
-            if len(sample.response_ids) < self.config.rollout.max_new_tokens:
+            if len(sample.response_ids) < self.rollout.max_new_tokens:
                 return
             finish = "length"  # cut after its last token
         sample.finish_reason = finish
@@ -356,7 +361,7 @@ class RolloutExecutor:
         failure: BaseException | None = None
         for _ in range(MAX_ATTEMPTS):
             if failure is not None:
-                await self.controller.wait_for_engines(self.config.engine.startup_timeout_s)
+                await self.controller.wait_for_engines(self.engine.startup_timeout_s)
             server = self.sessions.pick()
             try:
                 engine = self._session_engine()
@@ -409,7 +414,7 @@ class RolloutExecutor:
         return clients[self._next_session_engine]
 
     def _session_sampling(self, sample: Sample, temperature: float) -> dict[str, Any]:
-        rollout = self.config.rollout
+        rollout = self.rollout
         return {
             "max_tokens": rollout.max_new_tokens,
             "temperature": temperature,

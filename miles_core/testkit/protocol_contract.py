@@ -13,14 +13,14 @@ module::
 
     class TestMyProtocol(ProtocolContract):
         protocol_name = "my-protocol"          # its name in the registry
-        protocol_settings = {"option": 1}      # keyword arguments of its constructor
-        bad_settings = [{"option": -1}]        # settings its constructor must refuse (an unknown one is added)
+        protocol_settings = {"option": 1}      # its settings (keyword arguments of its constructor)
+        bad_settings = [{"option": -1}]        # settings its model must refuse (an unknown one is added)
 
 The suite starts real local engines (a tiny model made on the spot) and checks round trips with checksums,
 versioning, reports, and failures (a bad tensor, a dead engine), after which a good transfer must restore every
-engine to exactly the trainer's weights; and, without engines, that the constructor refuses bad settings the way
-:class:`~miles_core.weight_transfer.WeightTransferProtocol` documents (``TypeError``, ``ValueError`` or a
-``MilesError``), so that a run reports them as a configuration error.
+engine to exactly the trainer's weights; and, without engines, that the protocol declares its settings model
+(:class:`~miles_core.weight_transfer.settings.ProtocolSettings`, every field described) and that bad settings are
+refused with the :class:`~miles_core.errors.ConfigError` that names the protocol, as a run reports them.
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ import torch
 import transformers
 
 from miles_core.engines.client import EngineClient
-from miles_core.errors import MilesError
+from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.training.weight_iterator import ModuleHfWeightIterator
 from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import round_robin_share, run_holder_task
 from miles_core.weight_transfer.protocol import EngineEndpoint, SendsFromHolders, WeightTransferProtocol
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.workers.local_provider import LocalWorkerProvider
 from miles_core.workers.provider import BaseWorkerProvider
 from miles_core.workers.specs import CommandWorkerSpec
@@ -142,13 +143,31 @@ class ProtocolContract:
         protocol_cls = registries.weight_transfer_protocols.get_or_raise(self.protocol_name).load()
         return protocol_cls(**self.protocol_settings)
 
+    def test_settings_model_is_declared_and_described(self) -> None:
+        registries = MilesPluginManager.load().registries
+        protocol_cls = registries.weight_transfer_protocols.get_or_raise(self.protocol_name).load()
+        model = protocol_cls.settings_model
+        assert issubclass(model, ProtocolSettings), f"{self.protocol_name}'s settings_model is {model!r}"
+        undescribed = [name for name, field in model.model_fields.items() if not field.description]
+        assert undescribed == [], f"{self.protocol_name}'s settings without a description: {undescribed}"
+        required = [name for name, field in model.model_fields.items() if field.is_required()]
+        assert required == [], f"{self.protocol_name}'s settings without a default: {required}"
+        protocol = self.make_protocol()
+        try:
+            assert isinstance(protocol.settings, model)  # what the protocol reads its settings from
+        finally:
+            asyncio.run(protocol.close())
+
     def test_bad_settings_are_refused_as_documented(self) -> None:
         registries = MilesPluginManager.load().registries
         protocol_cls = registries.weight_transfer_protocols.get_or_raise(self.protocol_name).load()
         for bad in [{**self.protocol_settings, "no_such_setting_for_the_contract": 1}, *self.bad_settings]:
-            with pytest.raises((TypeError, ValueError, MilesError)) as refused:
+            with pytest.raises(ConfigError) as refused:
                 protocol_cls(**bad)
-            assert str(refused.value), f"{self.protocol_name} refused {bad} with an empty message"
+            assert f"do not fit the protocol {self.protocol_name!r}" in str(refused.value)
+            assert any(repr(key) in str(refused.value) or f" {key} " in str(refused.value) for key in bad), (
+                f"{self.protocol_name} refused {bad} without naming a setting: {refused.value}"
+            )
 
     @staticmethod
     def trainer_model(engines: ContractEngines, seed: int) -> torch.nn.Module:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
+
+import pydantic
 
 from miles_core.errors import ConfigError
 from miles_core.weight_transfer.protocol import (
@@ -27,6 +29,7 @@ from miles_core.weight_transfer.protocol import (
     WeightTransferProtocol,
 )
 from miles_core.weight_transfer.routes import choose_protocol
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.workers.node import is_this_node
 
 logger = logging.getLogger(__name__)
@@ -34,18 +37,42 @@ ProtocolFactory = Callable[[str, dict[str, Any]], WeightTransferProtocol]
 """Builds a registered protocol by name from its settings (the run's registries do)."""
 
 
+def _part(name: str, example: str, when: str) -> Any:
+    return pydantic.Field(
+        default_factory=dict,
+        description=f"The settings {name} is built with when auto chooses it ({when}), as "
+        f"--update-weight-transfer-mode {name} takes them, e.g. {example}.",
+    )
+
+
+class AutoSettings(ProtocolSettings):
+    """The settings of ``auto``: per protocol it may choose, the settings that protocol is built with
+    (``--weight-transfer-settings '{"tensor": {"zero_copy": false}}'``), each validated against that protocol's own
+    model when the config is built, whether or not this run's engines make auto choose it."""
+
+    example = '{"tensor": {"zero_copy": false}, "broadcast": {"timeout_s": 60}}'
+
+    tensor: dict[str, Any] = _part("tensor", '{"zero_copy": false}', "engines on the trainer's node")
+    rdt: dict[str, Any] = _part("rdt", '{"transport": "gloo"}', "engines on another node, NIXL installed, Ray")
+    broadcast: dict[str, Any] = _part("broadcast", '{"timeout_s": 60}', "engines on another node otherwise")
+    disk: dict[str, Any] = _part("disk", '{"keep_versions": 1}', "engines that serve nothing else")
+
+    def settings_of(self, protocol: str) -> dict[str, Any]:
+        """The settings ``protocol`` is built with when auto chooses it."""
+        return dict(getattr(self, protocol))
+
+    def settings_of_protocols(self) -> dict[str, Mapping[str, Any]]:
+        given = self.model_fields_set  # those the run names, in the order of the fields
+        return {name: self.settings_of(name) for name in type(self).model_fields if name in given}
+
+
 class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
     name = "auto"
 
+    settings_model = AutoSettings
+    settings: AutoSettings
+
     def __init__(self, **settings: Any) -> None:
-        """``settings``: per protocol, the settings it is built with when chosen (``{"tensor": {"zero_copy":
-        false}}``); each a JSON object."""
-        for protocol, value in settings.items():
-            if not isinstance(value, dict):
-                raise ValueError(
-                    f"auto setting {protocol} = {value!r}: expected the settings of the protocol {protocol} as an "
-                    'object, e.g. {"tensor": {"zero_copy": false}}'
-                )
         super().__init__(**settings)
         self.factory: ProtocolFactory | None = None
         self.engines_in_ray = False
@@ -78,7 +105,7 @@ class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
     def _build(self, name: str) -> WeightTransferProtocol:
         if self.factory is None:
             raise ConfigError("the auto weight-transfer protocol was not bound to the run's registries (bind())")
-        part = self.factory(name, self.settings.get(name, {}))
+        part = self.factory(name, self.settings.settings_of(name))
         part.verify_samples = self.verify_samples
         return part
 

@@ -36,8 +36,9 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
+import pydantic
 import torch
 
 from miles_core.engines.client import EngineError
@@ -52,10 +53,9 @@ from miles_core.weight_transfer.protocol import (
     SendsFromHolders,
     TransferReport,
     WeightBucket,
-    check_setting,
-    is_positive_number,
 )
 from miles_core.weight_transfer.routes import DISTRIBUTED
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.weight_transfer.staged_load import weight_update_sessions
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
@@ -68,31 +68,40 @@ BucketSpec = tuple[list[str], list[str], list[list[int]]]
 """A bucket as the engines receive it: names, dtype names, shapes."""
 
 
+class BroadcastSettings(ProtocolSettings):
+    """The settings of ``broadcast``."""
+
+    example = '{"backend": "gloo", "timeout_s": 60}'
+
+    master_address: str | None = pydantic.Field(
+        default=None,
+        min_length=1,
+        description="Where the driver's group meets: an address of the driver's machine that the engines can reach; "
+        "null: the driver's node address.",
+    )
+    timeout_s: float = pydantic.Field(
+        default=120.0,
+        gt=0,
+        description="Seconds an engine may take to join a group or to receive a bucket before the update fails.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = pydantic.Field(
+        default="auto",
+        description="The groups' backend: auto is NCCL where the trainer process has a CUDA device and gloo "
+        "otherwise; NCCL needs a GPU for every rank.",
+    )
+
+
 class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "broadcast"
     routes_same_node = (DISTRIBUTED,)
     routes_other_node = (DISTRIBUTED,)
 
-    def __init__(self, *, master_address: str | None = None, timeout_s: float = 120.0, backend: str = "auto") -> None:
-        check_setting(
-            "broadcast",
-            "master_address",
-            master_address,
-            valid=master_address is None or (isinstance(master_address, str) and bool(master_address)),
-            allowed="null (the driver's node address) or an address of the driver's machine that the engines can "
-            "reach (a non-empty string)",
-        )
-        check_setting(
-            "broadcast",
-            "timeout_s",
-            timeout_s,
-            valid=is_positive_number(timeout_s),
-            allowed="a number of seconds above 0",
-        )
-        super().__init__(master_address=master_address, timeout_s=timeout_s, backend=backend)
-        self.master_address = master_address
-        self.timeout_s = timeout_s
-        self.backend = resolve_group_backend(backend)  # a bad value fails here, before any engine is contacted
+    settings_model = BroadcastSettings
+    settings: BroadcastSettings
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.backend = resolve_group_backend(self.settings.backend)  # NCCL without a CUDA device fails here
         self.device = group_device(self.backend)
         self.group = None  # the driver's own group (transfers of an iterator's buckets)
         self.key = uuid.uuid4().hex[:8]  # names this protocol's groups and its holders' kept shares
@@ -125,7 +134,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _driver_group(self) -> None:
         """The driver's own group with the engines, formed at the first transfer after a connect."""
         if self.group is None:
-            address = self.master_address or node_address()
+            address = self.settings.master_address or node_address()
             listener = reserve_master(address)
 
             def join(**group: Any) -> Any:
@@ -210,7 +219,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
             master_port=port,
             world_size=len(self.engines) + 1,
             group_name=group_name,
-            timeout_s=self.timeout_s,
+            timeout_s=self.settings.timeout_s,
             backend=self.backend,
         )
         joins = [
@@ -242,7 +251,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         pending = set(receives)
         while pending:
             watched = pending if send.done() else pending | {send}
-            done, _ = await asyncio.wait(watched, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(watched, timeout=self.settings.timeout_s, return_when=asyncio.FIRST_COMPLETED)
             if send.done() and not send.cancelled() and send.exception() is not None:
                 self._abandon(pending, send)
                 raise MilesError(f"broadcast: the sender of group {group_name} failed: {send.exception()}")
@@ -251,7 +260,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
                 self._abandon(pending, send)
                 raise EngineError(
                     f"broadcast: engine(s) {', '.join(silent)} did not receive the weights within "
-                    f"{self.timeout_s:.0f} s (timeout_s)"
+                    f"{self.settings.timeout_s:.0f} s (timeout_s)"
                 )
             for task in done & pending:
                 pending.discard(task)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pydantic
 from safetensors.torch import save_file
 
 from miles_core.errors import MilesError
@@ -29,10 +30,9 @@ from miles_core.weight_transfer.protocol import (
     SendsFromHolders,
     TransferReport,
     WeightBucket,
-    check_setting,
-    is_whole_number,
 )
 from miles_core.weight_transfer.routes import DISK
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.workers.provider import SharedPath
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,29 +70,30 @@ def write_index(directory: str | Path, results: list[dict[str, Any]]) -> dict[st
     return digests
 
 
+class DiskSettings(ProtocolSettings):
+    """The settings of ``disk``."""
+
+    example = '{"work_dir": "/shared/miles-weights", "keep_versions": 1}'
+
+    work_dir: str | None = pydantic.Field(
+        default=None,
+        description="The directory the versions are written to, which every engine's node must see; null: a new "
+        "temporary directory.",
+    )
+    keep_versions: int = pydantic.Field(default=2, ge=1, description="The versions kept on disk.")
+
+
 class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "disk"
     routes_same_node = (DISK,)
     routes_other_node = (DISK,)
 
-    def __init__(self, *, work_dir: str | None = None, keep_versions: int = 2) -> None:
-        check_setting(
-            "disk",
-            "work_dir",
-            work_dir,
-            valid=work_dir is None or isinstance(work_dir, str),
-            allowed="a directory path (a string) or null",
-        )
-        check_setting(
-            "disk",
-            "keep_versions",
-            keep_versions,
-            valid=is_whole_number(keep_versions) and keep_versions >= 1,
-            allowed="a whole number of at least 1 (the versions kept on disk)",
-        )
-        super().__init__(work_dir=work_dir, keep_versions=keep_versions)
-        self.work_dir = Path(work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
-        self.keep_versions = keep_versions
+    settings_model = DiskSettings
+    settings: DiskSettings
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
 
     def shared_directories(self) -> list[SharedPath]:
         return [
@@ -148,5 +149,5 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
         shutil.rmtree(directory, ignore_errors=True)
         partial.rename(directory)
         await self.on_each_engine(lambda c: c.update_weights_from_disk(str(directory), weight_version=str(version)))
-        for old in sorted(self.work_dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.keep_versions]:
+        for old in sorted(self.work_dir.glob("v*"), key=lambda p: int(p.name[1:]))[: -self.settings.keep_versions]:
             shutil.rmtree(old, ignore_errors=True)

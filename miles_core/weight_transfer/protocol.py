@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from miles_core.weight_transfer.routes import LOCAL_ENGINE, EngineCapabilities
+from miles_core.weight_transfer.settings import ProtocolSettings, validate_settings
 from miles_core.workers.provider import SharedPath
 
 if TYPE_CHECKING:  # torch is imported by the implementations; the interface stays light
@@ -64,17 +65,26 @@ class TransferReport:
 
 
 class WeightTransferProtocol(abc.ABC):
-    """Base class of every protocol. Subclasses set :attr:`name` and implement the three steps.
+    """Base class of every protocol. Subclasses set :attr:`name` and :attr:`settings_model` and implement the three
+    steps.
 
-    The constructor takes the run's ``weight_transfer.settings`` (``--weight-transfer-settings '{...}'``) as
-    keyword-only arguments and checks them there, before any engine starts. For settings it refuses it raises
-    ``TypeError`` (an unknown or missing setting: Python's own error for a bad keyword), ``ValueError`` (a known
-    setting with a bad value or type, the message naming the setting, the value and what is allowed) or a
-    :class:`~miles_core.errors.ConfigError`; the run reports any of these as a configuration error naming the
-    protocol and its settings. Anything else it raises is a bug of the protocol.
+    The constructor takes the run's ``weight_transfer.settings`` (``--weight-transfer-settings '{...}'``) as keyword
+    arguments; this base validates them against :attr:`settings_model`
+    (:func:`~miles_core.weight_transfer.settings.validate_settings`, the same check the config build makes, so a run
+    never reaches a constructor with settings its model refuses) and keeps the model as :attr:`settings`, which the
+    protocol reads by attribute (``self.settings.timeout_s``). Settings its model refuses are a
+    :class:`~miles_core.errors.ConfigError` naming the protocol, each setting, the value and what is allowed. A check
+    the model cannot make because it depends on this machine (NCCL needs a CUDA device) raises a
+    :class:`~miles_core.errors.MilesError` from the constructor, which the run reports as a configuration error too.
+    Anything else a constructor raises is a bug of the protocol.
     """
 
     name: ClassVar[str]
+    settings_model: ClassVar[type[ProtocolSettings]] = ProtocolSettings
+    """The protocol's settings, a :class:`~miles_core.weight_transfer.settings.ProtocolSettings` subclass (this base
+    model, with no fields: the protocol takes no settings)."""
+    settings: ProtocolSettings
+    """The validated settings this protocol was built with (an instance of :attr:`settings_model`)."""
     routes_same_node: ClassVar[tuple[str, ...] | None] = None
     """The engine routes (:mod:`miles_core.weight_transfer.routes`) this protocol can use for an engine on the
     sender's node, in order of preference; ``None``: not declared, not checked."""
@@ -86,7 +96,7 @@ class WeightTransferProtocol(abc.ABC):
     through Miles' loader check them)."""
 
     def __init__(self, **settings: Any) -> None:
-        self.settings = settings
+        self.settings = validate_settings(type(self), settings)
 
     @abc.abstractmethod
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
@@ -127,20 +137,3 @@ class SendsFromHolders(abc.ABC):
     @abc.abstractmethod
     async def republish(self, version: int) -> None:
         """Load the published ``version`` into every connected engine again (after one restarted)."""
-
-
-def check_setting(protocol: str, name: str, value: Any, *, valid: bool, allowed: str) -> None:
-    """Raise the ``ValueError`` that the protocol constructor contract asks for when ``valid`` is false: it names the
-    protocol, the setting, the value and what is allowed."""
-    if not valid:
-        raise ValueError(f"{protocol} setting {name} = {value!r}: expected {allowed}")
-
-
-def is_whole_number(value: Any) -> bool:
-    """An ``int`` that is not a ``bool`` (JSON settings give ``true`` for a mistyped number)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_positive_number(value: Any) -> bool:
-    """A finite real number above zero, not a ``bool``."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < float("inf")

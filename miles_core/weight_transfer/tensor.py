@@ -29,8 +29,10 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
+import pydantic
 import torch
 
 from miles_core.engines.client import EngineClient
@@ -45,9 +47,9 @@ from miles_core.weight_transfer.protocol import (
     SendsFromHolders,
     TransferReport,
     WeightBucket,
-    check_setting,
 )
 from miles_core.weight_transfer.routes import STAGING_COPY, STAGING_SWAP, TENSOR_BYTES, WEIGHTS_BY_NAME, route_for
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
 from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_core.workers.node import is_this_node
@@ -62,33 +64,40 @@ class Staged:
     layout: StagingLayout
 
 
+class TensorSettings(ProtocolSettings):
+    """The settings of ``tensor``."""
+
+    example = '{"zero_copy": false}'
+
+    shared_memory: bool | None = pydantic.Field(
+        default=None,
+        description="Whether engines load through shared memory (staging files) rather than bytes over HTTP; null: "
+        "shared memory for the engines on this machine, bytes for the others.",
+    )
+    zero_copy: bool = pydantic.Field(
+        default=True,
+        description="Engines on this machine serve straight from the staging file of the whole model instead of "
+        "copying it into their weights (one memory copy per transfer).",
+    )
+    shm_dir: str | None = pydantic.Field(
+        default=None,
+        description="The directory of the staging files; null: the user's weight-staging directory, the only one "
+        "Miles' engines accept them from.",
+    )
+
+
 class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "tensor"
     routes_same_node = (STAGING_SWAP, STAGING_COPY, TENSOR_BYTES)
     routes_other_node = (TENSOR_BYTES,)
 
-    def __init__(
-        self, *, shared_memory: bool | None = None, zero_copy: bool = True, shm_dir: str | None = None
-    ) -> None:
-        check_setting(
-            "tensor",
-            "shared_memory",
-            shared_memory,
-            valid=shared_memory is None or isinstance(shared_memory, bool),
-            allowed="true, false or null (null: shared memory for engines on this machine)",
-        )
-        check_setting("tensor", "zero_copy", zero_copy, valid=isinstance(zero_copy, bool), allowed="true or false")
-        check_setting(
-            "tensor",
-            "shm_dir",
-            shm_dir,
-            valid=shm_dir is None or isinstance(shm_dir, str),
-            allowed="a directory path (a string) or null",
-        )
-        super().__init__(shared_memory=shared_memory, zero_copy=zero_copy, shm_dir=shm_dir)
-        self.shared_memory = shared_memory
-        self.zero_copy = zero_copy
+    settings_model = TensorSettings
+    settings: TensorSettings
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
         self._next_slot = 0  # zero copy: the staging file the engines do not serve from
+        shm_dir = self.settings.shm_dir
         self.shm_dir = Path(shm_dir) if shm_dir else weight_staging_dir()  # where the engines accept them
         self._staging: list[tuple[Path, torch.Tensor] | None] = [None, None]  # double buffering
         self._served_zero_copy: Staged | None = None  # zero copy: the file the engines serve from
@@ -96,12 +105,12 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         self._published_by_holders: tuple[WeightHolders, int, list[dict] | None] | None = None
 
     def _local(self, client: EngineClient) -> bool:
-        return on_sender_node(client.url, self.shared_memory)
+        return on_sender_node(client.url, self.settings.shared_memory)
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
         """Every engine reachable by a route it serves (SGLang on another node is not: an error naming it)."""
         for engine in engines:
-            same_node = on_sender_node(engine.url, self.shared_memory)
+            same_node = on_sender_node(engine.url, self.settings.shared_memory)
             route_for(self, f"engine {engine.name}", engine.capabilities, same_node=same_node)
         await super().connect(engines)
 
@@ -221,13 +230,15 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     def _zero_copy_applies(self) -> bool:
         """Zero copy needs every engine on this node and serving from a staging file itself (the local engine)."""
         serve_from_file = all(engine.capabilities.serves(STAGING_SWAP) for engine in self.engines)
-        return self.zero_copy and bool(self.clients) and serve_from_file and all(map(self._local, self.clients))
+        return (
+            self.settings.zero_copy and bool(self.clients) and serve_from_file and all(map(self._local, self.clients))
+        )
 
     def _holder_arguments(self, version: int) -> dict:
         return {
             "engines": [endpoint.to_wire() for endpoint in self.engines],
             "shm_dir": str(self.shm_dir),
-            "shared_memory": self.shared_memory,
+            "shared_memory": self.settings.shared_memory,
             "version": version,
             "verify_samples": self.verify_samples,
         }

@@ -1,8 +1,9 @@
 """The Miles plugin module of miles-plugins-rdt, registered through the entry-point group ``miles.plugins``.
 
 Provides the weight-transfer protocol ``rdt`` (``--update-weight-transfer-mode rdt``) and checks, when the config is
-built, that a run selecting it hosts its engines in Ray actors. Every ``miles`` command imports this module, so it
-imports nothing heavy at the top (the protocol is named by an import string).
+built, that a run selecting it hosts its engines in Ray actors (the core validates its settings against
+``RdtSettings``). Every ``miles`` command imports this module, so it imports nothing heavy at the top (the protocol is
+named by an import string).
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from miles_core import ConfigError, Implementation, hookimpl
-
-TRANSPORTS = ("nixl", "gloo")
 
 
 @hookimpl
@@ -34,9 +33,4 @@ def validate_config(config: Any) -> None:
             f"weight_transfer.mode (--update-weight-transfer-mode) = 'rdt' needs engines hosted in Ray actors, but "
             f"run.worker_provider (--run-worker-provider) = {config.run.worker_provider!r}; add "
             f"--run-worker-provider ray, or pick another protocol (tensor, broadcast, disk)"
-        )
-    transport = config.weight_transfer.settings.get("transport", "nixl")
-    if transport not in TRANSPORTS:
-        raise ConfigError(
-            f"weight_transfer.settings.transport = {transport!r}: the rdt protocol offers {', '.join(TRANSPORTS)}"
         )

@@ -37,9 +37,10 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
+import pydantic
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -50,6 +51,7 @@ from miles_core import (
     EngineEndpoint,
     HttpEngineProtocol,
     MilesError,
+    ProtocolSettings,
     SendsFromHolders,
     StagingLayout,
     TransferReport,
@@ -74,7 +76,6 @@ from miles_plugins_rdt.staging import (
     split_into_lanes,
 )
 
-TRANSPORTS = ("nixl", "gloo")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # A receive lane's share of a wave is at least this big: each lane costs the trainer one more RDT object and read call,
 # about 4 ms of its CPU (measured with cProfile), the time to read some 16 MiB at 4 GB/s.
@@ -93,32 +94,46 @@ class RdtTransferError(MilesError):
     """A transfer that did not reach every engine rank; no engine was given the new version."""
 
 
+class RdtSettings(ProtocolSettings):
+    """The settings of ``rdt``."""
+
+    example = '{"transport": "gloo", "staging_bucket_mb": 512}'
+
+    transport: Literal["nixl", "gloo"] = pydantic.Field(
+        default="nixl",
+        description="How the receivers read the weights: nixl (P2P reads of the trainer's registered memory) or gloo "
+        "(a collective group with one send actor).",
+    )
+    staging_bucket_mb: float = pydantic.Field(
+        default=256,
+        gt=0,
+        description="MiB of each engine rank's staging bucket (two per engine rank); a version must fit in one.",
+    )
+    receive_lanes: int = pydantic.Field(
+        default=2, ge=1, description="Actors per engine rank that read byte ranges of a wave in parallel (nixl)."
+    )
+    timeout_s: float = pydantic.Field(
+        default=300.0,
+        gt=0,
+        description="Seconds a call to a receiver (starting it, a read, a switch) may take before it counts as failed.",
+    )
+
+
 class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "rdt"
     # the receiver runs beside each engine, on its node: the engine loads from a staging file there, wherever it is
     routes_same_node = (STAGING_SWAP, STAGING_COPY)
     routes_other_node = (STAGING_SWAP, STAGING_COPY)
 
-    def __init__(
-        self,
-        *,
-        transport: str = "nixl",
-        staging_bucket_mb: float = 256,
-        receive_lanes: int = 2,
-        timeout_s: float = 300.0,
-    ) -> None:
-        if transport not in TRANSPORTS:
-            raise MilesError(f"rdt setting transport = {transport!r}: use one of {', '.join(TRANSPORTS)}")
-        if not staging_bucket_mb > 0:
-            raise MilesError(f"rdt setting staging_bucket_mb must be positive, got {staging_bucket_mb!r}")
-        if not (isinstance(receive_lanes, int) and receive_lanes >= 1):
-            raise MilesError(f"rdt setting receive_lanes must be a whole number of at least 1, got {receive_lanes!r}")
-        super().__init__(
-            transport=transport, staging_bucket_mb=staging_bucket_mb, receive_lanes=receive_lanes, timeout_s=timeout_s
-        )
-        self.transport, self.timeout_s = transport, timeout_s
-        self.lanes = receive_lanes if transport == "nixl" else 1  # gloo: the one send actor sends each chunk whole
-        self.capacity = int(staging_bucket_mb * (1 << 20))
+    settings_model = RdtSettings
+    settings: RdtSettings
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.lanes = (
+            self.settings.receive_lanes if self.settings.transport == "nixl" else 1
+        )  # gloo: one sender, whole chunks
+        self.capacity = int(self.settings.staging_bucket_mb * (1 << 20))
         self.receivers: dict[str, tuple[EngineEndpoint, list]] = {}  # engine name -> (endpoint, its lanes' actors)
         self.routes: dict[str, int] = {}
         self.staging_paths: dict[str, list[str]] = {}  # engine name -> its staging buckets' files, on its node
@@ -140,7 +155,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
         if not ray.is_initialized():
             raise MilesError(f"{NOT_IN_RAY}; this process has not joined a Ray cluster")
-        if self.transport == "nixl":
+        if self.settings.transport == "nixl":
             configure_nixl_agents(progress_thread=True)  # before this process's agent exists: it offers memory
         for engine in engines:  # an engine without a staging route: an error naming it
             route_for(self, f"engine {engine.name}", engine.capabilities, same_node=False)
@@ -159,7 +174,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             for endpoint in new:
                 await self._drop_receiver(endpoint.name)
             raise
-        if self.transport == "gloo" and (new or stale or self.group is None):
+        if self.settings.transport == "gloo" and (new or stale or self.group is None):
             await self._form_gloo_group()
 
     def _start_receiver(self, endpoint: EngineEndpoint, paths: list[str] | None = None) -> Any:
@@ -173,7 +188,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             engine_name=endpoint.name,
             engine_url=endpoint.url,
             capacity=self.capacity,
-            transport=self.transport,
+            transport=self.settings.transport,
             paths=paths,
         )
 
@@ -187,7 +202,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         lanes.extend(self._start_receiver(endpoint, paths) for _ in range(self.lanes - 1))
         try:
             await asyncio.wait_for(
-                asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])), timeout=self.timeout_s
+                asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])), timeout=self.settings.timeout_s
             )
         except (ray.exceptions.RayActorError, TimeoutError) as exc:
             raise MilesError(f"rdt: a receive lane of engine {endpoint.name} did not start: {exc}") from None
@@ -195,7 +210,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _check_receiver(self, endpoint: EngineEndpoint) -> None:
         receiver = self.receivers[endpoint.name][1][0]
         try:
-            await asyncio.wait_for(receiver.check_engine.remote(), timeout=self.timeout_s)
+            await asyncio.wait_for(receiver.check_engine.remote(), timeout=self.settings.timeout_s)
         except ray.exceptions.RayTaskError as exc:
             raise MilesError(f"rdt: engine {endpoint.name}: {exc.cause}") from None
         except (ray.exceptions.RayActorError, TimeoutError) as exc:
@@ -227,12 +242,12 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     async def transfer(self, buckets: Iterable[WeightBucket], *, version: int) -> TransferReport:
         self._check_receivers()
         started = time.perf_counter()
-        if self.transport == "nixl":
+        if self.settings.transport == "nixl":
             pickle_tensors_by_reference(torch.Tensor)  # about 3 ms less of this process's CPU per RDT object
         slot, layouts, sent, pending, held = self._next_slot, [], [], [], []  # held: the gloo waves' objects
         earlier = set(self._registered)  # memory registered by earlier transfers
         objects: dict[tuple, StandingObject] = {}  # this transfer's NIXL objects, new or standing
-        for wave in in_waves(buckets, WAVE_BYTES if self.transport == "nixl" else 0):  # received in this order
+        for wave in in_waves(buckets, WAVE_BYTES if self.settings.transport == "nixl" else 0):  # received in this order
             layout = bucket_layout(wave, capacity=self.capacity, start=layouts[-1].size if layouts else 0)
             pending.extend(self._start_wave(wave, layout, slot, objects, held))
             layouts.append(layout)
@@ -260,7 +275,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
 
     def sends_from_holders(self) -> bool:
         """Over NIXL, yes; ``gloo``'s collective group has the driver's one sender."""
-        return self.transport == "nixl"
+        return self.settings.transport == "nixl"
 
     async def transfer_from_holders(
         self, holders: WeightHolders, *, version: int, checksum: bool = False
@@ -298,7 +313,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             bases=bases,
             slot=slot,
             lanes={name: self.lane_names[name] for name in self.receivers},
-            timeout_s=self.timeout_s,
+            timeout_s=self.settings.timeout_s,
         )
         failures = {engine: RuntimeError(why) for result in results for engine, why in result["failures"].items()}
         if failures:  # no engine was switched: every one serves the bucket it served
@@ -374,7 +389,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         """Start moving a wave of buckets into every receiver's bucket ``slot``: ``(engine name, call)`` pairs. The
         wave's objects go into ``objects`` (NIXL) or ``held`` (gloo). Nothing waits: the next wave starts while this
         one moves."""
-        if self.transport == "nixl":
+        if self.settings.transport == "nixl":
             return self._start_nixl_wave(wave, layout, slot, objects)
         for target, (_, tensor) in zip(layout.views(self.send_bucket[1]).values(), wave, strict=True):
             target.copy_(tensor)  # each wave has its own bytes of the send bucket: nothing in flight is overwritten
@@ -486,7 +501,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
     async def _failures_of(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
         """Wait for every ``(engine name, Ray call or coroutine)``; the first failure of each engine that had one."""
         results = await asyncio.gather(
-            *(asyncio.wait_for(_awaitable(call), self.timeout_s) for _, call in calls), return_exceptions=True
+            *(asyncio.wait_for(_awaitable(call), self.settings.timeout_s) for _, call in calls), return_exceptions=True
         )
         failures: dict[str, BaseException] = {}
         for (name, _), result in zip(calls, results, strict=True):
@@ -496,7 +511,9 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
 
     def _transfer_error(self, failures: dict[str, BaseException]) -> RdtTransferError:
         detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures.items())
-        return RdtTransferError(f"rdt ({self.transport}) transfer failed, the new version was not published: {detail}")
+        return RdtTransferError(
+            f"rdt ({self.settings.transport}) transfer failed, the new version was not published: {detail}"
+        )
 
     # -- release --------------------------------------------------------------------------------------------
 
@@ -525,7 +542,7 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         with contextlib.suppress(Exception):
             strategy = NodeAffinitySchedulingStrategy(node_id=_node_of(endpoint.url), soft=False)
             task = _remove_files.options(scheduling_strategy=strategy).remote(paths)
-            await asyncio.wait_for(_awaitable(task), timeout=self.timeout_s)
+            await asyncio.wait_for(_awaitable(task), timeout=self.settings.timeout_s)
 
     def _drop_gloo_group(self) -> None:
         if self.group is not None:

@@ -12,7 +12,9 @@ import torch
 from miles_plugins_rdt.protocol import RdtProtocol
 from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
-from miles_core.errors import MilesError
+from miles_core.config.build import build_config
+from miles_core.errors import ConfigError, MilesError
+from miles_core.plugin_manager import MilesPluginManager
 from miles_core.weight_transfer.staging_layout import StagingLayout, StagingLayoutError, StagingOverflowError
 from tests.conftest import run_miles
 
@@ -67,14 +69,49 @@ def test_routes_spread_engines_over_sending_ranks() -> None:
     assert plan_routes(2, ["engine-0", "engine-1", "engine-2"]) == {"engine-0": 0, "engine-1": 1, "engine-2": 0}
 
 
-def test_bad_settings_are_refused() -> None:
-    with pytest.raises(MilesError, match="transport = 'tcp': use one of nixl, gloo"):
-        RdtProtocol(transport="tcp")
-    with pytest.raises(MilesError, match="staging_bucket_mb must be positive"):
-        RdtProtocol(staging_bucket_mb=0)
-    for lanes in (0, 1.5, "2"):
-        with pytest.raises(MilesError, match="receive_lanes must be a whole number of at least 1"):
-            RdtProtocol(receive_lanes=lanes)
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"transport": "tcp"}, "rdt setting transport = 'tcp': expected 'nixl' or 'gloo'"),
+        ({"staging_bucket_mb": 0}, "rdt setting staging_bucket_mb = 0: expected a number above 0"),
+        (
+            {"staging_bucket_mb": True},
+            "staging_bucket_mb = True: expected a number above 0 (a boolean is not a number)",
+        ),
+        ({"staging_bucket_mb": float("inf")}, "staging_bucket_mb = inf: expected a number above 0"),
+        ({"receive_lanes": 0}, "rdt setting receive_lanes = 0: expected a whole number of at least 1"),
+        ({"receive_lanes": 1.5}, "rdt setting receive_lanes = 1.5: expected a whole number of at least 1"),
+        ({"receive_lanes": "2"}, "rdt setting receive_lanes = '2': expected a whole number of at least 1"),
+        ({"receive_lanes": True}, "receive_lanes = True: expected a whole number of at least 1 (a boolean is not"),
+        ({"timeout_s": 0}, "rdt setting timeout_s = 0: expected a number above 0"),
+        ({"timeout_s": "soon"}, "rdt setting timeout_s = 'soon': expected a number above 0"),
+        ({"lanes": 2}, "rdt has no setting 'lanes'; rdt's settings: transport, staging_bucket_mb, receive_lanes"),
+    ],
+)
+def test_bad_settings_are_refused(settings: dict, message: str) -> None:
+    """Its declared model refuses them (a boolean lane count, an infinite bucket and any timeout passed before)."""
+    with pytest.raises(ConfigError) as refused:
+        RdtProtocol(**settings)
+    assert message in str(refused.value)
+    assert "do not fit the protocol 'rdt' (miles_plugins_rdt.protocol:RdtProtocol)" in str(refused.value)
+
+
+def test_auto_checks_rdts_settings_when_the_config_is_built_wherever_the_engines_run() -> None:
+    """Settings auto keeps for rdt are checked against its model though this run (local engines) never picks rdt."""
+    with pytest.raises(ConfigError) as refused:
+        build_config(
+            MilesPluginManager.load(), overrides={"weight_transfer.settings": {"rdt": {"receive_lanes": True}}}
+        )
+    assert str(refused.value).startswith(
+        'weight_transfer.settings.rdt (--weight-transfer-settings) {"receive_lanes": true} do not fit the protocol '
+        "'rdt' (miles_plugins_rdt.protocol:RdtProtocol): rdt setting receive_lanes = True: expected a whole number"
+    )
+
+
+def test_settings_are_typed_attributes() -> None:
+    protocol = RdtProtocol(transport="gloo", staging_bucket_mb=1, receive_lanes=4)
+    assert (protocol.settings.transport, protocol.settings.staging_bucket_mb) == ("gloo", 1.0)
+    assert (protocol.lanes, protocol.capacity) == (1, 1 << 20)  # gloo: one lane, whatever receive_lanes says
 
 
 def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None:
@@ -91,7 +128,8 @@ def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None
         "--weight-transfer-settings",
         '{"transport": "tcp"}',
     )
-    assert result.returncode != 0 and "offers nixl, gloo" in result.stderr
+    assert result.returncode == 2 and "rdt setting transport = 'tcp': expected 'nixl' or 'gloo'" in result.stderr
+    assert "Traceback" not in result.stderr
     accepted = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray")
     assert accepted.returncode == 0, accepted.stderr
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.errors import ConfigError, MilesError
@@ -157,11 +158,11 @@ def test_a_full_batch_leaves_at_once_a_later_one_does_not_wait_and_a_failure_rea
 
 
 def executor_for_branches() -> RolloutExecutor:
-    config = SimpleNamespace(
-        rollout=SimpleNamespace(mask_off_policy=False), train=SimpleNamespace(normalize_advantages=False)
-    )
     return RolloutExecutor(
-        config=config,
+        run=RunSection(),
+        rollout=RolloutSection(mask_off_policy=False),
+        train=TrainSection(normalize_advantages=False),
+        engine=EngineSection(),
         tokenizer=DigitTokenizer(),
         train_prompts=[],
         eval_prompts=[],

@@ -88,7 +88,10 @@ def make_executor(engine: ScriptedEngine, reward=None, **overrides) -> RolloutEx
     config = build_config(manager, overrides=settings)
     prompts = [Prompt(text=f"p{i}:", label=str(i), metadata={}) for i in range(12)]
     return RolloutExecutor(
-        config=config,
+        run=config.run,
+        rollout=config.rollout,
+        train=config.train,
+        engine=config.engine,
         tokenizer=DigitTokenizer(),
         train_prompts=prompts,
         eval_prompts=prompts[:2],
@@ -213,7 +216,7 @@ def test_core_filters() -> None:
 async def stream_batches(executor: RolloutExecutor, steps: int, **state) -> tuple[list, RolloutStream]:
     """``steps`` batches from a stream, the engine's version following the trainer's, as in a run."""
     controller = executor.controller
-    stream = RolloutStream(executor, controller, executor.config.rollout, state=StreamState(**state))
+    stream = RolloutStream(executor, controller, executor.rollout, state=StreamState(**state))
     stream.start()
     rollouts = []
     try:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import transformers
 
 from miles_core.builtin.torch_trainer import TorchTrainer
-from miles_core.config.sections import RolloutSection, RunSection, TrainSection
+from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.models.hf_checkpoint import tokenizer_files
 from miles_core.rollout.executor import RolloutExecutor
@@ -112,9 +110,14 @@ def test_a_checkpoint_holds_the_tokenizer_of_the_run_s_model(tmp_path) -> None:
 def test_data_order_depends_on_the_step_alone() -> None:
     train, evaluation = echo_last_prompts(seed=0)
     assert not {p.text for p in train} & {p.text for p in evaluation}
-    config = types.SimpleNamespace(rollout=RolloutSection(batch_size=16), run=RunSection(seed=5))
+    sections = {
+        "run": RunSection(seed=5),
+        "rollout": RolloutSection(batch_size=16),
+        "train": TrainSection(),
+        "engine": EngineSection(),
+    }
     executor = RolloutExecutor(
-        config=config,
+        **sections,
         tokenizer=None,
         train_prompts=train,
         eval_prompts=evaluation,
@@ -123,7 +126,7 @@ def test_data_order_depends_on_the_step_alone() -> None:
         controller=None,
     )
     again = RolloutExecutor(
-        config=config,
+        **sections,
         tokenizer=None,
         train_prompts=train,
         eval_prompts=evaluation,

@@ -14,7 +14,7 @@ import transformers
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.weights import unique_named_tensors
-from miles_core.errors import MilesError
+from miles_core.errors import ConfigError, MilesError
 from miles_core.testkit.tiny_models import perturbed_state, save_tiny_llama
 from miles_core.weight_transfer.broadcast import BroadcastProtocol
 from miles_core.weight_transfer.digests import checksum
@@ -35,7 +35,7 @@ def test_auto_is_nccl_with_a_cuda_device_and_gloo_without() -> None:
 
 
 def test_an_unknown_backend_is_refused() -> None:
-    with pytest.raises(MilesError, match="backend 'mpi': use auto, gloo or nccl"):
+    with pytest.raises(ConfigError, match="broadcast setting backend = 'mpi': expected 'auto', 'gloo' or 'nccl'"):
         BroadcastProtocol(backend="mpi")
 
 
@@ -48,8 +48,11 @@ def test_nccl_without_a_cuda_device_is_refused_with_what_to_do() -> None:
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ('{"backend": "mpi"}', "backend 'mpi': use auto, gloo or nccl"),
-        ('{"bucket": 3}', "do not fit the protocol 'broadcast'.*unexpected keyword argument 'bucket'"),
+        ('{"backend": "mpi"}', "broadcast setting backend = 'mpi': expected 'auto', 'gloo' or 'nccl'"),
+        (
+            '{"bucket": 3}',
+            "do not fit the protocol 'broadcast'.*broadcast has no setting 'bucket'.*broadcast's settings: master",
+        ),
     ],
 )
 def test_miles_train_refuses_bad_protocol_settings_before_any_worker_starts(tmp_path: Path, settings, message) -> None:

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 from pathlib import Path
 
+import pydantic
 import pytest
 import torch
 
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.weight_transfer.auto import AutoProtocol
+from miles_core.weight_transfer.auto import AutoProtocol, AutoSettings
 from miles_core.weight_transfer.protocol import EngineEndpoint, TransferReport, WeightTransferProtocol
 from miles_core.weight_transfer.routes import (
     DISK,
@@ -22,11 +24,14 @@ from miles_core.weight_transfer.routes import (
     LOCAL_ENGINE,
     SGLANG_HTTP_API,
     STAGING_COPY,
+    STAGING_SWAP,
+    TENSOR_BYTES,
     WEIGHTS_BY_NAME,
     EngineCapabilities,
     choose_protocol,
     route_for,
 )
+from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.weight_transfer.tensor import TensorProtocol
 
 SGLANG = EngineCapabilities(frozenset({DISK, DISTRIBUTED, STAGING_COPY, WEIGHTS_BY_NAME}), "loader.load", tp_size=2)
@@ -87,9 +92,14 @@ def test_tensor_refuses_sglang_on_another_node_at_connect_before_any_request() -
         asyncio.run(protocol.connect([EngineEndpoint("engine-0", ELSEWHERE, "key", SGLANG)]))
 
 
+class RecordingSettings(ProtocolSettings):
+    zero_copy: bool = pydantic.Field(default=True, description="Recorded, as tensor's setting of that name.")
+
+
 class Recording(WeightTransferProtocol):
     """A protocol that records what it was given."""
 
+    settings_model = RecordingSettings
     calls: list[tuple[str, object]] = []
 
     def __init__(self, name: str, **settings: object) -> None:
@@ -140,8 +150,30 @@ def test_auto_chooses_per_engine_says_so_once_and_sends_the_same_weights_through
 
 
 def test_auto_settings_are_per_protocol_objects() -> None:
-    with pytest.raises(ValueError, match=r"auto setting zero_copy = False: expected the settings of the protocol"):
+    with pytest.raises(ConfigError) as refused:
         AutoProtocol(zero_copy=False)
+    assert "auto has no setting 'zero_copy'; auto's settings: tensor, rdt, broadcast, disk (e.g. " in str(refused.value)
+    assert '\'{"tensor": {"zero_copy": false}' in str(refused.value)
+    with pytest.raises(ConfigError, match=r"auto setting tensor = False: expected a mapping \(a JSON object\)"):
+        AutoProtocol(tensor=False)
+    assert AutoProtocol(tensor={"zero_copy": False}).settings.settings_of("tensor") == {"zero_copy": False}
+
+
+def test_auto_keeps_settings_for_every_protocol_it_may_choose() -> None:
+    """Each name :func:`choose_protocol` can answer is a setting of auto (a protocol it chooses has settings there)."""
+    routes = [DISK, DISTRIBUTED, STAGING_COPY, STAGING_SWAP, TENSOR_BYTES]
+    chosen = set()
+    for size in range(len(routes) + 1):
+        for served in itertools.combinations(routes, size):
+            for same_node, in_ray in itertools.product([True, False], repeat=2):
+                try:
+                    chosen.add(
+                        choose_protocol(EngineCapabilities(frozenset(served)), same_node=same_node, in_ray=in_ray)[0]
+                    )
+                except ConfigError:
+                    continue  # serves no route Miles knows
+    assert {"tensor", "broadcast", "disk"} <= chosen <= set(AutoSettings.model_fields)
+    assert "rdt" in AutoSettings.model_fields  # chosen where nixl is installed
 
 
 def test_auto_is_the_default_and_sglang_takes_it_with_no_protocol_flag() -> None:

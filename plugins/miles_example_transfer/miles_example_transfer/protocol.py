@@ -12,11 +12,34 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 from safetensors.torch import save_file
 
-from miles_core import EngineEndpoint, MilesError, TransferReport, WeightBucket, WeightTransferProtocol
+from miles_core import (
+    EngineEndpoint,
+    MilesError,
+    ProtocolSettings,
+    TransferReport,
+    WeightBucket,
+    WeightTransferProtocol,
+)
 
 INDEX_FILE = "model.safetensors.index.json"
+
+
+class ShardedDiskSettings(ProtocolSettings):
+    """The settings of ``sharded-disk``: declared, so the core validates them when the config is built and names a
+    refused one, its value and what is allowed."""
+
+    example = '{"directory": "/data/weights", "keep_versions": 3}'
+
+    directory: str | None = pydantic.Field(
+        default=None, description="Where versions are written; null: a temporary directory, removed at close."
+    )
+    keep_versions: int = pydantic.Field(default=2, ge=1, description="How many version directories to keep.")
+    timeout_s: float = pydantic.Field(
+        default=600.0, gt=0, description="Seconds an engine may take to load a version from disk."
+    )
 
 
 class ShardedDiskProtocol(WeightTransferProtocol):
@@ -24,14 +47,13 @@ class ShardedDiskProtocol(WeightTransferProtocol):
 
     name = "sharded-disk"
 
-    def __init__(self, *, directory: str | None = None, keep_versions: int = 2, timeout_s: float = 600.0) -> None:
-        super().__init__(directory=directory, keep_versions=keep_versions, timeout_s=timeout_s)
-        if keep_versions < 1:
-            raise ValueError(f"keep_versions must be at least 1, got {keep_versions}")
-        self._owned_tmp = directory is None
-        self.directory = Path(directory or tempfile.mkdtemp(prefix="miles-sharded-disk-"))
-        self.keep_versions = keep_versions
-        self.timeout_s = timeout_s
+    settings_model = ShardedDiskSettings
+    settings: ShardedDiskSettings
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(**settings)  # validated against ShardedDiskSettings (the core refuses bad ones)
+        self._owned_tmp = self.settings.directory is None
+        self.directory = Path(self.settings.directory or tempfile.mkdtemp(prefix="miles-sharded-disk-"))
         self.engines: list[EngineEndpoint] = []
 
     async def connect(self, engines: Sequence[EngineEndpoint]) -> None:
@@ -83,7 +105,7 @@ class ShardedDiskProtocol(WeightTransferProtocol):
 
     async def _load(self, engine: EngineEndpoint, version_dir: Path, version: int) -> None:
         payload: dict[str, Any] = {"model_path": str(version_dir), "weight_version": str(version)}
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.settings.timeout_s) as client:
             try:
                 response = await client.post(
                     f"{engine.url}/update_weights_from_disk", json=payload, headers=engine.headers()
@@ -102,7 +124,7 @@ class ShardedDiskProtocol(WeightTransferProtocol):
             (p for p in self.directory.glob("v*") if p.is_dir() and p.name[1:].isdigit()),
             key=lambda p: int(p.name[1:]),
         )
-        for old in versions[: -self.keep_versions]:
+        for old in versions[: -self.settings.keep_versions]:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 

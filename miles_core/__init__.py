@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from miles_core.engines.client import EngineClient
     from miles_core.engines.generate_types import GenerateOutput, SamplingParams
     from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExpertsError, check_replayable
-    from miles_core.engines.staging import STAGING_DIR_ENV, weight_staging_dir
+    from miles_core.engines.staging import STAGING_DIR_ENV, remove_orphan_files, weight_staging_dir
     from miles_core.models.causal_lm import CausalLM
     from miles_core.models.hf_checkpoint import (
         checkpoint_family,
@@ -178,6 +178,7 @@ _LAZY = {
     "StagingOverflowError": "miles_core.weight_transfer.staging_layout",
     "map_staging_file": "miles_core.weight_transfer.staging_layout",
     "weight_staging_dir": "miles_core.engines.staging",
+    "remove_orphan_files": "miles_core.engines.staging",
     "STAGING_DIR_ENV": "miles_core.engines.staging",
     "tensor_digest": "miles_core.weight_transfer.digests",
     "combine_digests": "miles_core.weight_transfer.digests",
@@ -318,6 +319,7 @@ __all__ = [
     "policy_loss",
     "raise_holder_errors",
     "read_model_config",
+    "remove_orphan_files",
     "require_checkpoint_dir",
     "reserve_rendezvous",
     "reset_optimizer_states",

@@ -38,6 +38,24 @@ def weight_staging_dir() -> Path:
     return ensure_private_dir(directory)
 
 
+def remove_orphan_files(directory: Path, prefix: str) -> list[Path]:
+    """Remove this user's files ``<prefix><pid>-...`` in ``directory`` whose process ``pid`` is gone: staging and
+    send buffers of a process that died without removing them (SIGKILL, the OOM killer), each as large as a bucket of
+    weights in shared memory. Call it before making new ones; returns what it removed."""
+    removed = []
+    for path in directory.glob(f"{prefix}*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            if path.lstat().st_uid == os.getuid():
+                path.unlink()
+                removed.append(path)
+        except OSError:  # removed meanwhile, or not ours to remove
+            continue
+    return removed
+
+
 def ensure_private_dir(directory: Path) -> Path:
     """``directory`` created with mode 0700 if missing; it must be a real directory (not a symlink) that only this
     user owns and can write, or it is refused (someone else could put or swap files in it)."""

@@ -36,7 +36,7 @@ import pydantic
 import torch
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.staging import weight_staging_dir
+from miles_core.engines.staging import remove_orphan_files, weight_staging_dir
 from miles_core.errors import MilesError
 from miles_core.training.weight_iterator import bucketize
 from miles_core.weight_transfer.digests import combine_digests, tensor_digest
@@ -53,6 +53,9 @@ from miles_core.weight_transfer.settings import ProtocolSettings
 from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
 from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_core.workers.node import is_this_node
+
+STAGING_PREFIX = "miles-staging-"
+"""Staging files are ``miles-staging-<pid of their maker>-...`` (a dead maker's are removed as orphans)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +252,8 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         current = self._staging[slot]
         if current is None or current[1].numel() < layout.size:
             self._drop_staging(slot)
-            _remove_orphans(self.shm_dir)
-            path = self.shm_dir / f"miles-staging-{os.getpid()}-{uuid.uuid4().hex}"
+            remove_orphan_files(self.shm_dir, STAGING_PREFIX)
+            path = self.shm_dir / f"{STAGING_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
             self._staging[slot] = (path, _new_staging_file(path, layout.size))
         path, buffer = self._staging[slot]
         _copy_into(buffer, layout, tensors)
@@ -282,14 +285,6 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         for share in staged or []:  # the holders' files on this machine (elsewhere: removed as orphans later)
             Path(share["path"]).unlink(missing_ok=True)
         await super().close()
-
-
-def _remove_orphans(directory: Path) -> None:
-    """Staging files left by trainers that died without closing their protocol."""
-    for path in directory.glob("miles-staging-*-*"):
-        pid = path.name.split("-")[2]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            path.unlink(missing_ok=True)
 
 
 # -- the holders' side ------------------------------------------------------------------------------------------

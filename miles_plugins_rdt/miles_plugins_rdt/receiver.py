@@ -27,8 +27,11 @@ import psutil
 import ray
 import torch
 
-from miles_core import StagingLayout, map_staging_file, weight_staging_dir
+from miles_core import StagingLayout, map_staging_file, remove_orphan_files, weight_staging_dir
 from miles_plugins_rdt.nixl_agent import configure_nixl_agents
+
+RECEIVE_PREFIX = "miles-rdt-"
+"""A receiver's buckets are ``miles-rdt-<its pid>-...`` in the staging directory."""
 
 ENGINE_CHECKS = 10
 """Looks at the engine's process tree, 0.5 s apart, before :meth:`StagingReceiver.check_engine` refuses it."""
@@ -48,7 +51,8 @@ class StagingReceiver:
         if paths is None:
             # In the user's staging directory: the only place the engine accepts staging files from.
             staging = weight_staging_dir()
-            self.paths = [staging / f"miles-rdt-{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
+            remove_orphan_files(staging, RECEIVE_PREFIX)  # a dead receiver's buckets (its process was killed)
+            self.paths = [staging / f"{RECEIVE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}" for _ in range(2)]
             self.buckets = [self._new_bucket(path) for path in self.paths]
         else:
             self.paths = [Path(path) for path in paths]

@@ -15,14 +15,16 @@ from pathlib import Path
 import ray
 import torch
 
-from miles_core import StagingLayout, map_staging_file
+from miles_core import StagingLayout, map_staging_file, remove_orphan_files
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+SEND_PREFIX = "miles-rdt-send-"
 
 
 def new_send_bucket(capacity: int) -> tuple[Path, torch.Tensor]:
     """A shared-memory file of ``capacity`` bytes, mapped as a uint8 tensor."""
-    path = SHM_DIR / f"miles-rdt-send-{os.getpid()}-{uuid.uuid4().hex}"
+    remove_orphan_files(SHM_DIR, SEND_PREFIX)  # a dead trainer's buffers (killed before it closed its protocol)
+    path = SHM_DIR / f"{SEND_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
     with open(path, "wb") as send_file:
         send_file.truncate(capacity)
     return path, map_staging_file(path, capacity)

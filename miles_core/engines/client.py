@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,9 +125,9 @@ class EngineClient:
     ) -> list[GenerateOutput]:
         """A batch for a router, whose ``/generate`` takes one ``sampling_params`` object for all of a batch's
         prompts (a list is a 422): one request per distinct setting, at once, the answers in the prompts' order."""
-        by_setting: dict[str, list[int]] = {}
+        by_setting: dict[SamplingParams, list[int]] = {}  # frozen dataclasses: equal settings, one key
         for index, one in enumerate(params):
-            by_setting.setdefault(json.dumps(one.to_sglang(), sort_keys=True), []).append(index)
+            by_setting.setdefault(one, []).append(index)
         groups = list(by_setting.values())
         answers = await asyncio.gather(
             *(

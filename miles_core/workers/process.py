@@ -185,7 +185,7 @@ def redacted(argv: list[str]) -> list[str]:
     either form (``--api-key VALUE``, ``--api-key=VALUE``), for messages."""
     shown: list[str] = []
     for index, arg in enumerate(argv):
-        flag, equals, _value = arg.partition("=")
+        flag, equals, _ = arg.partition("=")
         if arg.startswith("--") and equals and _takes_secret(flag):
             shown.append(f"{flag}=***")
         elif index and _takes_secret(argv[index - 1]) and not arg.startswith("--"):

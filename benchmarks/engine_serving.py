@@ -5,7 +5,7 @@ latency of both side by side, the ratio last.
 Usage: ``python benchmarks/engine_serving.py [--num-prompts 64 --input-len 128 --output-len 64 --repeats 3]``. It
 needs an SGLang environment (``$MILES_SGLANG_PYTHON``, else ``.venv-sglang/bin/python``: ``make sglang``). The real
 server is started with the command line ``miles train --engine sglang`` uses (the plugin's engine spec, its CPU
-settings) but with SGLang's tokenizer on, for the text backends. SGLang's CPU engine needs an Intel CPU with
+settings) but with SGLang's tokenizer on, for the text backends. SGLang's CPU engine needs a CPU with
 AVX512-BF16 or AMX; elsewhere (or with ``--no-sglang-server``) the real server is skipped and the reason printed.
 Each figure is the median over ``--repeats`` runs of the client.
 """

@@ -17,8 +17,9 @@ from miles_plugins_sglang.config import is_this_interpreter
 from miles_plugins_sglang.launch import CPU_ENV, check_engine_environment, sglang_engine_spec
 
 CPU_FLAGS = {"amx_bf16", "avx512_bf16"}
-"""SGLang's CPU kernels (sgl-kernel) need one of these (measured with sglang 0.5.23: Intel Xeons with AMX and with
-AVX512-BF16 alone serve; an AMD EPYC without them cannot)."""
+"""SGLang's CPU kernels (sgl-kernel) need one of these, whatever the vendor (measured with sglang 0.5.23: Intel Xeons
+with AMX and with AVX512-BF16 alone serve, and so does an AMD EPYC of family 25 (Zen 4) with AVX512-BF16; an AMD EPYC
+without either cannot)."""
 
 
 def cpu_flags() -> tuple[str, set[str]]:
@@ -37,12 +38,12 @@ def cpu_flags() -> tuple[str, set[str]]:
 
 @functools.cache
 def cpu_unavailable_reason(python: str) -> str | None:
-    """Why the SGLang environment ``python`` cannot serve on this machine's CPU, or None when it can: an Intel CPU
-    with AVX512-BF16 or AMX, an environment of its own, and ``import sglang, sgl_kernel`` succeeding there."""
+    """Why the SGLang environment ``python`` cannot serve on this machine's CPU, or None when it can: a CPU with
+    AVX512-BF16 or AMX (Intel or AMD), an environment of its own, and ``import sglang, sgl_kernel`` succeeding there."""
     vendor, flags = cpu_flags()
-    if vendor != "GenuineIntel" or not flags & CPU_FLAGS:
+    if not flags & CPU_FLAGS:
         return (
-            f"SGLang's CPU engine needs an Intel CPU with AVX512-BF16 or AMX (this one: {vendor or 'unknown'}, "
+            f"SGLang's CPU engine needs a CPU with AVX512-BF16 or AMX (this one: {vendor or 'unknown'}, "
             "amx_bf16/avx512_bf16 absent)"
         )
     if not os.path.isfile(python) or is_this_interpreter(python):

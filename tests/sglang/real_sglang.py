@@ -1,8 +1,8 @@
 """Where a real SGLang server can run in the tests, and how they start one through the plugin.
 
 The SGLang environment is the one ``make sglang`` creates (``.venv-sglang``, or ``$MILES_SGLANG_PYTHON``). SGLang's CPU
-engine serves on Intel Xeon CPUs with AVX512-BF16: measured on these machines' Xeons with AMX (``amx_bf16``) and
-without it (``avx512_bf16`` alone); an AMD EPYC machine of the same kind cannot (``tools/sglang-cpu/README.md``).
+engine serves on CPUs with AVX512-BF16: measured on these machines' Xeons with AMX (``amx_bf16``) and without it
+(``avx512_bf16`` alone), and on an AMD EPYC of family 25 (Zen 4, ``avx512_bf16``); an EPYC without it cannot.
 Elsewhere the real-SGLang tests skip with the reason :func:`unavailable_reason` gives.
 """
 

@@ -67,10 +67,10 @@ def test_a_stock_server_without_an_environment_is_refused_before_it_starts(tmp_p
 
 
 def test_reasons_sglang_cannot_serve_on_this_cpu(tmp_path: Path) -> None:
-    vendor, flags = cpu_flags()
+    _, flags = cpu_flags()
     for python in (sys.executable, str(tmp_path / "missing-python")):
         reason = cpu_unavailable_reason(python)
-        if vendor != "GenuineIntel" or not flags & {"amx_bf16", "avx512_bf16"}:
-            assert "needs an Intel CPU with AVX512-BF16 or AMX" in reason
+        if not flags & {"amx_bf16", "avx512_bf16"}:
+            assert "needs a CPU with AVX512-BF16 or AMX" in reason
         else:
             assert reason.startswith(f"no SGLang environment ({python}): run `make sglang`")

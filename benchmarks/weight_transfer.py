@@ -1,14 +1,17 @@
-"""Every weight-transfer protocol moving a ~1 GiB model from this process into a local engine, and ``disk`` and
-``broadcast`` into a real SGLang server, against a same-size memory copy into preallocated tensors (the physical
-limit on this machine), in one run. Both engines are started through the sglang plugin's engine spec and the local
+"""Every weight-transfer protocol moving a ~1 GiB model from this process into a local engine, and ``tensor``,
+``disk`` and ``broadcast`` into a real SGLang server, against a same-size memory copy into preallocated tensors (the
+physical limit on this machine), in one run. Both engines are started through the sglang plugin's engine spec and the local
 worker provider, as ``miles train`` starts them, one at a time.
 
 Usage: ``python benchmarks/weight_transfer.py [--repeats 3] [--protocols disk,tensor,...] [--sglang-protocols
 disk,broadcast]``. The SGLang environment is ``sglang.python`` (``$MILES_SGLANG_PYTHON``, else ``./.venv-sglang``;
 ``make sglang``); where SGLang cannot serve (no environment, a CPU without AVX512-BF16 or AMX) it says why and the
 local engine's rows still run. Prints GB/s and seconds per update (medians of the repeats after two warm-up
-transfers, each including the engine's load into its model) and, last, the ratios to memcpy and real SGLang's to
-the local engine. The trainer's weights are float32; SGLang serves them in bf16 (its CPU kernels' dtype).
+transfers, each including the engine's load into its model), each beside the GB/s of a memcpy of the same tensors
+timed just before each of its transfers and the ratio to it, and, last, real SGLang's ratios to the local engine.
+The trainer's weights are float32; SGLang serves them in bf16 (its CPU kernels' dtype). GB/s count the trainer's
+float32 bytes, as the memcpy does: ``tensor`` into SGLang stages the matrices already rounded to bf16 (see
+``TensorSettings.held_dtype``), so its staging file holds half of them.
 """
 
 from __future__ import annotations
@@ -77,16 +80,20 @@ def memcpy_rate(model: torch.nn.Module, repeats: int) -> float:
 
 
 async def protocol_rate(
-    name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int, bucket_bytes: int
-) -> tuple[float, float]:
-    """GB/s and seconds of one update (medians of ``repeats`` after the warm-up transfers) into one engine."""
+    name: str, endpoint: EngineEndpoint, model: torch.nn.Module, repeats: int, bucket_bytes: int, copy: MemoryCopy
+) -> tuple[float, float, float]:
+    """GB/s and seconds of one update (medians of ``repeats`` after the warm-up transfers) into one engine, and the
+    GB/s of a memcpy of the same tensors timed just before each counted transfer (the machine's bandwidth drifts
+    between rows: each row's ratio is to the copies beside it)."""
     registry_name, settings = SETTINGS.get(name, (name, {}))
     registries = MilesPluginManager.load().registries
     protocol = registries.weight_transfer_protocols.get_or_raise(registry_name).load()(**settings)
     await protocol.connect([endpoint])
-    reports = []
+    reports, copies = [], []
     try:
         for version in range(1, repeats + WARMUP + 1):
+            if version > WARMUP:
+                copies.append(copy.rate())
             reports.append(
                 await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=bucket_bytes)), version=version)
             )
@@ -95,7 +102,11 @@ async def protocol_rate(
     first = ", ".join(f"{r.gb_per_s:.2f}" for r in reports[:WARMUP])
     print(f"{name:22s} {endpoint.name}: first transfers {first} GB/s (set-up, not counted)", flush=True)
     counted = reports[WARMUP:]
-    return statistics.median(r.gb_per_s for r in counted), statistics.median(r.seconds for r in counted)
+    return (
+        statistics.median(r.gb_per_s for r in counted),
+        statistics.median(r.seconds for r in counted),
+        statistics.median(copies),
+    )
 
 
 def engine_configs(args: argparse.Namespace) -> dict[str, tuple[Any, list[str]]]:
@@ -125,7 +136,9 @@ async def main(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"model: {nbytes / 2**30:.2f} GiB of weights, bucket {args.bucket_mb} MiB, {args.repeats} repeats")
     memcpy = memcpy_rate(model, args.repeats)
-    results: dict[tuple[str, str], tuple[float, float]] = {}
+    copy = MemoryCopy(model)
+    copy.rate()  # faults the targets' pages in
+    results: dict[tuple[str, str], tuple[float, float, float]] = {}
     try:
         for index, (engine, (config, protocols)) in enumerate(engine_configs(args).items()):
             server = engine_server(
@@ -136,7 +149,7 @@ async def main(args: argparse.Namespace) -> None:
                 endpoint = EngineEndpoint(f"engine-{index}", info.url, TOKEN, capabilities)
                 for name in protocols:
                     results[name, engine] = await protocol_rate(
-                        name, endpoint, model, args.repeats, args.bucket_mb << 20
+                        name, endpoint, model, args.repeats, args.bucket_mb << 20, copy
                     )
                     print(f"{name:22s} {engine:14s} {results[name, engine][0]:6.2f} GB/s", flush=True)
     finally:
@@ -144,16 +157,16 @@ async def main(args: argparse.Namespace) -> None:
     report(results, memcpy)
 
 
-def report(results: dict[tuple[str, str], tuple[float, float]], memcpy: float) -> None:
-    """The table, then the ratios to memcpy and real SGLang's to the local engine per protocol."""
-    print(f"{'protocol':22s} {'engine':14s} {'GB/s':>6s} {'s/update':>9s}")
-    for (name, engine), (rate, seconds) in results.items():
-        print(f"{name:22s} {engine:14s} {rate:6.2f} {seconds:9.2f}")
-    print(f"{'memcpy (preallocated)':37s} {memcpy:6.2f}")
-    print("ratios to memcpy: " + ", ".join(f"{n} ({e}) {r / memcpy:.2f}" for (n, e), (r, _) in results.items()))
+def report(results: dict[tuple[str, str], tuple[float, float, float]], memcpy: float) -> None:
+    """The table (each row with the memcpy timed beside its transfers and the ratio to it), then real SGLang's ratio
+    to the local engine per protocol."""
+    print(f"{'protocol':22s} {'engine':14s} {'GB/s':>6s} {'s/update':>9s} {'memcpy GB/s':>12s} {'/ memcpy':>9s}")
+    for (name, engine), (rate, seconds, beside) in results.items():
+        print(f"{name:22s} {engine:14s} {rate:6.2f} {seconds:9.2f} {beside:12.2f} {rate / beside:9.2f}")
+    print(f"{'memcpy (preallocated, before the rows)':37s} {memcpy:6.2f}")
     pairs = [
         (name, rate, results[name, LOCAL][0])
-        for (name, engine), (rate, _) in results.items()
+        for (name, engine), (rate, _, _) in results.items()
         if engine == SGLANG and (name, LOCAL) in results
     ]
     if pairs:

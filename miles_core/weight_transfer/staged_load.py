@@ -59,23 +59,69 @@ async def load_staged(
         )
         return
     await check_against_served(client, endpoint, layout)
+    spec = {"staging_path": str(staging_path), "buffer_size": buffer_size, "layout": layout.to_wire()}
+    await _call_loader(client, endpoint, spec)
+
+
+async def _call_loader(client: EngineClient, endpoint: EngineEndpoint, spec: dict) -> list[dict]:
+    """One request to Miles' loader in the SGLang engine, ``spec`` for every TP rank; each rank's outcome."""
     request = uuid.uuid4().hex
-    specs = [
-        json.dumps(
-            {
-                "staging_path": str(staging_path),
-                "buffer_size": buffer_size,
-                "layout": layout.to_wire(),
-                "request": request,
-                "tp_rank": rank,
-            }
-        )
-        for rank in range(endpoint.capabilities.tp_size)
-    ]
-    payloads = [base64.b64encode(pickle.dumps([(spec, torch.empty(0))])).decode() for spec in specs]
-    await client.update_weights_from_loader(payloads, load_format=loader)
-    for rank in range(endpoint.capabilities.tp_size):
-        _read_outcome(endpoint, request, rank)
+    ranks = range(endpoint.capabilities.tp_size)
+    specs = [json.dumps({**spec, "request": request, "tp_rank": rank}) for rank in ranks]
+    payloads = [base64.b64encode(pickle.dumps([(text, torch.empty(0))])).decode() for text in specs]
+    await client.update_weights_from_loader(payloads, load_format=endpoint.capabilities.staging_loader)
+    return [_read_outcome(endpoint, request, rank) for rank in ranks]
+
+
+_HELD_DTYPES: dict[str, dict[str, tuple[str, int]]] = {}
+"""Per engine URL, its parameters (SGLang's names) and the dtype and number of dimensions each is held in."""
+
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes a tensor is narrowed to when staged for an engine that holds it so."""
+
+
+async def held_dtypes(client: EngineClient, endpoint: EngineEndpoint) -> dict[str, tuple[str, int]]:
+    """The engine's parameters and the dtype and dimensions each is held in (asked of Miles' loader once per engine;
+    ``{}`` for an engine without it)."""
+    if endpoint.capabilities.staging_loader is None:
+        return {}
+    held = _HELD_DTYPES.get(endpoint.url)
+    if held is None:
+        outcome = (await _call_loader(client, endpoint, {"describe": True}))[0]
+        held = {name: (str(dtype), int(dims)) for name, (dtype, dims) in outcome.get("parameters", {}).items()}
+        _HELD_DTYPES[endpoint.url] = held
+    return held
+
+
+def staging_dtypes(
+    tensors: Sequence[tuple[str, torch.Tensor]], engines: Sequence[Mapping[str, tuple[str, int]]]
+) -> dict[str, torch.dtype]:
+    """The tensors to stage in a narrower dtype for ``engines`` (each as :func:`held_dtypes` describes it), all of
+    which load the same staging file: a floating tensor of two or more dimensions that every engine holds in the
+    same dtype of :data:`NARROW_DTYPES`, narrower than the tensor's. The staging copy then rounds as the engine's own
+    copy into its parameter would (round to nearest even), so the engine holds the same values, and the engine
+    copies half the bytes. A tensor the engine renames (``q_proj`` into ``qkv_proj``) takes the dtype all of the
+    engine's parameters of two or more dimensions share, if they share one (else it is staged as it is: a model that
+    keeps a router in float32 keeps its fused experts' tensors at full width too); vectors (norms, biases, routing
+    biases) are staged as they are: they are few bytes, and some are held in float32."""
+    if not engines or not all(engines):
+        return {}
+    fallbacks = [_common_matrix_dtype(held) for held in engines]
+    chosen: dict[str, torch.dtype] = {}
+    for name, tensor in tensors:
+        if not tensor.is_floating_point() or tensor.dim() < 2:
+            continue
+        pairs = zip(engines, fallbacks, strict=True)
+        targets = {held[name][0] if name in held else fallback for held, fallback in pairs}
+        target = SERVED_DTYPES.get(targets.pop()) if len(targets) == 1 else None
+        if target in NARROW_DTYPES and target.itemsize < tensor.element_size():
+            chosen[name] = target
+    return chosen
+
+
+def _common_matrix_dtype(held: Mapping[str, tuple[str, int]]) -> str | None:
+    dtypes = {dtype for dtype, dims in held.values() if dims >= 2}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 _SERVED_TENSORS: dict[str, dict[str, tuple[tuple[int, ...], bool]]] = {}
@@ -118,7 +164,7 @@ def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], bool
     return found
 
 
-def _read_outcome(endpoint: EngineEndpoint, request: str, rank: int) -> None:
+def _read_outcome(endpoint: EngineEndpoint, request: str, rank: int) -> dict:
     """The outcome the loader wrote for TP rank ``rank`` (in this node's staging directory, the engine's too)."""
     status = weight_staging_dir() / f"miles-load-{request}.tp{rank}.json"
     try:
@@ -133,6 +179,7 @@ def _read_outcome(endpoint: EngineEndpoint, request: str, rank: int) -> None:
         status.unlink(missing_ok=True)
     if not outcome.get("ok"):
         raise EngineError(f"engine {endpoint.name} ({endpoint.url}) TP rank {rank}: {outcome.get('error')}")
+    return outcome
 
 
 @contextlib.asynccontextmanager

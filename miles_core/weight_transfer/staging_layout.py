@@ -109,20 +109,23 @@ class StagingLayout:
         alignment: int = 64,
         start: int = 0,
         capacity: int | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> StagingLayout:
         """Lay ``tensors`` out one after the other from byte ``start``, each offset a multiple of ``alignment`` and
-        of the tensor's element size; a tensor ending beyond ``capacity`` bytes is a :class:`StagingOverflowError`."""
+        of the tensor's element size; a tensor ending beyond ``capacity`` bytes is a :class:`StagingOverflowError`.
+        ``dtypes``: the tensors staged in another dtype than their own (copying into the view casts)."""
         entries, offset = [], start
         for name, tensor in tensors:
-            offset = _align_up(offset, max(alignment, tensor.element_size()))
-            nbytes = tensor.numel() * tensor.element_size()
+            dtype = (dtypes or {}).get(name, tensor.dtype)
+            offset = _align_up(offset, max(alignment, dtype.itemsize))
+            nbytes = tensor.numel() * dtype.itemsize
             if capacity is not None and offset + nbytes > capacity:
                 raise StagingOverflowError(
-                    f"{name} ({dtype_name(tensor.dtype)}, shape {tuple(tensor.shape)}, {nbytes} bytes) does not fit "
+                    f"{name} ({dtype_name(dtype)}, shape {tuple(tensor.shape)}, {nbytes} bytes) does not fit "
                     f"the {capacity}-byte staging buffer at offset {offset}",
                     needed=offset + nbytes,
                 )
-            entries.append(StagedTensor(name, dtype_name(tensor.dtype), tuple(tensor.shape), offset, nbytes))
+            entries.append(StagedTensor(name, dtype_name(dtype), tuple(tensor.shape), offset, nbytes))
             offset += nbytes
         return cls(tuple(entries), size=offset if entries else start, alignment=alignment)
 

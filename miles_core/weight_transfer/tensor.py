@@ -50,7 +50,14 @@ from miles_core.weight_transfer.protocol import (
 )
 from miles_core.weight_transfer.routes import STAGING_COPY, STAGING_SWAP, TENSOR_BYTES, WEIGHTS_BY_NAME, route_for
 from miles_core.weight_transfer.settings import ProtocolSettings
-from miles_core.weight_transfer.staged_load import load_staged, sample_names, verify_sampled, weight_update_sessions
+from miles_core.weight_transfer.staged_load import (
+    held_dtypes,
+    load_staged,
+    sample_names,
+    staging_dtypes,
+    verify_sampled,
+    weight_update_sessions,
+)
 from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 from miles_core.workers.node import is_this_node
 
@@ -81,6 +88,12 @@ class TensorSettings(ProtocolSettings):
         default=True,
         description="Engines on this machine serve straight from the staging file of the whole model instead of "
         "copying it into their weights (one memory copy per transfer).",
+    )
+    held_dtype: bool = pydantic.Field(
+        default=True,
+        description="Stage each weight matrix in the dtype the engines on this machine hold it in (SGLang serving "
+        "bfloat16: the trainer's float32 weights are rounded during the staging copy, as SGLang's own copy would "
+        "round them, and SGLang copies half the bytes); false: staged as the trainer holds them.",
     )
     shm_dir: str | None = pydantic.Field(
         default=None,
@@ -139,6 +152,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         sent: dict[str, torch.Tensor] = {}
         any_local = any(map(self._local, self.clients))
         async with weight_update_sessions(self._session_clients()):
+            held = await self._held_dtypes()
             sending: asyncio.Task | None = None
             for index, bucket in enumerate(buckets):
                 tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in bucket]
@@ -146,7 +160,8 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
                 if self.verify_samples:
                     sent.update(tensors)
                 # Fill one staging file while the engines still read the other (the previous bucket).
-                staged = await asyncio.to_thread(self._stage, tensors, index % 2) if any_local else None
+                dtypes = staging_dtypes(tensors, held)
+                staged = await asyncio.to_thread(self._stage, tensors, index % 2, dtypes) if any_local else None
                 if sending is not None:
                     await sending
                 sending = asyncio.create_task(self._send_all(tensors, staged))
@@ -244,11 +259,23 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
             "shared_memory": self.settings.shared_memory,
             "version": version,
             "verify_samples": self.verify_samples,
+            "held_dtype": self.settings.held_dtype,
         }
 
-    def _stage(self, tensors: list[tuple[str, torch.Tensor]], slot: int) -> Staged:
-        """Copy the bucket into staging file ``slot`` (grown when too small); returns where it lies."""
-        layout = StagingLayout.of(tensors)
+    async def _held_dtypes(self) -> list[dict[str, tuple[str, int]]]:
+        """What each engine on this machine holds its parameters in (see :func:`staging_dtypes`; nothing without
+        ``held_dtype``)."""
+        if not self.settings.held_dtype:
+            return []
+        local = [(c, e) for c, e in zip(self.clients, self.engines, strict=True) if self._local(c)]
+        return list(await asyncio.gather(*(held_dtypes(client, engine) for client, engine in local)))
+
+    def _stage(
+        self, tensors: list[tuple[str, torch.Tensor]], slot: int, dtypes: dict[str, torch.dtype] | None = None
+    ) -> Staged:
+        """Copy the bucket into staging file ``slot`` (grown when too small; ``dtypes``: tensors cast on the way);
+        returns where it lies."""
+        layout = StagingLayout.of(tensors, dtypes=dtypes)
         current = self._staging[slot]
         if current is None or current[1].numel() < layout.size:
             self._drop_staging(slot)
@@ -304,15 +331,17 @@ def stage_and_send(
     version: int,
     digests: bool = True,
     verify_samples: int = 0,
+    held_dtype: bool = True,
 ) -> dict:
     """The holder task of ``tensor``: stage this holder's share into a staging file of its own, kept until its next
-    version, and send it to every engine; the staged file, the names' digests (``None`` without ``digests``) and the
-    bytes."""
+    version (each matrix in the dtype the engines on this machine hold it in, with ``held_dtype``), and send it to
+    every engine; the staged file, the names' digests (``None`` without ``digests``) and the bytes."""
     tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in share]
     directory = Path(shm_dir)
     for old in directory.glob(f"miles-staging-{os.getpid()}-holder{holder}-v*"):
         old.unlink(missing_ok=True)  # the previous version's: its engines are on this one now, or will be
-    layout = StagingLayout.of(tensors)
+    held = asyncio.run(_held_on_this_node(engines, shared_memory)) if held_dtype else []
+    layout = StagingLayout.of(tensors, dtypes=staging_dtypes(tensors, held))
     path = directory / f"miles-staging-{os.getpid()}-holder{holder}-v{version}"
     buffer = _new_staging_file(path, layout.size)
     _copy_into(buffer, layout, tensors)
@@ -323,6 +352,17 @@ def stage_and_send(
         "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors},
         "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
     }
+
+
+async def _held_on_this_node(engines: list[dict], shared_memory: bool | None) -> list[dict[str, tuple[str, int]]]:
+    """:func:`held_dtypes` of each engine on this machine (the ones that load the holder's staging file)."""
+
+    async def held(endpoint: EngineEndpoint) -> dict[str, tuple[str, int]]:
+        async with EngineClient(endpoint.url, admin_key=endpoint.admin_key, name=endpoint.name) as client:
+            return await held_dtypes(client, endpoint)
+
+    endpoints = [EngineEndpoint.from_wire(engine) for engine in engines]
+    return list(await asyncio.gather(*(held(e) for e in endpoints if on_sender_node(e.url, shared_memory))))
 
 
 def resend_staged(
@@ -336,6 +376,7 @@ def resend_staged(
     shared_memory: bool | None,
     version: int,
     verify_samples: int = 0,
+    held_dtype: bool = True,  # the staged file is sent as it was staged
 ) -> dict:
     """The holder task of :meth:`TensorProtocol.republish`: send the staged file of this holder's share again (its
     share, the weights as they are now, is not read: they may have moved on since ``version``)."""

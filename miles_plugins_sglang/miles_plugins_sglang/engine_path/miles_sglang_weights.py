@@ -8,6 +8,8 @@ for each TP rank, a pickled ``[(spec, placeholder)]`` whose ``spec`` is a JSON s
 "buffer_size", "layout"}`` (the layout is Miles' ``StagingLayout`` wire form). SGLang's own ``SafeUnpickler`` reads
 that payload (a string and an empty tensor: no tensor data crosses the request); each TP rank maps the file and hands
 views of it to the model's ``load_weights``, which copies them into its (sharded) parameters: one memory copy.
+A spec ``{"describe": true, "request", "tp_rank"}`` loads nothing: the outcome lists the model's parameters and
+their dtypes (:func:`parameter_dtypes`), from which senders stage each tensor in the dtype it is held in.
 
 Staging files are accepted only as regular files directly inside ``$MILES_WEIGHT_STAGING_DIR`` (set by the plugin
 at launch to the staging directory of the engine's user), and a layout is checked against the file before any
@@ -51,6 +53,9 @@ def load_staged(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
     ``model``. All specs are checked before the first parameter is written; the outcome goes to each spec's status
     file, never up as an exception."""
     specs = [_parse(spec) for spec, _placeholder in named_tensors]
+    if any(spec.get("describe") is True for spec in specs):
+        _report(specs, ok=True, error=None, parameters=parameter_dtypes(model))
+        return
     try:
         staged = [staged_views(spec) for spec in specs]
     except StagedLoadError as exc:
@@ -70,6 +75,13 @@ def load_staged(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
         _report(specs, ok=False, error=f"SGLang could not load {loading[0]}: {type(exc).__name__}: {exc}")
         return
     _report(specs, ok=True, error=None, loaded=sum(map(len, staged)))
+
+
+def parameter_dtypes(model: torch.nn.Module) -> dict[str, list]:
+    """Every parameter of the model (SGLang's names: fused ones such as ``qkv_proj`` included), the dtype it is held
+    in and its number of dimensions (``["bfloat16", 2]``): what a sender needs to stage each tensor in the dtype it
+    will be held in."""
+    return {name: [str(param.dtype).removeprefix("torch."), param.dim()] for name, param in model.named_parameters()}
 
 
 def _parse(spec_text: object) -> dict:

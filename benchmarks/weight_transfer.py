@@ -1,7 +1,7 @@
 """Every weight-transfer protocol moving a ~1 GiB model from this process into a local engine, and ``tensor``,
 ``disk`` and ``broadcast`` into a real SGLang server, against a same-size memory copy into preallocated tensors (the
-physical limit on this machine), in one run. Both engines are started through the sglang plugin's engine spec and the local
-worker provider, as ``miles train`` starts them, one at a time.
+physical limit on this machine), in one run. Both engines are started through the sglang plugin's engine spec and the
+local worker provider, as ``miles train`` starts them, one at a time.
 
 Usage: ``python benchmarks/weight_transfer.py [--repeats 3] [--protocols disk,tensor,...] [--sglang-protocols
 disk,broadcast]``. The SGLang environment is ``sglang.python`` (``$MILES_SGLANG_PYTHON``, else ``./.venv-sglang``;

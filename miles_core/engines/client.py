@@ -185,11 +185,23 @@ class EngineClient:
             weight_version=weight_version,
         )
 
-    async def update_weights_from_loader(self, payloads: list[str], *, load_format: str) -> dict:
+    async def update_weights_from_loader(
+        self,
+        payloads: list[str],
+        *,
+        load_format: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict:
         """SGLang's ``/update_weights_from_tensor`` with a custom ``load_format`` (a loader the server was started
-        with) and one payload per TP rank (see :mod:`miles_core.weight_transfer.staged_load`)."""
+        with) and one payload per TP rank (see :mod:`miles_core.weight_transfer.staged_load`); ``weight_version``:
+        the version served once it succeeds; ``flush_cache``: drop the prefix cache (the old weights' KV)."""
         return await self._control(
-            "/update_weights_from_tensor", serialized_named_tensors=payloads, load_format=load_format
+            "/update_weights_from_tensor",
+            serialized_named_tensors=payloads,
+            load_format=load_format,
+            weight_version=weight_version,
+            flush_cache=flush_cache,
         )
 
     async def weights_by_name(self, name: str, *, truncate_size: int = 1) -> Any:

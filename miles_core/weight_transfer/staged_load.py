@@ -50,26 +50,46 @@ async def load_staged(
     buffer_size: int,
     layout: StagingLayout,
     swap: bool = False,
+    weight_version: str | None = None,
+    flush_cache: bool = True,
 ) -> None:
-    """Have the engine load ``layout``'s tensors from the staging file (``swap``: serve from it, local engine only)."""
+    """Have the engine load ``layout``'s tensors from the staging file (``swap``: serve from it, local engine only;
+    ``weight_version``: the version it serves from then on; ``flush_cache``: SGLang drops its prefix cache, which
+    the last load of a version must do)."""
     loader = endpoint.capabilities.staging_loader
     if loader is None:
         await client.update_weights_from_staging(
-            staging_path=str(staging_path), buffer_size=buffer_size, layout=layout, swap=swap
+            staging_path=str(staging_path),
+            buffer_size=buffer_size,
+            layout=layout,
+            swap=swap,
+            weight_version=weight_version,
         )
         return
     await check_against_served(client, endpoint, layout)
     spec = {"staging_path": str(staging_path), "buffer_size": buffer_size, "layout": layout.to_wire()}
-    await _call_loader(client, endpoint, spec)
+    await _call_loader(client, endpoint, spec, weight_version=weight_version, flush_cache=flush_cache)
 
 
-async def _call_loader(client: EngineClient, endpoint: EngineEndpoint, spec: dict) -> list[dict]:
+async def _call_loader(
+    client: EngineClient,
+    endpoint: EngineEndpoint,
+    spec: dict,
+    *,
+    weight_version: str | None = None,
+    flush_cache: bool = False,
+) -> list[dict]:
     """One request to Miles' loader in the SGLang engine, ``spec`` for every TP rank; each rank's outcome."""
     request = uuid.uuid4().hex
     ranks = range(endpoint.capabilities.tp_size)
     specs = [json.dumps({**spec, "request": request, "tp_rank": rank}) for rank in ranks]
     payloads = [base64.b64encode(pickle.dumps([(text, torch.empty(0))])).decode() for text in specs]
-    await client.update_weights_from_loader(payloads, load_format=endpoint.capabilities.staging_loader)
+    await client.update_weights_from_loader(
+        payloads,
+        load_format=endpoint.capabilities.staging_loader,
+        weight_version=weight_version,
+        flush_cache=flush_cache,
+    )
     return [_read_outcome(endpoint, request, rank) for rank in ranks]
 
 
@@ -80,14 +100,18 @@ NARROW_DTYPES = (torch.bfloat16, torch.float16)
 """The dtypes a tensor is narrowed to when staged for an engine that holds it so."""
 
 
-async def held_dtypes(client: EngineClient, endpoint: EngineEndpoint) -> dict[str, tuple[str, int]]:
-    """The engine's parameters and the dtype and dimensions each is held in (asked of Miles' loader once per engine;
-    ``{}`` for an engine without it)."""
+async def held_dtypes(
+    client: EngineClient, endpoint: EngineEndpoint, *, open_session: bool
+) -> dict[str, tuple[str, int]]:
+    """The engine's parameters and the dtype and dimensions each is held in (asked of Miles' loader once per engine,
+    in a weight-update session: ``open_session`` opens one for the question, else one is open; ``{}`` for an engine
+    without the loader)."""
     if endpoint.capabilities.staging_loader is None:
         return {}
     held = _HELD_DTYPES.get(endpoint.url)
     if held is None:
-        outcome = (await _call_loader(client, endpoint, {"describe": True}))[0]
+        async with weight_update_sessions([client] if open_session else []):
+            outcome = (await _call_loader(client, endpoint, {"describe": True}))[0]
         held = {name: (str(dtype), int(dims)) for name, (dtype, dims) in outcome.get("parameters", {}).items()}
         _HELD_DTYPES[endpoint.url] = held
     return held
@@ -145,7 +169,7 @@ async def check_against_served(client: EngineClient, endpoint: EngineEndpoint, l
         if tuple(entry.shape) != shape or sent_floating != floating:
             raise WeightMismatchError(
                 f"weight_transfer to engine {endpoint.name} ({endpoint.url}): parameter {entry.name} is "
-                f"{entry.dtype}{list(entry.shape)} from the trainer, but the engine serves it as "
+                f"{list(entry.shape)} from the trainer (staged as {entry.dtype}), but the engine serves it as "
                 f"{'floating' if floating else 'integer'}{list(shape)}; nothing was loaded, the engine keeps its "
                 "weights"
             )

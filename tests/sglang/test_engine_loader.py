@@ -61,7 +61,9 @@ TENSORS = [("w", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torc
 def test_a_staged_version_is_loaded_and_reported(staging: Path) -> None:
     model = Model()
     loader.load_staged(model, [(json.dumps(stage(staging, TENSORS)), torch.empty(0))])
-    assert outcome(staging) == {"ok": True, "error": None, "loaded": 2}
+    result = outcome(staging)
+    assert {key: result[key] for key in ("ok", "error", "loaded")} == {"ok": True, "error": None, "loaded": 2}
+    assert 0 <= result["seconds"] < 60  # the time SGLang's copy took, for the sender's log
     assert all(torch.equal(model.loaded[name], tensor) for name, tensor in TENSORS)
 
 
@@ -99,3 +101,26 @@ def test_each_tp_rank_reports_for_itself(staging: Path) -> None:
     spec_ = {**stage(staging, TENSORS), "tp_rank": 1}
     loader.load_staged(Model(), [(json.dumps(spec_), torch.empty(0))])
     assert outcome(staging, rank=1)["ok"] is True and not (staging / "miles-load-r1.tp0.json").exists()
+
+
+class FusedModel(torch.nn.Module):
+    """Parameters as SGLang holds them: a fused projection in bfloat16, a norm, and a router kept in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(4, 12, bias=False, dtype=torch.bfloat16)
+        self.norm = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        self.gate = torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.float32))
+
+    def load_weights(self, weights) -> None:
+        raise AssertionError("a description loads nothing")
+
+
+def test_a_describe_request_lists_each_parameters_dtype_and_dimensions_and_loads_nothing(staging: Path) -> None:
+    spec_ = {"describe": True, "request": "r1", "tp_rank": 0}
+    loader.load_staged(FusedModel(), [(json.dumps(spec_), torch.empty(0))])
+    assert outcome(staging) == {
+        "ok": True,
+        "error": None,
+        "parameters": {"norm": ["bfloat16", 1], "gate": ["float32", 2], "qkv_proj.weight": ["bfloat16", 2]},
+    }

@@ -215,11 +215,11 @@ def test_tensor_loads_through_shared_memory_checked_by_reading_parameters_back(e
     names = [name for name, _ in model.named_parameters()]
 
     async def scenario() -> tuple[float, float]:
-        protocol = TensorProtocol()
+        protocol = TensorProtocol(staging_mb=0.125)  # several staging files of this small model: double-buffered
         protocol.verify_samples = len(names)  # every parameter, where a run samples a few per update
         await protocol.connect([sglang_endpoint(engine[0])])
         try:
-            buckets = iter(ModuleHfWeightIterator(model, bucket_bytes=64 << 10))  # several buckets, double-buffered
+            buckets = iter(ModuleHfWeightIterator(model, bucket_bytes=64 << 10))
             report = await protocol.transfer(buckets, version=3)
         finally:
             await protocol.close()
@@ -230,6 +230,40 @@ def test_tensor_loads_through_shared_memory_checked_by_reading_parameters_back(e
 
     worst, ratio = asyncio.run(scenario())
     assert ratio <= 1, f"served logprobs differ from the trainer's by {worst:.3g}, {ratio:.2f}x the bound"
+
+
+def test_staging_in_the_held_dtype_serves_exactly_what_staging_at_full_width_serves(engine, checkpoints) -> None:
+    """``held_dtype`` (the default): the matrices are staged in the served dtype, rounded by the staging copy as
+    SGLang's copy would round them. The engine then holds the same parameters, bit for bit, and serves the same
+    tokens and logprobs as after a transfer staged in the trainer's float32; the staging file holds about half the
+    bytes; and, with nothing to verify, the version rides on the last load."""
+    model = load(checkpoints["tensor"])
+    names = [name for name, _ in model.named_parameters()]
+
+    async def transfer(held_dtype: bool, version: int) -> tuple[int, dict, list]:
+        protocol = TensorProtocol(held_dtype=held_dtype)
+        await protocol.connect([sglang_endpoint(engine[0])])
+        try:
+            await protocol.transfer(iter(ModuleHfWeightIterator(model, bucket_bytes=64 << 10)), version=version)
+            staged_bytes = protocol._staging[0][1].numel()
+        finally:
+            await protocol.close()
+        async with EngineClient(engine[0], admin_key=TOKEN, name="engine-0") as client:
+            assert await client.weight_version() == str(version)
+            held = {name: await client.weights_by_name(name, truncate_size=1 << 20) for name in names}
+            greedy = [(output, logprobs) for _, output, logprobs, _ in await served(client, greedy=True)]
+        return staged_bytes, held, greedy
+
+    async def scenario() -> None:
+        full_bytes, full_held, full_greedy = await transfer(False, 11)
+        narrow_bytes, narrow_held, narrow_greedy = await transfer(True, 12)
+        assert full_bytes >= sum(p.numel() * 4 for p in model.parameters())
+        assert narrow_bytes < 0.55 * full_bytes  # the matrices in bf16; the norms (a few KiB) in float32
+        assert narrow_held == full_held
+        for (output, logprobs), (full_output, full_logprobs) in zip(narrow_greedy, full_greedy, strict=True):
+            assert output == full_output and torch.equal(logprobs, full_logprobs)
+
+    asyncio.run(scenario())
 
 
 def test_a_parameter_of_another_shape_is_refused_before_loading_and_the_engine_keeps_its_version(engine) -> None:
@@ -243,7 +277,8 @@ def test_a_parameter_of_another_shape_is_refused_before_loading_and_the_engine_k
                 with pytest.raises(
                     WeightMismatchError,
                     match=r"engine engine-0 .*parameter model\.layers\.0\.self_attn\.q_proj\.weight is "
-                    r"float32\[3, 64\] from the trainer, but the engine serves it as floating\[64, 64\]; nothing "
+                    r"\[3, 64\] from the trainer \(staged as float(16|32)\), but the engine serves it as "
+                    r"floating\[64, 64\]; nothing "
                     r"was loaded",
                 ):
                     await protocol.transfer(iter([bad]), version=99)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 import torch
@@ -68,13 +69,14 @@ def load_staged(model: torch.nn.Module, named_tensors: list[tuple[str, torch.Ten
             loading[0] = name
             yield name, view
 
+    started = time.perf_counter()
     try:
         for views in staged:
             model.load_weights(tracked(views))
     except Exception as exc:  # SGLang's loaders raise anything; raising here would end the server
         _report(specs, ok=False, error=f"SGLang could not load {loading[0]}: {type(exc).__name__}: {exc}")
         return
-    _report(specs, ok=True, error=None, loaded=sum(map(len, staged)))
+    _report(specs, ok=True, error=None, loaded=sum(map(len, staged)), seconds=time.perf_counter() - started)
 
 
 def parameter_dtypes(model: torch.nn.Module) -> dict[str, list]:

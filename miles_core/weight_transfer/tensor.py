@@ -128,6 +128,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         self._served_zero_copy: Staged | None = None  # zero copy: the file the engines serve from
         # the last version the holders sent, and each holder's staged file (None: the driver's zero-copy file)
         self._published_by_holders: tuple[WeightHolders, int, list[dict] | None] | None = None
+        self._holder_files: set[str] = set()  # every staging file the holders reported
 
     def _local(self, client: EngineClient) -> bool:
         return on_sender_node(client.url, self.settings.shared_memory)
@@ -249,6 +250,7 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
         digests = merged_digests(results)
         await self.publish_version(version)
         self._published_by_holders = (holders, version, [result["staged"] for result in results])
+        self._holder_files.update(file for result in results for file in result["files"])
         report = self.report(version=version, num_bytes=sum(r["bytes"] for r in results), started=started)
         return TransferReport(**{**report.__dict__, "checksum": combine_digests(digests) if checksum else None})
 
@@ -365,9 +367,8 @@ class TensorProtocol(HttpEngineProtocol, SendsFromHolders):
     async def close(self) -> None:
         for slot in range(len(self._staging)):
             self._drop_staging(slot)
-        staged = self._published_by_holders[2] if self._published_by_holders else None
-        for share in staged or []:  # the holders' files on this machine (elsewhere: removed as orphans later)
-            Path(share["path"]).unlink(missing_ok=True)
+        for file in self._holder_files:  # the holders' files on this machine (elsewhere: removed as orphans later)
+            Path(file).unlink(missing_ok=True)
         await super().close()
 
 
@@ -390,17 +391,15 @@ def stage_and_send(
     verify_samples: int = 0,
     held_dtype: bool = True,
 ) -> dict:
-    """The holder task of ``tensor``: stage this holder's share into a staging file of its own, kept until its next
-    version (each matrix in the dtype the engines on this machine hold it in, with ``held_dtype``), and send it to
-    every engine; the staged file, the names' digests (``None`` without ``digests``) and the bytes."""
+    """The holder task of ``tensor``: stage this holder's share into a staging file of its own (each matrix in the
+    dtype the engines on this machine hold it in, with ``held_dtype``) and send it to every engine; the staged file,
+    the names' digests (``None`` without ``digests``), the bytes and the holder's staging files. Two files alternate
+    between versions, mapped once: the published version's stays as it is (:func:`resend_staged` reads it) while
+    the next is staged into the other."""
     tensors = [(name, tensor.detach().contiguous().cpu()) for name, tensor in share]
-    directory = Path(shm_dir)
-    for old in directory.glob(f"miles-staging-{os.getpid()}-holder{holder}-v*"):
-        old.unlink(missing_ok=True)  # the previous version's: its engines are on this one now, or will be
     held = asyncio.run(_held_on_this_node(engines, shared_memory)) if held_dtype else []
     layout = StagingLayout.of(tensors, dtypes=staging_dtypes(tensors, held))
-    path = directory / f"miles-staging-{os.getpid()}-holder{holder}-v{version}"
-    buffer = _new_staging_file(path, layout.size)
+    path, buffer = _holder_staging_file(Path(shm_dir), holder, version % 2, layout.size)
     _copy_into(buffer, layout, tensors)
     staged = {"path": str(path), "buffer_size": buffer.numel(), "layout": layout.to_wire()}
     asyncio.run(_send_share(engines, tensors, staged, shared_memory, verify_samples=verify_samples, version=version))
@@ -408,7 +407,26 @@ def stage_and_send(
         "staged": staged,
         "digests": {name: tensor_digest(name, tensor) if digests else None for name, tensor in tensors},
         "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        "files": [str(file) for file, _ in _HOLDER_STAGING.values() if file.parent == Path(shm_dir)],
     }
+
+
+_HOLDER_STAGING: dict[tuple[str, int, int], tuple[Path, torch.Tensor]] = {}
+"""This process's holder staging files by (directory, holder, slot), each mapped."""
+
+
+def _holder_staging_file(directory: Path, holder: int, slot: int, size: int) -> tuple[Path, torch.Tensor]:
+    """Staging file ``slot`` of ``holder``, of at least ``size`` bytes: the one mapped before unless it is too small
+    or was removed (by the protocol's ``close``)."""
+    key = (str(directory), holder, slot)
+    current = _HOLDER_STAGING.get(key)
+    if current is None or current[1].numel() < size or not current[0].exists():
+        if current is not None:
+            current[0].unlink(missing_ok=True)
+        remove_orphan_files(directory, STAGING_PREFIX)
+        path = directory / f"{STAGING_PREFIX}{os.getpid()}-holder{holder}-{uuid.uuid4().hex}"
+        current = _HOLDER_STAGING[key] = (path, _new_staging_file(path, size))
+    return current
 
 
 async def _held_on_this_node(engines: list[dict], shared_memory: bool | None) -> list[dict[str, tuple[str, int]]]:

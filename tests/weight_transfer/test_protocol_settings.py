@@ -175,7 +175,8 @@ def test_auto_builds_the_protocol_it_chooses_with_that_protocols_settings(manage
 
 def test_per_protocol_settings_are_for_auto_alone(manager) -> None:
     text = refused_at_build(manager, "tensor", {"tensor": {"zero_copy": False}})
-    assert "tensor has no setting 'tensor'; tensor's settings: shared_memory, zero_copy, held_dtype, staging_mb, shm_dir (e.g. " in text
+    settings = "shared_memory, zero_copy, held_dtype, staging_mb, shm_dir"
+    assert f"tensor has no setting 'tensor'; tensor's settings: {settings} (e.g. " in text
 
 
 # -- the kernel's check itself ----------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_core.builtin.local_engine import batch_generation
 from miles_core.builtin.local_engine.batch_generation import FixedRow, generate_batch, new_running_batch
 from miles_core.builtin.local_engine.engine import LocalEngine, load_model
 from miles_core.builtin.local_engine.recomputing_batch import RecomputingBatch
 from miles_core.builtin.local_engine.running_batch import RunningBatch, result_of
-from miles_core.builtin.local_engine.sampling import GenerationRequest, Sampler, SamplingParams
+from miles_core.builtin.local_engine.sampling import GenerationRequest, GenerationResult, Sampler, SamplingParams
 from miles_core.engines.weights import WeightLoadError, load_named_tensors
-from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, save_tiny_llama
+from miles_core.testkit.tiny_models import save_tiny_deepseek_v4, save_tiny_llama, save_tiny_qwen3_moe
 from miles_core.weight_transfer.digests import checksum
 
 pytestmark = pytest.mark.slow
@@ -105,3 +106,47 @@ def test_the_engine_loads_and_serves_weights_under_the_checkpoints_names(dsv4_di
     with pytest.raises(WeightLoadError, match=r"model\.layers\.0\.attn\.nonsense\.weight: not a weight of this model"):
         load_named_tensors(engine.model, {**changed, "model.layers.0.attn.nonsense.weight": torch.zeros(1)})
     assert engine.weights_checksum() == checksum(changed.items())
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    return load_model(save_tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe") / "model", scale=0.1))
+
+
+@pytest.mark.parametrize("model_name", ["dsv4", "qwen3_moe"])
+def test_rows_of_one_length_share_a_forward_and_get_what_they_get_alone(
+    model_name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts of one length and one of another: every step runs one forward per sequence length (two, not
+    five), and each row's tokens and logprobs are those it gets alone. Served recomputing, a Qwen3-MoE (whose routers
+    Miles captures; DeepSeek-V4's hash routers it does not) reports each row's routed experts as it does alone.
+
+    Batched rows go through matrix products of another shape, so a logprob may differ in its last bits (float32:
+    about 1e-7 relative, a few roundings per layer of these two-layer models): 1e-5 leaves two orders of margin,
+    and a batching error (a row reading another's positions) moves logprobs by far more than that."""
+    model = request.getfixturevalue(model_name)
+    monkeypatch.setattr(batch_generation, "new_running_batch", RecomputingBatch)
+    with_routing = model_name == "qwen3_moe"
+    same_length = [[3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3], [5, 5, 5, 5, 5, 5, 5], [12, 3, 7, 7, 1, 2, 4]]
+    prompts = [*same_length, [4, 6, 8]]
+
+    def served(prompts: list[list[int]]) -> tuple[list[GenerationResult], int]:
+        forwards = []
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            requests = [GenerationRequest(p, GREEDY, return_routed_experts=with_routing) for p in prompts]
+            return batch_generation.generate_batch(model, requests), len(forwards)
+        finally:
+            hook.remove()
+
+    together, forwards = served(prompts)
+    assert forwards == 2 * GREEDY.max_new_tokens
+    for prompt, result in zip(prompts, together, strict=True):
+        ((alone,), _) = served([prompt])
+        assert result.output_ids == alone.output_ids
+        assert result.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+        if with_routing:
+            assert result.routed_experts.shape[0] == len(prompt) + GREEDY.max_new_tokens - 1
+            assert torch.equal(result.routed_experts, alone.routed_experts)
+        else:
+            assert result.routed_experts is None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -207,6 +208,26 @@ class ProtocolContract:
                 await protocol.close()
 
         asyncio.run(scenario())
+
+    def test_close_leaves_nothing_in_the_temporary_directory(
+        self, contract_engines: ContractEngines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """What a protocol makes in the temporary directory for a run (``disk``'s versions when no ``work_dir`` is
+        set) is gone once it is closed: runs on a long-lived machine would otherwise fill it (a version per run)."""
+        temporary = tmp_path / "tmp"
+        temporary.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+
+        async def scenario() -> None:
+            protocol = self.make_protocol()
+            try:
+                await protocol.connect(contract_engines.endpoints())
+                await self._transfer(protocol, self.trainer_model(contract_engines, 8), 151)
+            finally:
+                await protocol.close()
+
+        asyncio.run(scenario())
+        assert sorted(path.name for path in temporary.iterdir()) == []
 
     def test_a_bad_tensor_fails_clearly_and_a_retry_restores_exact_weights(self, contract_engines) -> None:
         async def scenario() -> None:

@@ -78,7 +78,7 @@ class DiskSettings(ProtocolSettings):
     work_dir: str | None = pydantic.Field(
         default=None,
         description="The directory the versions are written to, which every engine's node must see; null: a new "
-        "temporary directory.",
+        "temporary directory, removed when the run ends.",
     )
     keep_versions: int = pydantic.Field(default=2, ge=1, description="The versions kept on disk.")
 
@@ -93,6 +93,9 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
+        self.owns_work_dir = self.settings.work_dir is None
+        """Whether the work directory is a temporary one made here (removed at :meth:`close`); one a user set is
+        left as it is, with the last versions in it."""
         self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
 
     def shared_directories(self) -> list[SharedPath]:
@@ -136,6 +139,12 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
         if not directory.is_dir():
             raise MilesError(f"disk: version {version} is no longer in {self.work_dir} to load into an engine")
         await self.on_each_engine(lambda c: c.update_weights_from_disk(str(directory), weight_version=str(version)))
+
+    async def close(self) -> None:
+        """Remove the temporary work directory with its versions (a directory a user set keeps them)."""
+        if self.owns_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        await super().close()
 
     def _partial_dir(self, version: int) -> Path:
         partial = self.work_dir / f".v{version}.partial"

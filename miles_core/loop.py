@@ -277,7 +277,7 @@ async def _step_loop(config, manager, setup, trainer, controller, executor, repo
             await phases.run("checkpoint", asyncio.to_thread(save_checkpoint, trainer, setup, step, state))
         metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
-        reporter.step(step, metrics)
+        reporter.step(step, metrics, labels={"weight_transfer/protocol": report.protocol})
 
 
 def save_checkpoint(trainer: Any, setup: RunSetup, step: int, stream_state: StreamState | None = None) -> Path:

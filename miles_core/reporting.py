@@ -35,9 +35,13 @@ class RunReporter:
         )
         self.started = time.monotonic()
 
-    def step(self, step: int, metrics: dict[str, float]) -> None:
-        """Record one step: a JSON line, a summary line, the progress bar."""
+    def step(self, step: int, metrics: dict[str, float], *, labels: dict[str, str] | None = None) -> None:
+        """Record one step: a JSON line, a summary line, the progress bar. ``labels`` are the step's facts that are
+        not numbers (the weight-transfer protocol that ran, ``auto/tensor``): kept in the JSON line under
+        ``"labels"``, apart from the numbers the metrics exporters take."""
         row = {"step": step, "time": round(time.monotonic() - self.started, 3), **metrics}
+        if labels:
+            row["labels"] = labels
         self.rows.append(row)
         with open(self.metrics_file, "a") as out:
             out.write(json.dumps(row) + "\n")

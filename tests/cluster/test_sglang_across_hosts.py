@@ -106,6 +106,7 @@ def test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_throug
     assert [(version, protocol) for version, _, _, protocol in updates] == [(v, "auto/rdt") for v in range(1, 201)]
     assert READY_LINE in (tmp_path / "run" / "logs" / "engine-0.log").read_text()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["labels"]["weight_transfer/protocol"] for row in rows if "train/loss" in row] == ["auto/rdt"] * 200
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
     kl = max(row["train/approx_kl_rollout"] for row in rows if "train/approx_kl_rollout" in row)
     assert len(evals) == 2 and evals[-1] >= evals[0] + 0.2, evals

@@ -86,7 +86,8 @@ def check_scrapes(scrapes: list[dict], rows: dict[int, dict]) -> None:
     for scrape in scrapes:
         step, row = scrape["step"], rows[scrape["step"]]
         expected = {**rows[0], **row}  # the eval metrics: the latest eval's (step 0, or this step's)
-        expected = {k: v for k, v in expected.items() if k not in ("step", "time")}  # time: the reporter's own
+        # time: the reporter's own; labels: the step's facts that are not numbers (the protocol, checked below)
+        expected = {k: v for k, v in expected.items() if k not in ("step", "time", "labels")}
         assert set(scrape["metrics"]) == set(expected), step
         for name, value in expected.items():
             assert same(scrape["metrics"][name], float(value)), (step, name, scrape["metrics"][name], value)
@@ -94,6 +95,8 @@ def check_scrapes(scrapes: list[dict], rows: dict[int, dict]) -> None:
         assert samples["miles_step{}"] == step and samples["miles_weight_version{}"] == step
         assert samples["miles_weight_updates_total{}"] == step
         assert samples["miles_weight_update_bytes_total{}"] > 0
+        protocol = row["labels"]["weight_transfer/protocol"]  # the same in metrics.jsonl and in Prometheus
+        assert protocol.startswith("auto/") and samples[f'miles_weight_transfer_info{{"protocol": "{protocol}"}}'] == 1
         for phase in ("rollout", "train", "weight_update"):
             assert samples[f'miles_phase_seconds_count{{"phase": "{phase}"}}'] == step
         assert samples['miles_phase_seconds_count{"phase": "eval"}'] == (2 if step == 3 else 1)
@@ -111,7 +114,10 @@ def check_event_files(log_dir: Path, rows: dict[int, dict]) -> None:
     }
     count = sum(len(accumulator.Scalars(tag)) for tag in accumulator.Tags()["scalars"])
     expected = {
-        (name, step): value for step, row in rows.items() for name, value in row.items() if name not in ("step", "time")
+        (name, step): value
+        for step, row in rows.items()
+        for name, value in row.items()
+        if name not in ("step", "time", "labels")
     }
     assert count == len(written) == len(expected)  # each once: the eval's metrics are not written twice
     assert set(written) == set(expected)

@@ -194,10 +194,13 @@ def test_one_step_numbering_in_the_terminal_metrics_jsonl_checkpoints_and_dashbo
     terminal = dict(re.findall(r"^step +(\d+) +reward (\d\.\d{3})", finished_run.stdout, flags=re.MULTILINE))
     assert sorted(map(int, terminal)) == list(range(1, RUN_STEPS + 1)), finished_run.stdout
     rows = [json.loads(line) for line in (finished_run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    protocols = {u["version"]: u["protocol"] for u in get_json(url + "api/weight_updates")[1]["weight_updates"]}
     for row in rows:
         recorded = get_json(url + f"api/steps/{row['step']}")[1]["metrics"]
+        if "train/loss" in row:  # the protocol of the step's update, as the dashboard recorded it
+            assert row["labels"] == {"weight_transfer/protocol": protocols[row["step"]]}
         for name, value in row.items():
-            if name not in ("step", "time"):
+            if name not in ("step", "time", "labels"):
                 assert recorded[name] == pytest.approx(value, rel=1e-12), (row["step"], name)
         if "train/loss" in row:
             step = get_json(url + "api/steps")[1]["steps"][row["step"]]

@@ -93,9 +93,6 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
-        self.owns_work_dir = self.settings.work_dir is None
-        """Whether the work directory is a temporary one made here (removed at :meth:`close`); one a user set is
-        left as it is, with the last versions in it."""
         self.work_dir = Path(self.settings.work_dir or tempfile.mkdtemp(prefix="miles-disk-"))
 
     def shared_directories(self) -> list[SharedPath]:
@@ -142,7 +139,7 @@ class DiskProtocol(HttpEngineProtocol, SendsFromHolders):
 
     async def close(self) -> None:
         """Remove the temporary work directory with its versions (a directory a user set keeps them)."""
-        if self.owns_work_dir:
+        if self.settings.work_dir is None:  # made by __init__; a user's directory keeps the last versions
             shutil.rmtree(self.work_dir, ignore_errors=True)
         await super().close()
 

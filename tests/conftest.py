@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-# The protocol contract's fixtures (an opt-in plugin: installing miles-core registers no pytest plugin).
-pytest_plugins = ["miles_core.testkit.protocol_contract"]
+# The protocol contract's fixtures (an opt-in plugin: installing miles-core registers no pytest plugin), and the
+# guard of CI's time budget (the serial pass fails when a test over a minute is not listed with its reason).
+pytest_plugins = ["miles_core.testkit.protocol_contract", "tests.ci_budget"]
 
 MILES = Path(sys.executable).parent / "miles"
 REPO = Path(__file__).resolve().parent.parent

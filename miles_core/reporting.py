@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,10 +20,13 @@ SUMMARY_FIELDS = (
 )
 """The step line: label, metric, format, unit; a metric the step did not report is left out."""
 
+METRICS_FILE = "metrics.jsonl"
+"""The run's rows, one JSON object a line, in the run directory."""
+
 
 class RunReporter:
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, enabled: bool = True) -> None:
-        self.metrics_file = run_dir / "metrics.jsonl"
+        self.metrics_file = run_dir / METRICS_FILE
         self.rows: list[dict[str, Any]] = []
         self.bar = tqdm(
             total=total_steps,
@@ -74,3 +78,51 @@ class RunReporter:
             cells = [f"{row['step']:8d}"] + [f"{row[k]:8.3f}" if k in row else f"{'-':>8s}" for k in keys]
             lines.append("  ".join(cells))
         return "\n".join(lines)
+
+
+def drop_rows_from(path: Path, *, from_step: int) -> int:
+    """Drop the rows of steps ``from_step`` and later from the metrics file ``path`` (a resumed run records them
+    again; see the ``on_run_resume`` hook), and a last line that a killed run left unfinished; every other line is
+    kept as it was. Returns how many rows were dropped; a missing file is left missing.
+
+    The file is rewritten atomically (a new file beside it, synced, then renamed over it): a crash at any moment
+    leaves either the old file or the new one, never a mix or an empty file."""
+    try:
+        lines = path.read_bytes().splitlines(keepends=True)
+    except FileNotFoundError:
+        return 0
+    kept: list[bytes] = []
+    dropped = 0
+    for line in lines:
+        step = _row_step(line)
+        if step is not None and step >= from_step:
+            dropped += 1
+        elif line.endswith(b"\n"):
+            kept.append(line)
+        elif step is not None:  # a whole row whose newline was not written: the next row must not join it
+            kept.append(line + b"\n")
+        # else: the unfinished last line of a killed run, which no reader can parse
+    if kept == lines:
+        return 0
+    rewritten = path.with_name(f".{path.name}.rewrite")  # a name of its own: one run writes a run directory
+    with open(rewritten, "wb") as out:
+        out.writelines(kept)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(rewritten, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power loss
+    finally:
+        os.close(directory)
+    return dropped
+
+
+def _row_step(line: bytes) -> int | None:
+    """The ``step`` of a metrics row, or ``None`` for a line that is not one."""
+    try:
+        row = json.loads(line)
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

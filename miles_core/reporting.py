@@ -11,6 +11,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from miles_core.errors import MilesError
+
 SUMMARY_FIELDS = (
     ("reward", "rollout/reward_mean", ".3f", ""),
     ("loss", "train/loss", "+.4f", ""),
@@ -86,36 +88,48 @@ def drop_rows_from(path: Path, *, from_step: int) -> int:
     kept as it was. Returns how many rows were dropped; a missing file is left missing.
 
     The file is rewritten atomically (a new file beside it, synced, then renamed over it): a crash at any moment
-    leaves either the old file or the new one, never a mix or an empty file."""
-    try:
-        lines = path.read_bytes().splitlines(keepends=True)
-    except FileNotFoundError:
+    leaves either the old file or the new one, never a mix or an empty file. It is read twice, line by line, rather
+    than held in memory: a long run's file is large, and most resumes (after a checkpoint at the end) drop nothing."""
+    what = f"--run-resume true: the rows of the steps that run again cannot be dropped from {str(path)!r}"
+    if not path.exists():
         return 0
-    kept: list[bytes] = []
-    dropped = 0
-    for line in lines:
-        step = _row_step(line)
-        if step is not None and step >= from_step:
-            dropped += 1
-        elif line.endswith(b"\n"):
-            kept.append(line)
-        elif step is not None:  # a whole row whose newline was not written: the next row must not join it
-            kept.append(line + b"\n")
-        # else: the unfinished last line of a killed run, which no reader can parse
-    if kept == lines:
-        return 0
+    if not path.is_file():  # a FIFO would block the read
+        raise MilesError(f"{what}: it is not a regular file (a directory, FIFO or device); move it aside")
     rewritten = path.with_name(f".{path.name}.rewrite")  # a name of its own: one run writes a run directory
-    with open(rewritten, "wb") as out:
-        out.writelines(kept)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(rewritten, path)
-    directory = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(directory)  # the rename itself survives a power loss
-    finally:
-        os.close(directory)
+        with open(path, "rb") as lines:
+            if all(_kept(line, from_step) == line for line in lines):
+                return 0
+        dropped = 0
+        with open(path, "rb") as lines, open(rewritten, "wb") as out:
+            for line in lines:
+                kept = _kept(line, from_step)
+                out.write(kept)
+                if not kept and _row_step(line) is not None:
+                    dropped += 1
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(rewritten, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power loss
+        finally:
+            os.close(directory)
+    except OSError as exc:
+        raise MilesError(f"{what}: {exc.strerror or exc}; make it a file you can write") from exc
     return dropped
+
+
+def _kept(line: bytes, from_step: int) -> bytes:
+    """What of a line of the metrics file stays when steps ``from_step`` and later go (``b""``: nothing)."""
+    step = _row_step(line)
+    if step is not None and step >= from_step:
+        return b""
+    if line.endswith(b"\n"):
+        return line  # a row of an earlier step, or a line that is no row: kept as it is
+    # The last line, without its newline: a whole row gets one (the next row must not join it); the unfinished
+    # line of a killed run, which no reader can parse, goes.
+    return line + b"\n" if step is not None else b""
 
 
 def _row_step(line: bytes) -> int | None:

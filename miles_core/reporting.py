@@ -91,10 +91,11 @@ def drop_rows_from(path: Path, *, from_step: int) -> int:
     leaves either the old file or the new one, never a mix or an empty file. It is read twice, line by line, rather
     than held in memory: a long run's file is large, and most resumes (after a checkpoint at the end) drop nothing."""
     what = f"--run-resume true: the rows of the steps that run again cannot be dropped from {str(path)!r}"
-    if not path.exists():
+    if not os.path.lexists(path):
         return 0
     if not path.is_file():  # a FIFO would block the read
         raise MilesError(f"{what}: it is not a regular file (a directory, FIFO or device); move it aside")
+    path = path.resolve()  # a link to the rows: they are rewritten where it points, as the run appends them there
     rewritten = path.with_name(f".{path.name}.rewrite")  # a name of its own: one run writes a run directory
     try:
         with open(path, "rb") as lines:

@@ -49,6 +49,14 @@ def test_a_killed_run_s_unfinished_last_line_goes_and_a_whole_row_gets_its_newli
     assert path.read_bytes() == b"".join([*EARLIER, row(3)])  # the next row starts a line of its own
 
 
+def test_a_linked_metrics_file_is_rewritten_where_the_link_points(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_bytes(b"".join(EARLIER + ABANDONED))
+    (tmp_path / "metrics.jsonl").symlink_to(target)
+    assert drop_rows_from(tmp_path / "metrics.jsonl", from_step=3) == 2
+    assert (tmp_path / "metrics.jsonl").is_symlink() and target.read_bytes() == b"".join(EARLIER)
+
+
 def test_nothing_to_drop_leaves_the_file_untouched_and_a_missing_file_missing(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b"".join(EARLIER))
@@ -82,10 +90,16 @@ def test_a_rewrite_that_fails_midway_leaves_the_file_as_it_was(
     assert path.read_bytes() == b"".join(EARLIER)
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo"])
+@pytest.mark.parametrize("kind", ["directory", "fifo", "loop"])
 def test_a_metrics_file_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path: Path, kind: str) -> None:
     path = tmp_path / "metrics.jsonl"
-    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "other.jsonl", path)
+        os.symlink(path, tmp_path / "other.jsonl")
     outcome: list[BaseException] = []
     reader = threading.Thread(target=lambda: _capture(outcome, path), daemon=True)
     reader.start()

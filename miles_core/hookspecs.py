@@ -255,6 +255,21 @@ def on_run_start(config: MilesConfig, run_dir: Path, start_step: int) -> None:
 
 
 @hookspec
+def on_run_resume(run_dir: Path, from_step: int) -> None:
+    """A resumed run (``--run-resume true``) records steps ``from_step`` and later again: every record keeper drops
+    (or supersedes) what it holds of those steps, so that each step appears once in its records.
+
+    Called once, right after :func:`on_run_start` and before anything of the run is recorded, with the run
+    directory and ``from_step``: the step after the checkpoint the run resumes from (what an interrupted run
+    recorded after its last checkpoint is abandoned and will be recorded again), or ``0`` when there was no
+    checkpoint (the run starts over, the eval before training included). ``metrics.jsonl`` is rewritten by the core
+    at the same moment; the built-in dashboard deletes the steps' rows, the TensorBoard exporter marks them purged,
+    and a keeper without history (Prometheus) does nothing. Not called for a run that is not resumed: a new run in a
+    used directory moves the earlier one aside instead.
+    """
+
+
+@hookspec
 def on_run_end(status: str, error: str | None) -> None:
     """A run ends: called once by the RL loop after the engines stopped, with ``status`` ``"finished"`` or
     ``"failed"`` and, for a failure, the error's type and message. Not called when the process is killed."""

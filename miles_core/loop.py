@@ -24,7 +24,7 @@ from miles_core.events import TrainerInfo
 from miles_core.models.hf_checkpoint import copy_tokenizer_files, tokenizer_files
 from miles_core.progress import waiting_for
 from miles_core.registry import Registries
-from miles_core.reporting import RunReporter
+from miles_core.reporting import METRICS_FILE, RunReporter, drop_rows_from
 from miles_core.rollout.agents import agent_for_task, chat_format_target, close_session_clients
 from miles_core.rollout.controller import InferenceController
 from miles_core.rollout.executor import RolloutExecutor
@@ -48,12 +48,29 @@ async def run_training(config: MilesConfig, manager: Any, *, progress: bool = Tr
     setup = prepare_run(config, registries)
     manager.hook.on_run_start(config=config, run_dir=setup.run_dir, start_step=setup.start_step)
     try:
+        if config.run.resume:
+            _drop_abandoned_records(manager, setup)
         reporter = await _run_with_setup(config, manager, setup, progress=progress)
     except BaseException as exc:
         manager.hook.on_run_end(status="failed", error=f"{type(exc).__name__}: {exc}")
         raise
     manager.hook.on_run_end(status="finished", error=None)
     return reporter
+
+
+def _drop_abandoned_records(manager: Any, setup: RunSetup) -> None:
+    """A resumed run records again every step after its checkpoint (every step, the eval before training too, when
+    there was none): what an interrupted run recorded of those steps goes first, from ``metrics.jsonl`` and from
+    every record keeper (the ``on_run_resume`` hook), so that each step appears once."""
+    from_step = setup.start_step + 1 if setup.start_step else 0
+    dropped = drop_rows_from(setup.run_dir / METRICS_FILE, from_step=from_step)
+    if dropped:
+        print(
+            f"miles: --run-resume true: the earlier run's records of steps {from_step} and later ({dropped} "
+            f"{'row' if dropped == 1 else 'rows'} of {METRICS_FILE}) are dropped: those steps run again",
+            flush=True,
+        )
+    manager.hook.on_run_resume(run_dir=setup.run_dir, from_step=from_step)
 
 
 async def _run_with_setup(config: MilesConfig, manager: Any, setup: RunSetup, *, progress: bool) -> RunReporter:

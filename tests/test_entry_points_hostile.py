@@ -324,6 +324,17 @@ def test_resuming_from_a_corrupt_or_finished_checkpoint_is_an_error_saying_what_
     assert "give --num-steps above 3 to continue the run" in message
 
 
+def test_a_resumed_run_whose_metrics_file_is_a_fifo_stops_naming_it(tmp_path: Path) -> None:
+    """A resumed run rewrites ``metrics.jsonl`` before its first step: a FIFO there is an error, not a hang."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / "metrics.jsonl")
+    stderr = refused("train", "--output-dir", str(run_dir), "--no-progress", "--run-resume", "true", cwd=tmp_path)
+    assert f"the rows of the steps that run again cannot be dropped from {str(run_dir / 'metrics.jsonl')!r}" in stderr
+    assert "it is not a regular file (a directory, FIFO or device); move it aside" in stderr
+    assert not (run_dir / "checkpoints").exists()  # no step ran
+
+
 # -- miles dashboard RUN_DIR ------------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.builtin.dashboard.api import DashboardApi
+from miles_core.builtin.dashboard.store import db_path
 from miles_core.models.hf_checkpoint import TOKENIZER_FILES, tokenizer_files
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
@@ -48,15 +50,125 @@ def test_model_impl_chooses_what_the_torch_trainer_trains(tmp_path: Path) -> Non
     assert [row["step"] for row in metrics(tmp_path) if "train/loss" in row] == [1, 2]
 
 
-def test_resume_continues_from_the_saved_step(tmp_path: Path) -> None:
-    train(tmp_path, *QUICK, "--num-steps", "4", "--run-checkpoint-every", "2")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
-    result = train(tmp_path, *QUICK, "--num-steps", "6", "--run-checkpoint-every", "2", "--run-resume", "true")
-    steps = [row["step"] for row in metrics(tmp_path) if "train/loss" in row]
-    assert steps == [1, 2, 3, 4, 5, 6]  # the resumed run started at step 5
-    state = json.loads((tmp_path / "checkpoints" / "step_000006" / "trainer_state.json").read_text())
-    assert state["step"] == 6
-    assert "step    6" in result.stdout
+CTRL_C_IN_STEP_4 = """\
+import os
+import signal
+
+from miles_core import hookimpl
+
+# As Ctrl-C would: a parent that ignores SIGINT (a test runner's worker) passes that on to the run
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@hookimpl
+def on_phase(step, phase):
+    if (step, phase) == (4, "train"):  # step 3 is recorded whole, step 4 in part (its rollout and train phases)
+        os.kill(os.getpid(), signal.SIGINT)
+"""
+
+NOT_COMPARED = ("step", "time", "labels", "weight_transfer/gb_per_s", "weight_transfer/seconds")
+"""What differs between two runs of the same steps: wall-clock times and transfer speeds (``time/*`` too)."""
+
+SAME_NUMBERS = {"rel": 1.3e-6, "abs": 1e-5}
+"""How close a resumed run's numbers are to an uninterrupted run's. It loads the checkpoint's float32 weights and
+Adam moments bit for bit, each step's prompts and sampling seeds depend on the step alone, and the same kernels run
+on the same numbers; only the engine's continuous batches may group (and pad) requests differently, which can change
+the float32 rounding of the rollout logprobs that the loss takes. Adam's update is a ratio of its moments, so the
+two steps after the checkpoint (3 and 4) carry such a difference on at its own relative size: float32's bound, as
+``torch.testing.assert_close`` has it and test_torch_trainer's resume test uses it. The tokens (and so the rewards)
+are the same: a differently drawn token would need a seeded draw within that rounding of a probability boundary
+(about 1e-7 a token). On the development machine the numbers are equal."""
+
+
+def compared(values: dict) -> dict:
+    return {k: v for k, v in values.items() if k not in NOT_COMPARED and not k.startswith("time/")}
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_an_interrupted_run_resumed_records_what_an_uninterrupted_run_does(tmp_path: Path) -> None:
+    """Ctrl-C in step 4 (checkpoint 2 the newest), then ``--run-resume true`` with ``--num-steps`` raised from 4 to
+    5: the run continues at step 3, and its metrics.jsonl, dashboard and TensorBoard scalars hold each step once,
+    equal to those of a run never interrupted; what the interrupted run recorded after step 2 is gone."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (pip install -e '.[test]')",
+    )
+    args = [*QUICK, "--run-checkpoint-every", "2", "--metrics", "tensorboard"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(whole, *args, "--num-steps", "5")
+    plugin = tmp_path / "ctrl_c.py"
+    plugin.write_text(CTRL_C_IN_STEP_4)
+    interrupted = train(resumed, *args, "--num-steps", "4", "--plugin", str(plugin), ok=False)
+    assert interrupted.returncode == 130, interrupted.stderr[-3000:]
+    assert checkpoints(resumed) == ["step_000002"]
+    abandoned = dashboard(resumed)  # what the resumed run must drop: all of step 3, part of step 4
+    assert [row["step"] for row in metrics(resumed)] == [0, 1, 2, 3]
+    assert {(p["step"], p["phase"]) for p in abandoned["phases"]} >= {(3, "weight_update"), (4, "train")}
+    assert abandoned["weight_updates"] == [1, 2, 3] and ("train/loss", 3) in dict(scalars(event_accumulator, resumed))
+
+    result = train(resumed, *args, "--num-steps", "5", "--run-resume", "true")
+    assert (
+        "miles: --run-resume true: the earlier run's records of steps 3 and later (1 row of metrics.jsonl) are "
+        "dropped: those steps run again" in result.stdout
+    )
+    assert "step    3" in result.stdout and "step    5" in result.stdout and "step    2" not in result.stdout
+    assert checkpoints(resumed) == checkpoints(whole) == ["step_000002", "step_000004", "step_000005"]
+    assert json.loads((resumed / "checkpoints" / "step_000005" / "trainer_state.json").read_text())["step"] == 5
+
+    rows, expected_rows = metrics(resumed), metrics(whole)
+    assert [row["step"] for row in rows] == [row["step"] for row in expected_rows] == [0, 1, 2, 3, 4, 5]
+    for row, expected in zip(rows, expected_rows, strict=True):
+        assert row.keys() == expected.keys() and row.get("labels") == expected.get("labels"), row["step"]
+        assert compared(row) == pytest.approx(compared(expected), **SAME_NUMBERS), row["step"]
+
+    records, expected_records = dashboard(resumed), dashboard(whole)
+    assert records["weight_updates"] == expected_records["weight_updates"] == [1, 2, 3, 4, 5]
+    assert sorted(records["phases"], key=str) == sorted(expected_records["phases"], key=str)
+    assert [(s["step"], s["num_samples"]) for s in records["steps"]] == [(0, 0)] + [(k, 16) for k in range(1, 6)]
+    assert records["steps"] == expected_records["steps"]  # rewards: the same tokens, the same numbers
+    series, expected_series = (
+        {(name, step): value for name, points in compared(r["series"]).items() for step, value in points}
+        for r in (records, expected_records)
+    )
+    assert series == pytest.approx(expected_series, **SAME_NUMBERS)
+
+    events, expected_events = scalars(event_accumulator, resumed), scalars(event_accumulator, whole)
+    keys = [key for key, _ in events]
+    assert keys == [key for key, _ in expected_events] and len(keys) == len(set(keys))  # each (tag, step) once
+    assert [step for tag, step in keys if tag == "train/loss"] == [1, 2, 3, 4, 5]
+    values, expected_values = (
+        {key: value for key, value in e if compared({key[0]: 0})} for e in (events, expected_events)
+    )
+    assert values == pytest.approx(expected_values, **SAME_NUMBERS)
+
+
+def dashboard(run_dir: Path) -> dict:
+    """What the dashboard's API answers about a run: its steps, phases, weight versions and metric series."""
+    api = DashboardApi(db_path(run_dir))
+    answers = {path: api.answer(f"/api/{path}", {}) for path in ("steps", "phases", "weight_updates", "metrics")}
+    assert {status for status, _ in answers.values()} == {200}
+    return {
+        "steps": answers["steps"][1]["steps"],
+        "phases": [{"step": p["step"], "phase": p["phase"]} for p in answers["phases"][1]["phases"]],
+        "weight_updates": [update["version"] for update in answers["weight_updates"][1]["weight_updates"]],
+        "series": answers["metrics"][1]["series"],
+    }
+
+
+def scalars(event_accumulator, run_dir: Path) -> list[tuple[tuple[str, int], float]]:
+    """The run's TensorBoard scalars as TensorBoard reads them (a restart's purged steps left out), by tag and step."""
+    accumulator = event_accumulator.EventAccumulator(
+        str(run_dir / "tensorboard"), size_guidance={event_accumulator.SCALARS: 0}
+    )
+    accumulator.Reload()
+    return [
+        ((tag, event.step), event.value)
+        for tag in sorted(accumulator.Tags()["scalars"])
+        for event in accumulator.Scalars(tag)
+    ]
 
 
 FAULTS = """\

@@ -284,6 +284,46 @@ def test_repeated_sample_indices_stay_apart(recording_run, serve) -> None:
     assert (page["total"], [s["response"] for s in page["samples"]]) == (5, ["second", "third"])
 
 
+def record_step(hooks, step: int, response: str) -> None:
+    """What a training step records: its phases, samples, weight update and metrics."""
+    hooks.on_phase(rollout_id=step - 1, step=step, phase="rollout", started=float(step), ended=step + 0.5)
+    hooks.on_samples(rollout_id=step - 1, step=step, samples=[sample(0, response), sample(1, response)])
+    hooks.before_weight_update(version=step, protocol=None)
+    hooks.after_weight_update(version=step, protocol=None, report=TransferReport("tensor", step, 8, 0.001, 1))
+    hooks.on_metrics(rollout_id=step - 1, step=step, metrics={"train/loss": float(step)})
+
+
+@pytest.mark.parametrize("from_step", [3, 0])
+def test_a_resumed_run_drops_the_steps_it_runs_again(recording_run, serve, from_step: int) -> None:
+    """``on_run_resume``: the steps from ``from_step`` on (the interrupted run's, after its checkpoint; every step,
+    the eval before training too, when there was no checkpoint) are deleted, so the rerun records each once."""
+    run_dir, hooks = recording_run
+    hooks.on_eval(step=0, metrics={"eval/reward_mean": 0.0}, started=0.0, ended=1.0)
+    for step in range(1, 5):
+        record_step(hooks, step, "abandoned" if step >= from_step else "kept")
+    hooks.on_phase(rollout_id=4, step=5, phase="rollout", started=5.0, ended=5.5)  # a step cut short
+    hooks.on_run_resume(run_dir=run_dir, from_step=from_step)
+    if from_step == 0:
+        hooks.on_eval(step=0, metrics={"eval/reward_mean": 0.0}, started=0.0, ended=1.0)
+    for step in range(max(from_step, 1), 6):
+        record_step(hooks, step, "again")
+    url = serve(run_dir)
+    assert [(s["step"], s["num_samples"]) for s in get_json(url + "api/steps")[1]["steps"]] == [(0, 0)] + [
+        (step, 2) for step in range(1, 6)
+    ]
+    assert [u["version"] for u in get_json(url + "api/weight_updates")[1]["weight_updates"]] == [1, 2, 3, 4, 5]
+    phases = [(p["step"], p["phase"]) for p in get_json(url + "api/phases")[1]["phases"]]
+    assert phases == [(0, "eval")] + [(step, "rollout") for step in range(1, 6)]
+    assert get_json(url + "api/metrics")[1]["series"]["train/loss"] == [[step, float(step)] for step in range(1, 6)]
+    for step in range(1, 6):
+        samples = get_json(url + f"api/steps/{step}/samples")[1]["samples"]
+        expected = "again" if step >= from_step else "kept"
+        assert [(s["sample_index"], s["occurrence"], s["response"]) for s in samples] == [
+            (0, 0, expected),
+            (1, 0, expected),
+        ]
+
+
 def test_a_failing_dashboard_never_stops_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     plugin = DashboardPlugin()
     plugin.store = DashboardStore(tmp_path)

@@ -124,6 +124,10 @@ class DashboardPlugin:
                 print(f"miles: dashboard at {self.server.url}", flush=True)
 
     @hookimpl
+    def on_run_resume(self, run_dir: Path, from_step: int) -> None:
+        self._record("on_run_resume", "drop_steps_from", from_step)
+
+    @hookimpl
     def on_run_end(self, status: str, error: str | None) -> None:
         if self.store is not None:
             with self.warnings.guard("closing the dashboard database"):

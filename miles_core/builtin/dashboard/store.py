@@ -197,6 +197,18 @@ class DashboardStore:
                 (int(report.version), ended),
             )
 
+    def drop_steps_from(self, from_step: int) -> None:
+        """Delete every record of steps ``from_step`` and later (phases, metrics, samples, and the weight updates
+        of those versions: version N is step N's), in one transaction: a resumed run records them again."""
+        with self._transaction() as db:
+            for table, column in (
+                ("phases", "step"),
+                ("metrics", "step"),
+                ("samples", "step"),
+                ("weight_updates", "version"),
+            ):
+                db.execute(f"DELETE FROM {table} WHERE {column} >= ?", (int(from_step),))
+
     # -- helpers ----------------------------------------------------------------------------------------------
 
     def _transaction(self) -> _Transaction:

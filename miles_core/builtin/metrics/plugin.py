@@ -79,6 +79,10 @@ class MetricsPlugin:
                 self.exporters[name] = exporter
 
     @hookimpl
+    def on_run_resume(self, run_dir: Path, from_step: int) -> None:
+        self._each("on_run_resume", "resume", from_step)
+
+    @hookimpl
     def on_run_end(self, status: str, error: str | None) -> None:
         for name, exporter in self.exporters.items():
             with self.warnings.guard(f"closing the {name} exporter"):

@@ -136,6 +136,10 @@ class PrometheusExporter:
         self.version.set(start_step)
         self.server.start()
 
+    def resume(self, from_step: int) -> None:
+        """Nothing to drop: the endpoint holds only the latest values of this process, no history. What a Prometheus
+        server scraped from the interrupted run stays in its time series, which are keyed by time, not by step."""
+
     def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.latest.update(metrics)
         self.step.set(step)

@@ -6,6 +6,10 @@ second writer of the same format. One scalar per numeric metric per step, tagged
 ``metrics.jsonl`` (``rollout/reward_mean``: TensorBoard groups the tags by their first part), evals included (the
 eval before training at step 0). A scalar is stored as a float32 (``simple_value``), so a value read back is the
 metric rounded to float32. The writer flushes after every step and is closed when the run ends.
+
+A resumed run writes a new event file in the same directory that starts by purging the steps it runs again
+(``SummaryWriter(purge_step=...)``: a ``SessionLog.START`` event at that step, after which TensorBoard's reader
+discards the earlier files' events of that step and later), so every step is read back once.
 """
 
 from __future__ import annotations
@@ -35,11 +39,17 @@ class TensorBoardExporter:
                 f"pip install {PACKAGE} (or miles-core[metrics]) ({exc})"
             ) from None
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self._writer_class = SummaryWriter
+        self._writer: Any = None  # opened by the first write: a resumed run's purge step must be known by then
+        self._purge_step: int | None = None
         self._eval_written: tuple[int, frozenset[str]] | None = None  # the last eval's step and tags
 
     def start(self, *, start_step: int) -> None:
-        """Nothing to do: the writer opened its event file in the constructor."""
+        """Nothing to do: the event file is opened by the first write."""
+
+    def resume(self, from_step: int) -> None:
+        """The run records steps ``from_step`` and later again: its event file purges the earlier ones'."""
+        self._purge_step = from_step
 
     def metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
         # on_metrics repeats the eval/ metrics of an eval in this step, which on_eval wrote already: write them once.
@@ -58,9 +68,12 @@ class TensorBoardExporter:
         """Weight-update bytes and seconds reach TensorBoard as the ``weight_transfer/`` metrics of the step."""
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
     def _write(self, step: int, values: Mapping[str, float]) -> None:
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=str(self.log_dir), purge_step=self._purge_step)
         for name, value in values.items():
-            self.writer.add_scalar(name, value, global_step=step)
-        self.writer.flush()
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()

@@ -21,6 +21,31 @@ MAX_LONG_SERIAL_TESTS = 14
 
 LONG_SERIAL_TESTS: dict[str, str] = {
     # A test function (every parametrisation) or one parametrisation, by its pytest node id: why it needs the time.
+    # Listed: those that took over 35 s on a 2-core Xeon (a slower CI machine may take 1.5x).
+    "tests/cluster/test_sglang_across_hosts.py::"
+    "test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_through_rdt_chosen_by_auto": (
+        "learning with a real SGLang engine across hosts: 110 steps (0.0 to 0.37 on one host; 0.2 asked)"
+    ),
+    "tests/cluster/test_sglang_across_hosts.py::"
+    "test_real_sglang_engines_behind_the_router_on_another_host_take_every_version": (
+        "two real SGLang servers and the real router started on another host (about 25 s each to start)"
+    ),
+    "tests/sglang/test_real_router.py::test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death": (
+        "three real SGLang starts (two engines, then the killed one again) behind the real router"
+    ),
+    "tests/test_train_agent.py::test_the_tool_task_learns_through_session_servers": (
+        "the tool task learns in 70 steps; 45 steps learned with one seed and not with another"
+    ),
+    "tests/sglang/test_real_fully_async.py::test_fully_async_partial_rollouts_through_the_router": (
+        "real SGLang servers behind the router, generations aborted and resumed across weight versions"
+    ),
+    "tests/cluster/test_node_loss.py::test_a_lost_engine_node_is_named_the_run_goes_on_and_the_engine_comes_back": (
+        "a Ray node is lost and rejoins: Ray's own heartbeat timeouts decide when it is declared dead"
+    ),
+    "tests/cluster/test_learning_across_hosts.py::"
+    "test_megatron_ranks_on_host_b_send_to_engines_on_host_c_learn_and_recover_a_killed_engine": (
+        "Megatron ranks, engines and the driver on three hosts learn the MoE task; an engine is killed and restarted"
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 from collections.abc import Callable
@@ -107,8 +108,12 @@ class CellManager:
                 await self.start(cell_id)
 
     async def stop_all(self) -> None:
-        for cell_id in self.cells:
-            await self.stop(cell_id)
+        """Stop every cell at once (a real SGLang server takes seconds to stop: a run with several engines should not
+        pay them one after the other); every cell is stopped even when one fails, and the first failure is raised."""
+        results = await asyncio.gather(*(self.stop(cell_id) for cell_id in list(self.cells)), return_exceptions=True)
+        failures = [result for result in results if isinstance(result, BaseException)]
+        if failures:
+            raise failures[0]
 
     def running(self) -> list[Cell]:
         return [cell for cell in self.cells.values() if cell.state == CellState.RUNNING]

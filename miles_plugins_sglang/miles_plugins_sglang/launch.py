@@ -44,8 +44,15 @@ CPU_SERVER_ARGS: dict[str, Any] = {
     "sleep_on_idle": True,
 }
 """What a CPU engine runs with unless ``server_args`` says otherwise (measured with sglang 0.5.23 on CPU)."""
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
-"""SGLang takes its CUDA paths unless this selects its CPU platform."""
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+}
+"""SGLang takes its CUDA paths unless the first selects its CPU platform. The other two: a server is stopped by
+SIGTERM to its process group, and SGLang takes its scheduler's exit for a crash and sleeps 5 s before its crash
+diagnostics (CUDA core dumps, which a CPU has not, and py-spy stacks), so every stop took 5 s more (``sglang.env``
+turns them on again for a user who wants the stacks)."""
 ENGINE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine_path")
 """The directory put on a stock SGLang server's ``PYTHONPATH``: Miles' weight loader (``miles_sglang_weights``), a
 module of its own that imports only torch (the server's environment has no Miles)."""

@@ -141,7 +141,12 @@ def test_a_stock_server_on_cpu_gets_the_cpu_settings_and_server_args_override_th
     assert KV_TOKENS_RANGE[0] <= tokens <= KV_TOKENS_RANGE[1]
     assert argv[argv.index("--max-running-requests") + 1] == "256"  # engine.max_batch_size
     loader = {"PYTHONPATH": ENGINE_PATH, STAGING_DIR_ENV: str(weight_staging_dir())}  # Miles' weight loader
-    assert spec.env == {"SGLANG_USE_CPU_ENGINE": "1", **loader} and spec.num_gpus == 0
+    cpu = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    }
+    assert spec.env == {**cpu, **loader} and spec.num_gpus == 0
     assert argv[argv.index("--custom-weight-loader") + 1] == STAGING_LOADER
     overridden = sglang_engine_spec(
         config(

@@ -111,6 +111,8 @@ def test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death(tmp_
     assert set(last["running"]) == {"engine-0", "engine-1"}
     logs = {name: (run_dir / "logs" / f"{name}.log").read_text() for name in ("engine-0", "engine-1")}
     assert logs["engine-0"].count(READY_LINE) == 1 and logs["engine-1"].count(READY_LINE) == 2
+    # stopped at the end without SGLang's 5 s wait before crash diagnostics (the scheduler's SIGTERM is no crash)
+    assert not any("before crash diagnostics" in log for log in logs.values()), logs["engine-0"][-2000:]
     second_life = logs["engine-1"].rsplit(READY_LINE, 1)[1]
     served = {"engine-0": generate_lines(logs["engine-0"]), "engine-1 (restarted)": generate_lines(second_life)}
     assert all(count > 0 for count in served.values()), served  # both engines serve, the restarted one too

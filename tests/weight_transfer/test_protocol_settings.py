@@ -251,8 +251,8 @@ def test_a_models_own_checks_are_reported_with_their_message() -> None:
     windowed = type("WindowedProtocol", (Undeclared,), {"name": "windowed", "settings_model": Windowed})
     with pytest.raises(
         ConfigError,
-        match=r"windowed setting high = 3: expected a whole number of at least 0 "
-        r"\(Value error, must be even\); high: Upper end.",
+        match=r"windowed setting high = 3: expected a whole number of at least 0; high: Upper end. "
+        r"\(Value error, must be even\)",
     ):
         windowed(high=3)
     with pytest.raises(ConfigError, match="windowed settings: Value error, low must not exceed high"):

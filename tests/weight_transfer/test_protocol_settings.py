@@ -48,7 +48,11 @@ BAD_SETTINGS = [
         {"keep_version": 3},
         "disk has no setting 'keep_version' (did you mean 'keep_versions'?); disk's settings: ",
     ),
-    ("disk", {"keep_versions": True}, "keep_versions = True: expected a whole number of at least 1 (a boolean is not"),
+    (
+        "disk",
+        {"keep_versions": True},
+        "keep_versions = True: expected a whole number of at least 1 and of at most 64 (a boolean is not",
+    ),
     ("disk", {"keep_versions": 2.0}, "disk setting keep_versions = 2.0: expected a whole number of at least 1"),
     ("disk", {"keep_versions": -3}, "disk setting keep_versions = -3: expected a whole number of at least 1"),
     ("disk", {"work_dir": ["/tmp"]}, "disk setting work_dir = ['/tmp']: expected a string or null"),

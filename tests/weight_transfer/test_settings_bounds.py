@@ -1,0 +1,224 @@
+"""Every protocol setting that sizes something has a bound (issue 45, item 4), and an address setting is a host of
+this node that the run uses. Sizes: a hard cap in the field (the same on every machine, stated in the flag docs) and
+the machine's bound (per CPU, a share of physical memory), both refused when the config is built. Addresses: the form
+(at most 253 characters, a host name or an IP address) when the config is built; that it resolves to an address of
+the node that binds it when the protocol is built at run setup; a warning, once, where the run would not use it.
+The rdt plugin's sizes are checked beside its own tests (``tests/rdt/test_staging.py``). No engine is started."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import pytest
+
+from miles_core.config.build import build_config
+from miles_core.errors import ConfigError
+from miles_core.loop import make_protocol
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.weight_transfer.auto import AutoProtocol
+from miles_core.weight_transfer.bounds import (
+    MAX_HOST_CHARS,
+    addresses_of_this_node,
+    check_host,
+    machine_memory_mib,
+)
+from miles_core.weight_transfer.broadcast import BroadcastProtocol
+from miles_core.weight_transfer.protocol import EngineEndpoint, WeightTransferProtocol
+from miles_core.weight_transfer.routes import LOCAL_ENGINE
+from miles_core.weight_transfer.settings import allowed_values
+from miles_core.weight_transfer.tensor import TensorSettings
+
+HEADER = "weight_transfer.settings (--weight-transfer-settings)"
+NOT_THIS_NODE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): documentation only, no interface of a machine has it
+
+
+@pytest.fixture(scope="module")
+def manager() -> MilesPluginManager:
+    return MilesPluginManager.load(environ={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})  # the core's protocols only
+
+
+def refused_at_build(manager: MilesPluginManager, mode: str, settings: Any) -> str:
+    with pytest.raises(ConfigError) as refused:
+        build_config(manager, overrides={"weight_transfer.mode": mode, "weight_transfer.settings": settings})
+    text = str(refused.value)
+    assert text.startswith(f"{HEADER} {json.dumps(settings)[:150]}"), text
+    return text
+
+
+# -- sizes ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "settings", "message"),
+    [
+        ("disk", {"keep_versions": 65}, "disk setting keep_versions = 65: expected a whole number of at least 1 and "
+         "of at most 64; keep_versions: The versions kept on disk (at most 64: each is a whole copy"),
+        ("tensor", {"staging_mb": 2_000_000}, "tensor setting staging_mb = 2000000: expected a number above 0 and of "
+         "at most 1048576"),
+        ("auto", {"disk": {"keep_versions": 100000}}, "disk setting keep_versions = 100000: expected a whole number "
+         "of at least 1 and of at most 64"),
+    ],
+)  # fmt: skip
+def test_a_size_beyond_its_hard_cap_is_refused_when_the_config_is_built(
+    manager: MilesPluginManager, mode: str, settings: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        build_config(manager, overrides={"weight_transfer.mode": mode, "weight_transfer.settings": settings})
+    assert message in str(refused.value), str(refused.value)
+
+
+def test_tensor_staging_files_beyond_a_quarter_of_this_machines_memory_are_refused(
+    manager: MilesPluginManager,
+) -> None:
+    """Two staging files must fit in half of the physical memory: one MiB more than a quarter is refused, and says
+    why with the machine's numbers; a quarter is taken."""
+    quarter = machine_memory_mib() // 4
+    text = refused_at_build(manager, "tensor", {"staging_mb": quarter + 1})
+    assert f"tensor setting staging_mb = {quarter + 1}: expected a number above 0 and of at most 1048576" in text
+    assert text.endswith(
+        f"(Value error, 2 staging files of {quarter + 1} MiB would take more than half of this machine's "
+        f"{machine_memory_mib()} MiB of memory (at most {quarter} MiB each))"
+    ), text
+    config = build_config(
+        manager, overrides={"weight_transfer.mode": "tensor", "weight_transfer.settings": {"staging_mb": quarter}}
+    )
+    assert config.weight_transfer.settings == {"staging_mb": quarter}
+
+
+def test_the_bounds_are_stated_where_the_flag_docs_come_from() -> None:
+    """The field's description and allowed values (which the errors and the generated docs quote) name the cap."""
+    field = TensorSettings.model_fields["staging_mb"]
+    assert allowed_values(field) == "a number above 0 and of at most 1048576"
+    assert "at most a quarter of the physical memory" in field.description
+    assert allowed_values(BroadcastProtocol.settings_model.model_fields["master_address"]) == (
+        "a non-empty string of at most 253 characters or null"
+    )
+
+
+# -- addresses: their form, when the config is built ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("a" * 100_000, "broadcast setting master_address = 'aaaa"),
+        ("no such host", "Value error, neither an IP address nor a host name"),
+        ("host:29500", "Value error, neither an IP address nor a host name"),
+        ("-leading.example", "Value error, neither an IP address nor a host name"),
+        ("a" * 64 + ".example", "Value error, neither an IP address nor a host name (labels of 1-63 letters"),
+    ],
+)
+def test_a_master_address_that_is_not_a_host_is_refused_when_the_config_is_built(
+    manager: MilesPluginManager, address: str, message: str
+) -> None:
+    text = refused_at_build(manager, "broadcast", {"master_address": address})
+    assert message in text, text
+    assert "expected a non-empty string of at most 253 characters or null" in text
+    assert len(text) < 2000  # a 100 KB value is quoted cut
+
+
+def test_the_hosts_a_master_address_may_name() -> None:
+    for host in ["127.0.0.1", "::1", "[::1]", "localhost", "node-1.cluster.example", "a" * 63, "10.0.0.1"]:
+        assert check_host(host) == host
+    longest = ".".join(["a" * 63] * 3 + ["a" * 61])
+    assert len(longest) == MAX_HOST_CHARS and check_host(longest) == longest
+    with pytest.raises(ValueError, match="254 characters; a host name has at most 253"):
+        check_host(longest + "a")
+
+
+# -- addresses: this node's, when the protocol is built at run setup -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("no.such.host", "MilesError: 'no.such.host' does not resolve"),
+        (
+            NOT_THIS_NODE,
+            f"MilesError: master_address '{NOT_THIS_NODE}' resolves to {NOT_THIS_NODE}, not an address of this node",
+        ),
+    ],
+)
+def test_a_master_address_that_is_not_this_nodes_is_refused_at_run_setup(
+    manager: MilesPluginManager, address: str, message: str
+) -> None:
+    """The form fits, so the config builds; building the protocol (the driver, which binds the address) refuses it,
+    naming the setting and what to give instead, before any engine is asked to join."""
+    config = build_config(
+        manager,
+        overrides={"weight_transfer.mode": "broadcast", "weight_transfer.settings": {"master_address": address}},
+    )
+    with pytest.raises(ConfigError) as refused:
+        make_protocol(config, manager.registries)
+    text = str(refused.value)
+    assert text.startswith(f'{HEADER} {{"master_address": "{address}"}} do not fit the protocol \'broadcast\''), text
+    assert message in text, text
+    if address == NOT_THIS_NODE:
+        assert NOT_THIS_NODE not in addresses_of_this_node()
+        assert "leave master_address unset for this node's address" in text
+
+
+def test_a_master_address_of_this_node_is_taken() -> None:
+    for address in ["127.0.0.1", "localhost"]:
+        assert BroadcastProtocol(master_address=address).settings.master_address == address
+
+
+class _NoHolders:
+    """Holders whose every task fails: the transfer stops after its checks, before any group forms."""
+
+    def run_task(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no holders in this test")
+
+
+def test_a_master_address_the_holders_path_does_not_use_is_warned_about_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    protocol = BroadcastProtocol(master_address="127.0.0.1")
+    caplog.set_level(logging.WARNING, logger="miles_core.weight_transfer.broadcast")
+    for version in (1, 2):
+        with pytest.raises(RuntimeError, match="no holders in this test"):
+            asyncio.run(protocol.transfer_from_holders(_NoHolders(), version=version))
+    warnings = [record.getMessage() for record in caplog.records]
+    assert warnings == [
+        "broadcast: the setting master_address '127.0.0.1' is not used: the weights go from the trainer's holders, "
+        "whose groups meet at each holder's node; only transfers from the driver use master_address (remove it, or "
+        "run a trainer without holders)"
+    ]
+    caplog.clear()
+    with pytest.raises(RuntimeError):
+        asyncio.run(BroadcastProtocol().transfer_from_holders(_NoHolders(), version=1))
+    assert caplog.records == []  # nothing set, nothing said
+
+
+class _Idle(WeightTransferProtocol):
+    name = "idle"
+
+    async def connect(self, engines: Any) -> None:
+        return None
+
+    async def transfer(self, buckets: Any, *, version: int) -> Any:
+        raise AssertionError("not called")
+
+
+def test_settings_for_a_protocol_auto_does_not_choose_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+) -> None:
+    """A master_address for broadcast while every engine is on the trainer's node (auto chooses tensor); capsys
+    keeps auto's announcement off the terminal."""
+    auto = AutoProtocol(broadcast={"master_address": "127.0.0.1"}, tensor={"zero_copy": False})
+    auto.bind(lambda name, settings: _Idle(), engines_in_ray=False)
+    here = EngineEndpoint("engine-0", "http://127.0.0.1:30000", "key", LOCAL_ENGINE)
+    caplog.set_level(logging.WARNING, logger="miles_core.weight_transfer.auto")
+
+    async def connect_twice() -> None:
+        await auto.connect([here])
+        await auto.connect([here])
+
+    asyncio.run(connect_twice())
+    assert [record.getMessage() for record in caplog.records] == [
+        'auto: the settings given for broadcast ({"master_address": "127.0.0.1"}) are not used: auto chose tensor '
+        "for the engines of this placement; remove them, or name the protocol with --update-weight-transfer-mode"
+    ]

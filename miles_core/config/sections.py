@@ -15,6 +15,12 @@ from miles_core.workers.specs import ENGINE, ROUTER, SESSION_SERVER, TRAINER
 FamilyName = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z0-9_]+$")]
 
 
+MAX_THREADS = 1024
+"""The most CPU threads one trainer or engine process may be asked for (more than the largest machine's cores)."""
+MAX_ENGINES = 1024
+"""The most engines a run may start."""
+
+
 class RunSection(Section):
     """Where a run writes and how it is seeded."""
 
@@ -216,7 +222,9 @@ class TrainSection(Section):
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of the torch trainer (None: 1 for the embedded default model under "
+        le=MAX_THREADS,
+        description="torch CPU threads of the torch trainer, at most 1024 (and, with the local worker provider, at "
+        "most 4 per CPU of this machine) (None: 1 for the embedded default model under "
         "one_step_off and fully_async, where it shares the cores with the engine, else torch's default, one per "
         "core); on a small machine, split the cores between trainer and engines for fully_async.",
     )
@@ -260,13 +268,20 @@ class EngineSection(Section):
     """The inference engines."""
 
     backend: str = pydantic.Field(default="local", description="Engine backend (`miles plugins`).")
-    num_engines: int = pydantic.Field(default=1, ge=1, description="Engines (cells) to run.")
+    num_engines: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=MAX_ENGINES,
+        description="Engines (cells) to run, at most 1024 (with the local worker provider, each a process on this "
+        "machine: at most 4 per CPU).",
+    )
     max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of each local engine (None: 1 for the embedded default model, else torch's "
-        "default).",
+        le=MAX_THREADS,
+        description="torch CPU threads of each local engine, at most 1024 (and, with the local worker provider, at "
+        "most 4 per CPU of this machine) (None: 1 for the embedded default model, else torch's default).",
     )
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -98,6 +99,7 @@ class RdtTransferError(MilesError):
     """A transfer that did not reach every engine rank; no engine was given the new version."""
 
 
+logger = logging.getLogger(__name__)
 RECEIVE_LANES_PER_CPU = 4
 """The most receive lanes (Ray actors) per CPU of the machine that builds the config."""
 
@@ -147,6 +149,12 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         self.lanes = (
             self.settings.receive_lanes if self.settings.transport == "nixl" else 1
         )  # gloo: one sender, whole chunks
+        if self.settings.transport == "gloo" and "receive_lanes" in self.settings.model_fields_set:
+            logger.warning(
+                "rdt: the setting receive_lanes = %d is not used: transport gloo reads with one lane (one sender, "
+                "whole chunks); remove it, or use transport nixl",
+                self.settings.receive_lanes,
+            )
         self.capacity = int(self.settings.staging_bucket_mb * (1 << 20))
         self.receivers: dict[str, tuple[EngineEndpoint, list]] = {}  # engine name -> (endpoint, its lanes' actors)
         self.routes: dict[str, int] = {}

@@ -112,10 +112,17 @@ def test_auto_checks_rdts_settings_when_the_config_is_built_wherever_the_engines
     )
 
 
-def test_settings_are_typed_attributes() -> None:
+def test_settings_are_typed_attributes(caplog: pytest.LogCaptureFixture) -> None:
     protocol = RdtProtocol(transport="gloo", staging_bucket_mb=1, receive_lanes=4)
     assert (protocol.settings.transport, protocol.settings.staging_bucket_mb) == ("gloo", 1.0)
     assert (protocol.lanes, protocol.capacity) == (1, 1 << 20)  # gloo: one lane, whatever receive_lanes says
+    assert [record.getMessage() for record in caplog.records if record.name == protocol_module.__name__] == [
+        "rdt: the setting receive_lanes = 4 is not used: transport gloo reads with one lane (one sender, whole "
+        "chunks); remove it, or use transport nixl"
+    ]
+    caplog.clear()
+    assert RdtProtocol(transport="nixl", receive_lanes=4).lanes == 4 and RdtProtocol(transport="gloo").lanes == 1
+    assert [record for record in caplog.records if record.name == protocol_module.__name__] == []
 
 
 def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None:

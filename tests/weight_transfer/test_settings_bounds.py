@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from miles_core.builtin.core_plugin import LOCAL_PER_CPU
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError
 from miles_core.loop import make_protocol
@@ -23,6 +24,7 @@ from miles_core.weight_transfer.bounds import (
     MAX_HOST_CHARS,
     addresses_of_this_node,
     check_host,
+    machine_cpus,
     machine_memory_mib,
 )
 from miles_core.weight_transfer.broadcast import BroadcastProtocol
@@ -222,3 +224,46 @@ def test_settings_for_a_protocol_auto_does_not_choose_are_warned_about_once(
         'auto: the settings given for broadcast ({"master_address": "127.0.0.1"}) are not used: auto chose tensor '
         "for the engines of this placement; remove them, or name the protocol with --update-weight-transfer-mode"
     ]
+
+
+# -- engine and trainer sizes with the local worker provider -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"engine.num_engines": 5000}, "engine.num_engines = 5000: Input should be less than or equal to 1024"),
+        ({"engine.cpu_threads": 5000}, "engine.cpu_threads = 5000: Input should be less than or equal to 1024"),
+        ({"train.cpu_threads": 5000}, "train.cpu_threads = 5000: Input should be less than or equal to 1024"),
+    ],
+)
+def test_engines_and_threads_beyond_their_hard_cap_are_refused(
+    manager: MilesPluginManager, overrides: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        build_config(manager, overrides={**overrides, "run.worker_provider": "ray"})
+    assert message in str(refused.value), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "flag", "what"),
+    [
+        ("engine.num_engines", "--engine-num-engines", "engines"),
+        ("engine.cpu_threads", "--engine-cpu-threads", "threads per engine"),
+        ("train.cpu_threads", "--train-cpu-threads", "trainer threads"),
+    ],
+)
+def test_local_engines_and_threads_beyond_four_per_cpu_of_this_machine_are_refused(
+    manager: MilesPluginManager, field: str, flag: str, what: str
+) -> None:
+    """With the local provider every process runs here; with Ray the cluster's nodes decide (the hard cap alone)."""
+    bound = LOCAL_PER_CPU * machine_cpus()
+    with pytest.raises(ConfigError) as refused:
+        build_config(manager, overrides={field: bound + 1})
+    assert str(refused.value) == (
+        f"{field} ({flag}) = {bound + 1}: more than 4 {what} per CPU of this machine ({machine_cpus()} CPUs: at most "
+        f"{bound}) with the local worker provider, where every process runs here; give at most {bound}, or "
+        "--run-worker-provider ray to place them on a cluster"
+    )
+    assert build_config(manager, overrides={field: bound}) is not None
+    assert build_config(manager, overrides={field: bound + 1, "run.worker_provider": "ray"}) is not None

@@ -267,3 +267,21 @@ def test_local_engines_and_threads_beyond_four_per_cpu_of_this_machine_are_refus
     )
     assert build_config(manager, overrides={field: bound}) is not None
     assert build_config(manager, overrides={field: bound + 1, "run.worker_provider": "ray"}) is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("megatron.threads_per_rank", 100_000),
+        ("megatron.cpus_per_rank", 100_000.0),
+        ("megatron.data_parallel", 100_000),
+        ("sglang.tp_size", 100_000),
+        ("sglang.gpus_per_engine", 100_000.0),
+    ],
+)
+def test_the_backends_sizes_beyond_their_hard_cap_are_refused(field: str, value: float) -> None:
+    """The Megatron and SGLang plugins' sections: ranks, threads and GPUs per engine are capped at 1024."""
+    plugins = MilesPluginManager.load()
+    with pytest.raises(ConfigError) as refused:
+        build_config(plugins, overrides={field: value})
+    assert f"{field} = {value}: Input should be less than or equal to 1024" in str(refused.value), str(refused.value)

@@ -37,6 +37,13 @@ from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
+    from miles_core.bounds import (
+        MAX_BUFFER_MB,
+        MAX_KEPT_VERSIONS,
+        MAX_LANES,
+        at_most_memory_share,
+        at_most_per_cpu,
+    )
     from miles_core.config.build import MilesConfig
     from miles_core.config.section import Section
     from miles_core.config.sections import TrainSection
@@ -65,13 +72,6 @@ if TYPE_CHECKING:
     from miles_core.training.optimizer import build_optimizer
     from miles_core.training.optimizer_reset import reset_optimizer_states
     from miles_core.training.weight_iterator import HfWeightIterator
-    from miles_core.weight_transfer.bounds import (
-        MAX_BUFFER_MB,
-        MAX_KEPT_VERSIONS,
-        MAX_LANES,
-        at_most_memory_share,
-        at_most_per_cpu,
-    )
     from miles_core.weight_transfer.digests import checksum, combine_digests, tensor_digest
     from miles_core.weight_transfer.disk import write_index, write_shard
     from miles_core.weight_transfer.holders import (
@@ -152,11 +152,11 @@ _LAZY = {
     "WeightBucket": "miles_core.weight_transfer.protocol",
     "SendsFromHolders": "miles_core.weight_transfer.protocol",
     "ProtocolSettings": "miles_core.weight_transfer.settings",
-    "MAX_BUFFER_MB": "miles_core.weight_transfer.bounds",
-    "MAX_KEPT_VERSIONS": "miles_core.weight_transfer.bounds",
-    "MAX_LANES": "miles_core.weight_transfer.bounds",
-    "at_most_memory_share": "miles_core.weight_transfer.bounds",
-    "at_most_per_cpu": "miles_core.weight_transfer.bounds",
+    "MAX_BUFFER_MB": "miles_core.bounds",
+    "MAX_KEPT_VERSIONS": "miles_core.bounds",
+    "MAX_LANES": "miles_core.bounds",
+    "at_most_memory_share": "miles_core.bounds",
+    "at_most_per_cpu": "miles_core.bounds",
     "HttpEngineProtocol": "miles_core.weight_transfer.http_engines",
     "WeightHolders": "miles_core.weight_transfer.holders",
     "NamedTensorShare": "miles_core.weight_transfer.holders",

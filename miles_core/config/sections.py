@@ -7,6 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
+from miles_core.bounds import MAX_BUFFER_MB, at_most_memory_share
 from miles_core.config.section import Section
 from miles_core.fault_injection import parse_faults
 from miles_core.workers.ray_settings import check_ray_address, check_resources
@@ -19,6 +20,8 @@ MAX_THREADS = 1024
 """The most CPU threads one trainer or engine process may be asked for (more than the largest machine's cores)."""
 MAX_ENGINES = 1024
 """The most engines a run may start."""
+MAX_BATCH = 65536
+"""The most requests one engine may be asked to sample together."""
 
 
 class RunSection(Section):
@@ -275,7 +278,9 @@ class EngineSection(Section):
         description="Engines (cells) to run, at most 1024 (with the local worker provider, each a process on this "
         "machine: at most 4 per CPU).",
     )
-    max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
+    max_batch_size: int = pydantic.Field(
+        default=256, gt=0, le=MAX_BATCH, description="Requests one engine samples together (at most 65536)."
+    )
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
@@ -318,7 +323,13 @@ class WeightTransferSection(Section):
         description="The protocol's settings, checked against the settings model it declares; auto's are per protocol "
         'it may choose: {"tensor": {"zero_copy": false}}.',
     )
-    bucket_size_mb: int = pydantic.Field(default=512, gt=0, description="Bytes per transfer bucket, in MiB.")
+    bucket_size_mb: Annotated[int, at_most_memory_share(2, what="transfer buckets")] = pydantic.Field(
+        default=512,
+        gt=0,
+        le=MAX_BUFFER_MB,
+        description="Bytes per transfer bucket, in MiB: at most 1048576 (1 TiB), and at most a quarter of the "
+        "physical memory of the machine that builds the config (a bucket and its copy must fit in half of it).",
+    )
     verify_checksum: bool = pydantic.Field(
         default=False,
         description="Check that engines hold the exact weights: the local engine's checksum; SGLang: sampled "

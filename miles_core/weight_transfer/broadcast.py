@@ -42,11 +42,11 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+from miles_core.bounds import MAX_HOST_CHARS, check_host, check_own_address
 from miles_core.engines.client import EngineError
 from miles_core.engines.weights import broadcast, group_device, new_weight_update_group, resolve_group_backend
 from miles_core.errors import MilesError
 from miles_core.training.weight_iterator import bucketize
-from miles_core.weight_transfer.bounds import MAX_HOST_CHARS, check_host, check_own_address
 from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol

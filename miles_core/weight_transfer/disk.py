@@ -22,8 +22,8 @@ from typing import Any
 import pydantic
 from safetensors.torch import save_file
 
+from miles_core.bounds import MAX_KEPT_VERSIONS
 from miles_core.errors import MilesError
-from miles_core.weight_transfer.bounds import MAX_KEPT_VERSIONS
 from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol

@@ -35,11 +35,11 @@ from urllib.parse import urlparse
 import pydantic
 import torch
 
+from miles_core.bounds import MAX_BUFFER_MB, at_most_memory_share
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import remove_orphan_files, weight_staging_dir
 from miles_core.errors import MilesError
 from miles_core.training.weight_iterator import bucketize
-from miles_core.weight_transfer.bounds import MAX_BUFFER_MB, at_most_memory_share
 from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import InProcessHolders, NamedTensorShare, WeightHolders, merged_digests
 from miles_core.weight_transfer.http_engines import HttpEngineProtocol

@@ -12,10 +12,10 @@ import torch
 from miles_plugins_rdt.protocol import RdtProtocol
 from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
+from miles_core.bounds import MAX_LANES, machine_cpus, machine_memory_mib
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.weight_transfer.bounds import MAX_LANES, machine_cpus, machine_memory_mib
 from miles_core.weight_transfer.staging_layout import StagingLayout, StagingLayoutError, StagingOverflowError
 from tests.conftest import run_miles
 

@@ -14,19 +14,19 @@ from typing import Any
 
 import pytest
 
-from miles_core.builtin.core_plugin import LOCAL_PER_CPU
-from miles_core.config.build import build_config
-from miles_core.errors import ConfigError
-from miles_core.loop import make_protocol
-from miles_core.plugin_manager import MilesPluginManager
-from miles_core.weight_transfer.auto import AutoProtocol
-from miles_core.weight_transfer.bounds import (
+from miles_core.bounds import (
     MAX_HOST_CHARS,
     addresses_of_this_node,
     check_host,
     machine_cpus,
     machine_memory_mib,
 )
+from miles_core.builtin.core_plugin import LOCAL_PER_CPU
+from miles_core.config.build import build_config
+from miles_core.errors import ConfigError
+from miles_core.loop import make_protocol
+from miles_core.plugin_manager import MilesPluginManager
+from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.broadcast import BroadcastProtocol
 from miles_core.weight_transfer.protocol import EngineEndpoint, WeightTransferProtocol
 from miles_core.weight_transfer.routes import LOCAL_ENGINE
@@ -235,6 +235,11 @@ def test_settings_for_a_protocol_auto_does_not_choose_are_warned_about_once(
         ({"engine.num_engines": 5000}, "engine.num_engines = 5000: Input should be less than or equal to 1024"),
         ({"engine.cpu_threads": 5000}, "engine.cpu_threads = 5000: Input should be less than or equal to 1024"),
         ({"train.cpu_threads": 5000}, "train.cpu_threads = 5000: Input should be less than or equal to 1024"),
+        ({"engine.max_batch_size": 100_000}, "engine.max_batch_size = 100000: Input should be less than or equal to"),
+        (
+            {"weight_transfer.bucket_size_mb": 2_000_000},
+            "weight_transfer.bucket_size_mb = 2000000: Input should be less than or equal to 1048576",
+        ),
     ],
 )
 def test_engines_and_threads_beyond_their_hard_cap_are_refused(
@@ -285,3 +290,15 @@ def test_the_backends_sizes_beyond_their_hard_cap_are_refused(field: str, value:
     with pytest.raises(ConfigError) as refused:
         build_config(plugins, overrides={field: value})
     assert f"{field} = {value}: Input should be less than or equal to 1024" in str(refused.value), str(refused.value)
+
+
+def test_a_transfer_bucket_beyond_a_quarter_of_this_machines_memory_is_refused(manager: MilesPluginManager) -> None:
+    quarter = machine_memory_mib() // 4
+    with pytest.raises(ConfigError) as refused:
+        build_config(manager, overrides={"weight_transfer.bucket_size_mb": quarter + 1})
+    assert (
+        f"weight_transfer.bucket_size_mb = {quarter + 1}: Value error, 2 transfer buckets of {quarter + 1} MiB would "
+        f"take more than half of this machine's {machine_memory_mib()} MiB of memory (at most {quarter} MiB each)"
+    ) in str(refused.value)
+    config = build_config(manager, overrides={"weight_transfer.bucket_size_mb": quarter})
+    assert config.weight_transfer.bucket_size_mb == quarter

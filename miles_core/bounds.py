@@ -1,5 +1,5 @@
 """Bounds of the settings that size processes, threads, buffers and connections, and checks of the addresses a
-setting names, for the settings models of protocols (``--weight-transfer-settings``) and of other parts.
+setting names, for the settings models of protocols (``--weight-transfer-settings``) and the config sections.
 
 A sizing setting has two bounds: a hard cap in its field (``pydantic.Field(le=...)``, the same on every machine, so
 that the flag docs generated from the models state it) and a bound that follows from the machine that builds the

@@ -37,6 +37,13 @@ from miles_core.hookspecs import hookimpl, hookspec
 from miles_core.registry import Implementation, model_implementation
 
 if TYPE_CHECKING:
+    from miles_core.bounds import (
+        MAX_BUFFER_MB,
+        MAX_KEPT_VERSIONS,
+        MAX_LANES,
+        at_most_memory_share,
+        at_most_per_cpu,
+    )
     from miles_core.config.build import MilesConfig
     from miles_core.config.section import Section
     from miles_core.config.sections import TrainSection
@@ -145,6 +152,11 @@ _LAZY = {
     "WeightBucket": "miles_core.weight_transfer.protocol",
     "SendsFromHolders": "miles_core.weight_transfer.protocol",
     "ProtocolSettings": "miles_core.weight_transfer.settings",
+    "MAX_BUFFER_MB": "miles_core.bounds",
+    "MAX_KEPT_VERSIONS": "miles_core.bounds",
+    "MAX_LANES": "miles_core.bounds",
+    "at_most_memory_share": "miles_core.bounds",
+    "at_most_per_cpu": "miles_core.bounds",
     "HttpEngineProtocol": "miles_core.weight_transfer.http_engines",
     "WeightHolders": "miles_core.weight_transfer.holders",
     "NamedTensorShare": "miles_core.weight_transfer.holders",
@@ -238,6 +250,9 @@ __all__ = [
     "DSV4_FAMILY",
     "LOCAL_ENGINE",
     "LOOPBACK",
+    "MAX_BUFFER_MB",
+    "MAX_KEPT_VERSIONS",
+    "MAX_LANES",
     "NOT_ROUTED",
     "SGLANG_HTTP_API",
     "STAGING_COPY",
@@ -298,6 +313,8 @@ __all__ = [
     "WorkerInfo",
     "WorkerSpec",
     "__version__",
+    "at_most_memory_share",
+    "at_most_per_cpu",
     "bind_collectives_to",
     "build_optimizer",
     "check_replayable",

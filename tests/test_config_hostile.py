@@ -175,7 +175,8 @@ def test_structured_flag_values_are_read_within_the_same_bounds(flag: str, value
         (["--weight-transfer-settings", "{tensor: yes}"], "auto setting tensor = True: expected a mapping"),
         (
             ["--update-weight-transfer-mode", "disk", "--weight-transfer-settings", "{keep_versions: true}"],
-            "disk setting keep_versions = True: expected a whole number of at least 1 (a boolean is not a number)",
+            "disk setting keep_versions = True: expected a whole number of at least 1 and of at most 64 (a boolean is "
+            "not a number)",
         ),
         (
             ["--update-weight-transfer-mode", "tensor", "--weight-transfer-settings", "{zero_copy: 'no'}"],

@@ -70,7 +70,10 @@ def test_keeps_only_the_newest_versions(tmp_path: Path, protocol_class: type) ->
     ("settings", "message"),
     [
         ({"keep_versions": 0}, "sharded-disk setting keep_versions = 0: expected a whole number of at least 1"),
-        ({"keep_versions": True}, "keep_versions = True: expected a whole number of at least 1 (a boolean is not"),
+        (
+            {"keep_versions": True},
+            "keep_versions = True: expected a whole number of at least 1 and of at most 64 (a boolean is not",
+        ),
         ({"timeout_s": -5}, "sharded-disk setting timeout_s = -5: expected a number above 0"),
         ({"directory": 7}, "sharded-disk setting directory = 7: expected a string or null"),
         ({"keep_version": 2}, "has no setting 'keep_version' (did you mean 'keep_versions'?)"),

@@ -88,6 +88,7 @@ def config_flags() -> list[ConfigFlag]:
 def validate_config(config: MilesConfig, registries: Registries) -> None:
     check_output_dir(config.run.output_dir)
     check_weight_transfer_settings(config, registries)
+    check_local_sizes(config)
     for family, impl in config.model.implementations.items():
         check_model_implementation(registries, family, impl)
     named = [
@@ -184,6 +185,32 @@ def check_output_dir(output_dir: str, *, setting: str = "run.output_dir (--outpu
             what = " exists and is not a directory" if candidate == path else under
             raise ConfigError(f"{field}{what}; name a directory (created if missing)")
         return
+
+
+LOCAL_PER_CPU = 4
+"""With the local worker provider every process runs on this machine: at most this many engines, or threads of one
+process, per CPU."""
+
+
+def check_local_sizes(config: MilesConfig) -> None:
+    """With the local worker provider, the engines and the threads of each process run on this machine: refuse more
+    than :data:`LOCAL_PER_CPU` per CPU of it (more only wait for a CPU, each holding its memory)."""
+    if config.run.worker_provider != "local":
+        return  # Ray places them on the cluster's nodes, whose CPUs the config cannot see
+    cpus = os.cpu_count() or 1
+    bound = LOCAL_PER_CPU * cpus
+    sizes = [
+        ("engine.num_engines (--engine-num-engines)", config.engine.num_engines, "engines"),
+        ("engine.cpu_threads (--engine-cpu-threads)", config.engine.cpu_threads, "threads per engine"),
+        ("train.cpu_threads (--train-cpu-threads)", config.train.cpu_threads, "trainer threads"),
+    ]
+    for field, value, what in sizes:
+        if value is not None and value > bound:
+            raise ConfigError(
+                f"{field} = {value}: more than {LOCAL_PER_CPU} {what} per CPU of this machine ({cpus} CPUs: at most "
+                f"{bound}) with the local worker provider, where every process runs here; give at most {bound}, or "
+                "--run-worker-provider ray to place them on a cluster"
+            )
 
 
 def check_weight_transfer_settings(config: MilesConfig, registries: Registries) -> None:

@@ -7,12 +7,21 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
+from miles_core.bounds import MAX_BUFFER_MB, at_most_memory_share
 from miles_core.config.section import Section
 from miles_core.fault_injection import parse_faults
 from miles_core.workers.ray_settings import check_ray_address, check_resources
 from miles_core.workers.specs import ENGINE, ROUTER, SESSION_SERVER, TRAINER
 
 FamilyName = Annotated[str, pydantic.StringConstraints(pattern=r"^[a-z0-9_]+$")]
+
+
+MAX_THREADS = 1024
+"""The most CPU threads one trainer or engine process may be asked for (more than the largest machine's cores)."""
+MAX_ENGINES = 1024
+"""The most engines a run may start."""
+MAX_BATCH = 65536
+"""The most requests one engine may be asked to sample together."""
 
 
 class RunSection(Section):
@@ -216,7 +225,9 @@ class TrainSection(Section):
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of the torch trainer (None: 1 for the embedded default model under "
+        le=MAX_THREADS,
+        description="torch CPU threads of the torch trainer, at most 1024 (and, with the local worker provider, at "
+        "most 4 per CPU of this machine) (None: 1 for the embedded default model under "
         "one_step_off and fully_async, where it shares the cores with the engine, else torch's default, one per "
         "core); on a small machine, split the cores between trainer and engines for fully_async.",
     )
@@ -260,13 +271,22 @@ class EngineSection(Section):
     """The inference engines."""
 
     backend: str = pydantic.Field(default="local", description="Engine backend (`miles plugins`).")
-    num_engines: int = pydantic.Field(default=1, ge=1, description="Engines (cells) to run.")
-    max_batch_size: int = pydantic.Field(default=256, gt=0, description="Requests one engine samples together.")
+    num_engines: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=MAX_ENGINES,
+        description="Engines (cells) to run, at most 1024 (with the local worker provider, each a process on this "
+        "machine: at most 4 per CPU).",
+    )
+    max_batch_size: int = pydantic.Field(
+        default=256, gt=0, le=MAX_BATCH, description="Requests one engine samples together (at most 65536)."
+    )
     cpu_threads: int | None = pydantic.Field(
         default=None,
         ge=1,
-        description="torch CPU threads of each local engine (None: 1 for the embedded default model, else torch's "
-        "default).",
+        le=MAX_THREADS,
+        description="torch CPU threads of each local engine, at most 1024 (and, with the local worker provider, at "
+        "most 4 per CPU of this machine) (None: 1 for the embedded default model, else torch's default).",
     )
     startup_timeout_s: float = pydantic.Field(default=180.0, gt=0)
     health_check_interval_s: float = pydantic.Field(default=2.0, gt=0)
@@ -303,7 +323,13 @@ class WeightTransferSection(Section):
         description="The protocol's settings, checked against the settings model it declares; auto's are per protocol "
         'it may choose: {"tensor": {"zero_copy": false}}.',
     )
-    bucket_size_mb: int = pydantic.Field(default=512, gt=0, description="Bytes per transfer bucket, in MiB.")
+    bucket_size_mb: Annotated[int, at_most_memory_share(2, what="transfer buckets")] = pydantic.Field(
+        default=512,
+        gt=0,
+        le=MAX_BUFFER_MB,
+        description="Bytes per transfer bucket, in MiB: at most 1048576 (1 TiB), and at most a quarter of the "
+        "physical memory of the machine that builds the config (a bucket and its copy must fit in half of it).",
+    )
     verify_checksum: bool = pydantic.Field(
         default=False,
         description="Check that engines hold the exact weights: the local engine's checksum; SGLang: sampled "

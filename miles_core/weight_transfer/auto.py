@@ -13,6 +13,7 @@ instance of it; each update runs every instance in turn over the same weights.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -78,6 +79,7 @@ class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
         self.engines_in_ray = False
         self.chosen: dict[str, tuple[str, str]] = {}  # engine name -> (protocol, why)
         self.parts: dict[str, WeightTransferProtocol] = {}  # protocol name -> its instance
+        self.warned_unused: set[str] = set()  # protocols whose settings were named unused once
 
     def bind(self, factory: ProtocolFactory, *, engines_in_ray: bool) -> None:
         """How to build the chosen protocols, and whether the run's engines run in Ray actors (rdt needs that)."""
@@ -88,6 +90,7 @@ class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
         if chosen != self.chosen:
             announce(chosen)
         self.chosen = chosen
+        self._warn_unused_settings({protocol for protocol, _ in chosen.values()})
         for name in sorted({protocol for protocol, _ in chosen.values()} - set(self.parts)):
             self.parts[name] = self._build(name)
         for name, part in list(self.parts.items()):
@@ -97,6 +100,19 @@ class AutoProtocol(WeightTransferProtocol, SendsFromHolders):
             else:
                 await part.close()
                 del self.parts[name]
+
+    def _warn_unused_settings(self, used: set[str]) -> None:
+        """Once per protocol: settings the run gives for a protocol that auto chose for none of the engines."""
+        for name in self.settings.settings_of_protocols():
+            if name not in used and name not in self.warned_unused:
+                self.warned_unused.add(name)
+                logger.warning(
+                    "auto: the settings given for %s (%s) are not used: auto chose %s for the engines of this "
+                    "placement; remove them, or name the protocol with --update-weight-transfer-mode",
+                    name,
+                    json.dumps(self.settings.settings_of(name), default=str),
+                    ", ".join(sorted(used)) or "no protocol",
+                )
 
     def _choose(self, engine: EngineEndpoint) -> tuple[str, str]:
         same_node = is_this_node(urlparse(engine.url).hostname)

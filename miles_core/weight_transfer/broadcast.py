@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 import time
 import uuid
@@ -41,6 +42,7 @@ from typing import Any, Literal
 import pydantic
 import torch
 
+from miles_core.bounds import MAX_HOST_CHARS, check_host, check_own_address
 from miles_core.engines.client import EngineError
 from miles_core.engines.weights import broadcast, group_device, new_weight_update_group, resolve_group_backend
 from miles_core.errors import MilesError
@@ -60,6 +62,7 @@ from miles_core.weight_transfer.staged_load import weight_update_sessions
 from miles_core.workers.node import node_address
 from miles_core.workers.process import listening_socket
 
+logger = logging.getLogger(__name__)
 GROUP_NAME = "miles_weight_update"
 HOLDER_BUCKET_BYTES = 64 << 20
 """The most bytes of one bucket a holder broadcasts (each bucket is one ``/update_weights_from_distributed``)."""
@@ -76,8 +79,11 @@ class BroadcastSettings(ProtocolSettings):
     master_address: str | None = pydantic.Field(
         default=None,
         min_length=1,
-        description="Where the driver's group meets: an address of the driver's machine that the engines can reach; "
-        "null: the driver's node address.",
+        max_length=MAX_HOST_CHARS,
+        description="Where the driver's group meets: a host name or IP address (at most 253 characters) of the "
+        "driver's machine that the engines can reach; when the run starts it must resolve to an address of that "
+        "machine (it binds there). Only transfers from the driver use it: the trainer's holders meet at their own "
+        "nodes (a run warns once when it is set and unused); null: the driver's node address.",
     )
     timeout_s: float = pydantic.Field(
         default=120.0,
@@ -90,6 +96,11 @@ class BroadcastSettings(ProtocolSettings):
         "otherwise; NCCL needs a GPU for every rank.",
     )
 
+    @pydantic.field_validator("master_address")
+    @classmethod
+    def _a_host(cls, value: str | None) -> str | None:
+        return None if value is None else check_host(value)
+
 
 class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
     name = "broadcast"
@@ -101,6 +112,12 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(**settings)
+        if self.settings.master_address is not None:  # the driver binds it: refused before anything starts
+            try:
+                check_own_address(self.settings.master_address, setting="master_address")
+            except ValueError as exc:
+                raise MilesError(str(exc)) from None
+        self._warned_unused = False
         self.backend = resolve_group_backend(self.settings.backend)  # NCCL without a CUDA device fails here
         self.device = group_device(self.backend)
         self.group = None  # the driver's own group (transfers of an iterator's buckets)
@@ -154,6 +171,7 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         """Every holder keeps a copy of its share (:func:`keep_share`), then broadcasts it to every engine over its
         own group (:func:`send_kept`), one holder after the other; the driver publishes the version."""
         started = time.perf_counter()
+        self._warn_master_address_unused()
         results = await asyncio.to_thread(
             holders.run_task,
             f"{__name__}:keep_share",
@@ -167,6 +185,17 @@ class BroadcastProtocol(HttpEngineProtocol, SendsFromHolders):
         await self._send_kept(version)
         report = self.report(version=version, num_bytes=sum(r["bytes"] for r in results), started=started)
         return dataclasses.replace(report, checksum=combine_digests(digests) if checksum else None)
+
+    def _warn_master_address_unused(self) -> None:
+        """Once per protocol: a ``master_address`` given where only the holders' groups run is not used."""
+        if self.settings.master_address is not None and not self._warned_unused:
+            self._warned_unused = True
+            logger.warning(
+                "broadcast: the setting master_address %r is not used: the weights go from the trainer's holders, "
+                "whose groups meet at each holder's node; only transfers from the driver use master_address "
+                "(remove it, or run a trainer without holders)",
+                self.settings.master_address,
+            )
 
     async def republish(self, version: int) -> None:
         """The holders broadcast the shares they kept of ``version`` again, to every engine."""

@@ -22,6 +22,7 @@ from typing import Any
 import pydantic
 from safetensors.torch import save_file
 
+from miles_core.bounds import MAX_KEPT_VERSIONS
 from miles_core.errors import MilesError
 from miles_core.weight_transfer.digests import combine_digests, tensor_digest
 from miles_core.weight_transfer.holders import NamedTensorShare, WeightHolders, merged_digests
@@ -80,7 +81,12 @@ class DiskSettings(ProtocolSettings):
         description="The directory the versions are written to, which every engine's node must see; null: a new "
         "temporary directory, removed when the run ends.",
     )
-    keep_versions: int = pydantic.Field(default=2, ge=1, description="The versions kept on disk.")
+    keep_versions: int = pydantic.Field(
+        default=2,
+        ge=1,
+        le=MAX_KEPT_VERSIONS,
+        description="The versions kept on disk (at most 64: each is a whole copy of the model's weights).",
+    )
 
 
 class DiskProtocol(HttpEngineProtocol, SendsFromHolders):

@@ -151,9 +151,9 @@ def _problem(name: str, model: type[ProtocolSettings], key: Any, error: Any) -> 
     phrase = f"{name} setting {key} {given}: expected {allowed_values(field)}"
     if isinstance(error["input"], bool) and _expects_number(field.annotation):
         phrase += " (a boolean is not a number)"
-    if error["type"] not in _SAID_BY_ALLOWED:
-        phrase += f" ({error['msg']})"
-    return phrase + (f"; {key}: {field.description}" if field.description else "")
+    phrase += f"; {key}: {field.description}" if field.description else ""
+    # a check's own reason goes last, where a message cut in the middle (the CLI's) keeps it
+    return phrase + (f" ({error['msg']})" if error["type"] not in _SAID_BY_ALLOWED else "")
 
 
 def _its_settings(name: str, model: type[ProtocolSettings]) -> str:
@@ -179,7 +179,11 @@ def allowed_values(field: FieldInfo) -> str:
         elif member is float:
             phrases.append(f"a number{bounds}")
         elif member is str:
-            phrases.append("a non-empty string" if _min_length(field) else "a string")
+            longest = _max_length(field)
+            phrases.append(
+                ("a non-empty string" if _min_length(field) else "a string")
+                + (f" of at most {longest} characters" if longest is not None else "")
+            )
         elif typing.get_origin(member) is typing.Literal:
             phrases += [repr(value) for value in typing.get_args(member)]
         elif member is dict or typing.get_origin(member) in (dict, Mapping):
@@ -208,6 +212,11 @@ def _bounds(field: FieldInfo) -> str:
 
 def _min_length(field: FieldInfo) -> int:
     return max([getattr(meta, "min_length", 0) or 0 for meta in field.metadata], default=0)
+
+
+def _max_length(field: FieldInfo) -> int | None:
+    found = [meta.max_length for meta in field.metadata if getattr(meta, "max_length", None) is not None]
+    return min(found) if found else None
 
 
 def _expects_number(annotation: Any) -> bool:

@@ -29,12 +29,13 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlparse
 
 import pydantic
 import torch
 
+from miles_core.bounds import MAX_BUFFER_MB, at_most_memory_share
 from miles_core.engines.client import EngineClient
 from miles_core.engines.staging import remove_orphan_files, weight_staging_dir
 from miles_core.errors import MilesError
@@ -96,13 +97,16 @@ class TensorSettings(ProtocolSettings):
         "bfloat16: the trainer's float32 weights are rounded during the staging copy, as SGLang's own copy would "
         "round them, and SGLang copies half the bytes); false: staged as the trainer holds them.",
     )
-    staging_mb: float = pydantic.Field(
+    staging_mb: Annotated[float, at_most_memory_share(2, what="staging files")] = pydantic.Field(
         default=2048,
         gt=0,
+        le=MAX_BUFFER_MB,
         description="The trainer's buckets are gathered into staging files of up to this many MiB (of the trainer's "
         "bytes), each loaded by one request per engine on this machine: SGLang spends 6-12 ms of each request "
         "outside its copy, and filling one file while the engines copy out of the other gains little where both "
-        "copies share the memory bandwidth; bigger files mean fewer requests, and more shared memory (two files).",
+        "copies share the memory bandwidth; bigger files mean fewer requests, and more shared memory (two files). "
+        "At most 1048576 (1 TiB) and at most a quarter of the physical memory of the machine that builds the config "
+        "(the two files must fit in half of it).",
     )
     shm_dir: str | None = pydantic.Field(
         default=None,

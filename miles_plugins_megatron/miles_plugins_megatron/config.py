@@ -6,6 +6,11 @@ import pydantic
 
 from miles_core import Section
 
+MAX_RANKS = 1024
+"""The most ranks one parallel dimension may have (each rank is a process)."""
+MAX_THREADS = 1024
+"""The most CPU threads (or reserved CPUs) of one rank: more than the largest machine's cores."""
+
 
 class MegatronSection(Section):
     """Parallel layout of the ``megatron`` training backend (``--megatron-tensor-parallel 2`` and so on).
@@ -15,16 +20,21 @@ class MegatronSection(Section):
     holding ``experts / expert_parallel`` of them.
     """
 
-    tensor_parallel: int = pydantic.Field(default=1, ge=1, description="Tensor-parallel size.")
+    tensor_parallel: int = pydantic.Field(
+        default=1, ge=1, le=MAX_RANKS, description="Tensor-parallel size (at most 1024 ranks, each a process)."
+    )
     pipeline_parallel: int = pydantic.Field(
         default=1, ge=1, le=1, description="Pipeline-parallel size (only 1 in this version: no pipeline schedule)."
     )
-    data_parallel: int = pydantic.Field(default=1, ge=1, description="Data-parallel size (batch split, grads summed).")
+    data_parallel: int = pydantic.Field(
+        default=1, ge=1, le=MAX_RANKS, description="Data-parallel size (batch split, grads summed; at most 1024)."
+    )
     expert_parallel: int = pydantic.Field(
         default=1,
         ge=1,
-        description="Expert-parallel size of a MoE model: each group of this many data-parallel ranks splits the "
-        "experts of every MoE layer (must divide data_parallel and the experts).",
+        le=MAX_RANKS,
+        description="Expert-parallel size of a MoE model (at most 1024): each group of this many data-parallel "
+        "ranks splits the experts of every MoE layer (must divide data_parallel and the experts).",
     )
     distributed_backend: str | None = pydantic.Field(
         default=None,
@@ -32,10 +42,15 @@ class MegatronSection(Section):
         description="torch.distributed backend; default: nccl with CUDA, else gloo.",
     )
     threads_per_rank: int | None = pydantic.Field(
-        default=None, ge=1, description="torch CPU threads per rank; default: the CPUs divided among the ranks."
+        default=None,
+        ge=1,
+        le=MAX_THREADS,
+        description="torch CPU threads per rank, at most 1024; default: the CPUs divided among the ranks.",
     )
     dtype: str = pydantic.Field(default="float32", pattern="^(float32|bfloat16)$", description="Parameter dtype.")
-    cpus_per_rank: float = pydantic.Field(default=1.0, ge=0, description="CPUs a worker provider reserves per rank.")
+    cpus_per_rank: float = pydantic.Field(
+        default=1.0, ge=0, le=MAX_THREADS, description="CPUs a worker provider reserves per rank (at most 1024)."
+    )
     startup_timeout_s: float = pydantic.Field(default=300.0, gt=0, description="Time allowed for every rank to load.")
 
     @property

@@ -33,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlparse
 
 import pydantic
@@ -46,6 +47,8 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from miles_core import (
+    MAX_BUFFER_MB,
+    MAX_LANES,
     STAGING_COPY,
     STAGING_SWAP,
     EngineEndpoint,
@@ -57,6 +60,8 @@ from miles_core import (
     TransferReport,
     WeightBucket,
     WeightHolders,
+    at_most_memory_share,
+    at_most_per_cpu,
     combine_digests,
     merged_digests,
     route_for,
@@ -94,6 +99,11 @@ class RdtTransferError(MilesError):
     """A transfer that did not reach every engine rank; no engine was given the new version."""
 
 
+logger = logging.getLogger(__name__)
+RECEIVE_LANES_PER_CPU = 4
+"""The most receive lanes (Ray actors) per CPU of the machine that builds the config."""
+
+
 class RdtSettings(ProtocolSettings):
     """The settings of ``rdt``."""
 
@@ -104,13 +114,19 @@ class RdtSettings(ProtocolSettings):
         description="How the receivers read the weights: nixl (P2P reads of the trainer's registered memory) or gloo "
         "(a collective group with one send actor).",
     )
-    staging_bucket_mb: float = pydantic.Field(
+    staging_bucket_mb: Annotated[float, at_most_memory_share(2, what="staging buckets")] = pydantic.Field(
         default=256,
         gt=0,
-        description="MiB of each engine rank's staging bucket (two per engine rank); a version must fit in one.",
+        le=MAX_BUFFER_MB,
+        description="MiB of each engine rank's staging bucket (two per engine rank); a version must fit in one. At "
+        "most 1048576 (1 TiB) and at most a quarter of the physical memory of the machine that builds the config.",
     )
-    receive_lanes: int = pydantic.Field(
-        default=2, ge=1, description="Actors per engine rank that read byte ranges of a wave in parallel (nixl)."
+    receive_lanes: Annotated[int, at_most_per_cpu(RECEIVE_LANES_PER_CPU, what="receive lanes")] = pydantic.Field(
+        default=2,
+        ge=1,
+        le=MAX_LANES,
+        description="Actors per engine rank that read byte ranges of a wave in parallel (nixl). At most 64, and at "
+        "most 4 per CPU of the machine that builds the config: each lane is a Ray actor (a process) per engine rank.",
     )
     timeout_s: float = pydantic.Field(
         default=300.0,
@@ -133,6 +149,12 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         self.lanes = (
             self.settings.receive_lanes if self.settings.transport == "nixl" else 1
         )  # gloo: one sender, whole chunks
+        if self.settings.transport == "gloo" and "receive_lanes" in self.settings.model_fields_set:
+            logger.warning(
+                "rdt: the setting receive_lanes = %d is not used: transport gloo reads with one lane (one sender, "
+                "whole chunks); remove it, or use transport nixl",
+                self.settings.receive_lanes,
+            )
         self.capacity = int(self.settings.staging_bucket_mb * (1 << 20))
         self.receivers: dict[str, tuple[EngineEndpoint, list]] = {}  # engine name -> (endpoint, its lanes' actors)
         self.routes: dict[str, int] = {}

@@ -166,6 +166,10 @@ def _local_fields() -> tuple[frozenset[str], str]:
     return frozenset(name for name in fields if not name.startswith("_")), "the installed sglang's ServerArgs"
 
 
+MAX_GPUS = 1024
+"""The most GPUs (and ranks of one parallel dimension) of one engine."""
+
+
 class SglangSection(Section):
     """SGLang engines: the launch command, server settings, parallel sizes, and the router in front of them."""
 
@@ -196,11 +200,20 @@ class SglangSection(Section):
         description="SGLang ServerArgs fields and values (names, types, choices and documented ranges checked).",
     )
     extra_args: list[str] = pydantic.Field(default_factory=list, description="Flags passed through unchecked.")
-    tp_size: int = pydantic.Field(default=1, ge=1, description="Tensor-parallel size of each engine.")
-    dp_size: int = pydantic.Field(default=1, ge=1, description="Data-parallel size of each engine.")
-    ep_size: int = pydantic.Field(default=1, ge=1, description="Expert-parallel size of each engine.")
+    tp_size: int = pydantic.Field(
+        default=1, ge=1, le=MAX_GPUS, description="Tensor-parallel size of each engine (at most 1024)."
+    )
+    dp_size: int = pydantic.Field(
+        default=1, ge=1, le=MAX_GPUS, description="Data-parallel size of each engine (at most 1024)."
+    )
+    ep_size: int = pydantic.Field(
+        default=1, ge=1, le=MAX_GPUS, description="Expert-parallel size of each engine (at most 1024)."
+    )
     gpus_per_engine: float | None = pydantic.Field(
-        default=None, ge=0, description="GPUs the provider reserves per engine; default tp_size * dp_size with CUDA."
+        default=None,
+        ge=0,
+        le=MAX_GPUS,
+        description="GPUs the provider reserves per engine (at most 1024); default tp_size * dp_size with CUDA.",
     )
     router: bool = pydantic.Field(default=False, description="Put an sglang-router in front of the engines.")
     router_command: list[str] = pydantic.Field(

@@ -12,6 +12,7 @@ import torch
 from miles_plugins_rdt.protocol import RdtProtocol
 from miles_plugins_rdt.staging import bucket_layout, byte_range, in_waves, plan_routes, split_into_lanes
 
+from miles_core.bounds import MAX_LANES, machine_cpus, machine_memory_mib
 from miles_core.config.build import build_config
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
@@ -76,13 +77,16 @@ def test_routes_spread_engines_over_sending_ranks() -> None:
         ({"staging_bucket_mb": 0}, "rdt setting staging_bucket_mb = 0: expected a number above 0"),
         (
             {"staging_bucket_mb": True},
-            "staging_bucket_mb = True: expected a number above 0 (a boolean is not a number)",
+            "staging_bucket_mb = True: expected a number above 0 and of at most 1048576 (a boolean is not a number)",
         ),
         ({"staging_bucket_mb": float("inf")}, "staging_bucket_mb = inf: expected a number above 0"),
         ({"receive_lanes": 0}, "rdt setting receive_lanes = 0: expected a whole number of at least 1"),
         ({"receive_lanes": 1.5}, "rdt setting receive_lanes = 1.5: expected a whole number of at least 1"),
         ({"receive_lanes": "2"}, "rdt setting receive_lanes = '2': expected a whole number of at least 1"),
-        ({"receive_lanes": True}, "receive_lanes = True: expected a whole number of at least 1 (a boolean is not"),
+        (
+            {"receive_lanes": True},
+            "receive_lanes = True: expected a whole number of at least 1 and of at most 64 (a boolean is not",
+        ),
         ({"timeout_s": 0}, "rdt setting timeout_s = 0: expected a number above 0"),
         ({"timeout_s": "soon"}, "rdt setting timeout_s = 'soon': expected a number above 0"),
         ({"lanes": 2}, "rdt has no setting 'lanes'; rdt's settings: transport, staging_bucket_mb, receive_lanes"),
@@ -108,10 +112,17 @@ def test_auto_checks_rdts_settings_when_the_config_is_built_wherever_the_engines
     )
 
 
-def test_settings_are_typed_attributes() -> None:
+def test_settings_are_typed_attributes(caplog: pytest.LogCaptureFixture) -> None:
     protocol = RdtProtocol(transport="gloo", staging_bucket_mb=1, receive_lanes=4)
     assert (protocol.settings.transport, protocol.settings.staging_bucket_mb) == ("gloo", 1.0)
     assert (protocol.lanes, protocol.capacity) == (1, 1 << 20)  # gloo: one lane, whatever receive_lanes says
+    assert [record.getMessage() for record in caplog.records if record.name == protocol_module.__name__] == [
+        "rdt: the setting receive_lanes = 4 is not used: transport gloo reads with one lane (one sender, whole "
+        "chunks); remove it, or use transport nixl"
+    ]
+    caplog.clear()
+    assert RdtProtocol(transport="nixl", receive_lanes=4).lanes == 4 and RdtProtocol(transport="gloo").lanes == 1
+    assert [record for record in caplog.records if record.name == protocol_module.__name__] == []
 
 
 def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None:
@@ -132,6 +143,59 @@ def test_selecting_rdt_without_ray_hosted_engines_is_an_explicit_error() -> None
     assert "Traceback" not in result.stderr
     accepted = run_miles("config", "show", "--update-weight-transfer-mode", "rdt", "--run-worker-provider", "ray")
     assert accepted.returncode == 0, accepted.stderr
+
+
+def test_receive_lanes_beyond_the_hard_cap_are_refused_by_miles_config_show() -> None:
+    """The issue's case: 100000 lanes (Ray actors) per engine rank started workers without end; refused when the
+    config is built, naming the field, the value and the bound, before any worker starts."""
+    result = run_miles(
+        "config",
+        "show",
+        "--json",
+        "--update-weight-transfer-mode",
+        "rdt",
+        "--run-worker-provider",
+        "ray",
+        "--weight-transfer-settings",
+        "{receive_lanes: 100000}",
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert (
+        "rdt setting receive_lanes = 100000: expected a whole number of at least 1 and of at most 64; receive_lanes: "
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_receive_lanes_beyond_four_per_cpu_of_this_machine_are_refused() -> None:
+    """Under the hard cap, the machine's bound: more than 4 lanes per CPU only wait for a CPU."""
+    bound = protocol_module.RECEIVE_LANES_PER_CPU * machine_cpus()
+    overrides = {"run.worker_provider": "ray", "weight_transfer.mode": "rdt"}
+    if bound + 1 <= MAX_LANES:
+        with pytest.raises(ConfigError) as refused:
+            build_config(
+                MilesPluginManager.load(),
+                overrides={**overrides, "weight_transfer.settings": {"receive_lanes": bound + 1}},
+            )
+        assert f"rdt setting receive_lanes = {bound + 1}: " in str(refused.value)
+        assert f"more than 4 receive lanes per CPU of this machine ({machine_cpus()} CPUs: at most {bound})" in str(
+            refused.value
+        )
+    accepted = min(bound, MAX_LANES)
+    config = build_config(
+        MilesPluginManager.load(), overrides={**overrides, "weight_transfer.settings": {"receive_lanes": accepted}}
+    )
+    assert config.weight_transfer.settings == {"receive_lanes": accepted}
+
+
+def test_a_staging_bucket_beyond_a_quarter_of_this_machines_memory_is_refused() -> None:
+    """Two buckets per engine rank must fit in half the physical memory; 1 TiB is the cap on any machine."""
+    too_big = machine_memory_mib() // 4 + 1
+    with pytest.raises(ConfigError) as refused:
+        RdtProtocol(staging_bucket_mb=too_big)
+    assert f"rdt setting staging_bucket_mb = {too_big}: " in str(refused.value)
+    assert f"2 staging buckets of {too_big} MiB would take more than half of this machine's" in str(refused.value)
+    with pytest.raises(ConfigError, match="staging_bucket_mb = 2000000: expected a number above 0 and of at most"):
+        RdtProtocol(staging_bucket_mb=2_000_000)
 
 
 def test_connect_from_a_process_outside_ray_is_an_explicit_error(monkeypatch: pytest.MonkeyPatch) -> None:

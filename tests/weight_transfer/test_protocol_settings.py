@@ -48,7 +48,11 @@ BAD_SETTINGS = [
         {"keep_version": 3},
         "disk has no setting 'keep_version' (did you mean 'keep_versions'?); disk's settings: ",
     ),
-    ("disk", {"keep_versions": True}, "keep_versions = True: expected a whole number of at least 1 (a boolean is not"),
+    (
+        "disk",
+        {"keep_versions": True},
+        "keep_versions = True: expected a whole number of at least 1 and of at most 64 (a boolean is not",
+    ),
     ("disk", {"keep_versions": 2.0}, "disk setting keep_versions = 2.0: expected a whole number of at least 1"),
     ("disk", {"keep_versions": -3}, "disk setting keep_versions = -3: expected a whole number of at least 1"),
     ("disk", {"work_dir": ["/tmp"]}, "disk setting work_dir = ['/tmp']: expected a string or null"),
@@ -251,8 +255,8 @@ def test_a_models_own_checks_are_reported_with_their_message() -> None:
     windowed = type("WindowedProtocol", (Undeclared,), {"name": "windowed", "settings_model": Windowed})
     with pytest.raises(
         ConfigError,
-        match=r"windowed setting high = 3: expected a whole number of at least 0 "
-        r"\(Value error, must be even\); high: Upper end.",
+        match=r"windowed setting high = 3: expected a whole number of at least 0; high: Upper end. "
+        r"\(Value error, must be even\)",
     ):
         windowed(high=3)
     with pytest.raises(ConfigError, match="windowed settings: Value error, low must not exceed high"):

@@ -16,6 +16,7 @@ import pydantic
 from safetensors.torch import save_file
 
 from miles_core import (
+    MAX_KEPT_VERSIONS,
     EngineEndpoint,
     MilesError,
     ProtocolSettings,
@@ -36,7 +37,12 @@ class ShardedDiskSettings(ProtocolSettings):
     directory: str | None = pydantic.Field(
         default=None, description="Where versions are written; null: a temporary directory, removed at close."
     )
-    keep_versions: int = pydantic.Field(default=2, ge=1, description="How many version directories to keep.")
+    keep_versions: int = pydantic.Field(
+        default=2,
+        ge=1,
+        le=MAX_KEPT_VERSIONS,
+        description="How many version directories to keep (at most 64: each is a whole copy of the weights).",
+    )
     timeout_s: float = pydantic.Field(
         default=600.0, gt=0, description="Seconds an engine may take to load a version from disk."
     )

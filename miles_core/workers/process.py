@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -110,8 +111,14 @@ def open_private_log(path: Path) -> BinaryIO:
     return os.fdopen(descriptor, "ab")
 
 
+WATCHDOG = Path(__file__).with_name("watchdog.py")
+"""The watchdog started beside each supervised process (see :mod:`miles_core.workers.watchdog`)."""
+
+
 class SupervisedProcess:
-    """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree."""
+    """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree. A watchdog
+    beside it stops that tree when this process goes without stopping it (``kill -9``): workers never outlive their
+    driver."""
 
     def __init__(
         self, argv: list[str], *, env: Mapping[str, str], log_file: str | Path, cwd: str | None = None
@@ -130,6 +137,7 @@ class SupervisedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        self.watchdog = start_watchdog(self.popen.pid)
 
     @property
     def pid(self) -> int:
@@ -160,6 +168,9 @@ class SupervisedProcess:
         kill_tree(self.tree_pids(), grace_s=grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace_s)
+        self.watchdog.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.watchdog.wait(timeout=grace_s)
 
     def found_port_taken(self) -> bool:
         """Whether this process's log says a bind found its address in use (another process took a port between
@@ -173,6 +184,17 @@ class SupervisedProcess:
 
     def describe(self) -> str:
         return f"pid {self.pid}, command {' '.join(redacted(self.argv))!r}, log {self.log_file}"
+
+
+def start_watchdog(group: int) -> subprocess.Popen:
+    """The watchdog of the process group ``group`` (a supervised process's session): it stops the group when this
+    process is gone. ``-P``: the watchdog's folder (``miles_core/workers``) is not put on its import path."""
+    return subprocess.Popen(
+        [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(group)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C at the driver's terminal reaches the driver, not the watchdog
+    )
 
 
 SECRET_FLAG_WORDS = frozenset({"key", "keys", "token", "password", "passwd", "secret"})

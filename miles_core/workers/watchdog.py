@@ -1,0 +1,147 @@
+"""The watchdog beside every supervised worker: the worker goes when the process that started it goes.
+
+:class:`~miles_core.workers.process.SupervisedProcess` starts it beside each worker it starts, as
+``python -P watchdog.py WATCHED_PID WORKER_GROUP``, in a session of its own. It polls its parent: when the process
+that started it (the ``miles`` driver, or a Ray actor that hosts a command worker) is gone, however it went
+(``kill -9``, the OOM killer, a lost node), it stops the worker's process group and everything descended from it
+(SIGTERM, then SIGKILL after :data:`GRACE_S`), and removes the shared-memory files that dead processes of Miles
+left (:func:`remove_dead_files`: the driver's among them, which nothing else would remove). It ends by itself when
+the worker's group is empty, and on SIGTERM (how a provider's clean stop ends it).
+
+A parent-death signal (``PR_SET_PDEATHSIG``) is not used: it fires when the *thread* that started the child exits,
+and workers are started from worker threads (an event loop in a thread, ``asyncio.to_thread``). The parent is
+watched by ``getppid()``, which changes only when the parent process is gone (the watchdog is re-parented).
+
+Stdlib only, and run by path rather than as a module of the ``miles_core`` package: it starts in milliseconds and
+holds a few MB, one per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.5
+"""How often the parent and the worker's group are checked: a dead driver's workers get SIGTERM within this."""
+GRACE_S = 3.0
+"""How long the worker's processes have to exit after SIGTERM before SIGKILL."""
+SHARED_FILE = re.compile(r"^miles-[a-z]+(?:-[a-z]+)*-(\d+)-")
+"""A shared-memory file (or directory) of Miles: ``miles-<kind>-<pid of its maker>-...`` (staging files, send
+buffers, export directories); one whose maker is gone is an orphan."""
+STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"  # as miles_core.engines.staging names it (not imported: stdlib only)
+
+
+def main(argv: list[str]) -> int:
+    watched, group = int(argv[1]), int(argv[2])
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    while not stopping and group_alive(group):
+        if os.getppid() != watched:  # re-parented: the process that started the worker is gone
+            stop_group(group)
+            remove_dead_files()
+            return 0
+        time.sleep(POLL_S)
+    return 0
+
+
+def group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is not ours: the group exists
+        return True
+    return True
+
+
+def stop_group(group: int) -> None:
+    """SIGTERM the group's processes and their descendants (a descendant may have a session of its own), SIGKILL
+    what is left after :data:`GRACE_S`."""
+    pids = group_and_descendants(group)
+    signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.05)
+    signal_all(group_and_descendants(group) | pids, signal.SIGKILL)
+
+
+def signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def group_and_descendants(group: int) -> set[int]:
+    """The pids of the group's members and of all their descendants, from ``/proc``."""
+    parents: dict[int, int] = {}
+    members: set[int] = set()
+    for pid, ppid, pgrp in _processes():
+        parents[pid] = ppid
+        if pgrp == group:
+            members.add(pid)
+    found = set(members)
+    grew = True
+    while grew:
+        grew = False
+        for pid, ppid in parents.items():
+            if ppid in found and pid not in found:
+                found.add(pid)
+                grew = True
+    found.discard(os.getpid())
+    return found
+
+
+def _processes() -> list[tuple[int, int, int]]:
+    """(pid, ppid, process group) of every process."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        found.append((int(entry), int(fields[1]), int(fields[2])))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def remove_dead_files() -> list[Path]:
+    """Remove this user's Miles shared-memory files (:data:`SHARED_FILE`) whose maker is gone, in ``/dev/shm`` and
+    the weight-staging directory; returns what it removed."""
+    staging = os.environ.get(STAGING_DIR_ENV) or f"/dev/shm/miles-staging-{os.getuid()}"
+    removed = []
+    for directory in {Path("/dev/shm"), Path(staging)}:
+        with contextlib.suppress(OSError):
+            for path in directory.iterdir():
+                match = SHARED_FILE.match(path.name)
+                if match is None or _running(int(match.group(1))):  # a zombie maker (not reaped yet) is gone
+                    continue
+                with contextlib.suppress(OSError):
+                    if path.lstat().st_uid != os.getuid():
+                        continue
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink()
+                    removed.append(path)
+    return removed
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -17,6 +18,7 @@ from typing import BinaryIO
 import psutil
 
 from miles_core.workers.node import node_address
+from miles_core.workers.watchdog import start_time
 
 LOG_TAIL_BYTES = 4096
 
@@ -137,7 +139,7 @@ class SupervisedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        self.watchdog = start_watchdog(self.popen.pid)
+        self.watchdog = Watchdog.start_for(self.popen.pid)
 
     @property
     def pid(self) -> int:
@@ -168,9 +170,7 @@ class SupervisedProcess:
         kill_tree(self.tree_pids(), grace_s=grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace_s)
-        self.watchdog.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.watchdog.wait(timeout=grace_s)
+        self.watchdog.stop()
 
     def found_port_taken(self) -> bool:
         """Whether this process's log says a bind found its address in use (another process took a port between
@@ -186,15 +186,32 @@ class SupervisedProcess:
         return f"pid {self.pid}, command {' '.join(redacted(self.argv))!r}, log {self.log_file}"
 
 
-def start_watchdog(group: int) -> subprocess.Popen:
-    """The watchdog of the process group ``group`` (a supervised process's session): it stops the group when this
-    process is gone. ``-P``: the watchdog's folder (``miles_core/workers``) is not put on its import path."""
-    return subprocess.Popen(
-        [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(group)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # a Ctrl-C at the driver's terminal reaches the driver, not the watchdog
-    )
+@dataclasses.dataclass(frozen=True)
+class Watchdog:
+    """The watchdog of a supervised process (see :mod:`miles_core.workers.watchdog`), known by pid and start time."""
+
+    pid: int
+    start: int | None
+
+    @classmethod
+    def start_for(cls, group: int) -> Watchdog:
+        """Start the watchdog of the process group ``group`` (a supervised process's session): it stops the group
+        when this process is gone. ``-P``: the watchdog's folder (``miles_core/workers``) is not on its import path."""
+        first = subprocess.Popen(
+            [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(start_time(os.getpid())), str(group)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the driver's terminal reaches the driver, not the watchdog
+        )
+        with first.stdout:
+            pid = int(first.stdout.readline() or 0)
+        first.wait()
+        return cls(pid=pid, start=start_time(pid) if pid else None)
+
+    def stop(self) -> None:
+        if self.start is not None and start_time(self.pid) == self.start:  # never a process that reused its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
 
 
 SECRET_FLAG_WORDS = frozenset({"key", "keys", "token", "password", "passwd", "secret"})

@@ -1,16 +1,18 @@
 """The watchdog beside every supervised worker: the worker goes when the process that started it goes.
 
 :class:`~miles_core.workers.process.SupervisedProcess` starts it beside each worker it starts, as
-``python -P watchdog.py WATCHED_PID WORKER_GROUP``, in a session of its own. It polls its parent: when the process
-that started it (the ``miles`` driver, or a Ray actor that hosts a command worker) is gone, however it went
-(``kill -9``, the OOM killer, a lost node), it stops the worker's process group and everything descended from it
-(SIGTERM, then SIGKILL after :data:`GRACE_S`), and removes the shared-memory files that dead processes of Miles
-left (:func:`remove_dead_files`: the driver's among them, which nothing else would remove). It ends by itself when
-the worker's group is empty, and on SIGTERM (how a provider's clean stop ends it).
+``python -P watchdog.py WATCHED_PID WATCHED_START WORKER_GROUP``. It watches the process that started the worker (the
+``miles`` driver, or the Ray actor that hosts a command worker), known by its pid and start time so that a reused pid
+is never mistaken for it: when that process is gone, however it went (``kill -9``, the OOM killer, a lost node), the
+watchdog stops the worker's process group and everything descended from it (SIGTERM, then SIGKILL after
+:data:`GRACE_S`), and removes the shared-memory files that dead processes of Miles left (:func:`remove_dead_files`:
+the driver's among them, which nothing else would remove). It ends by itself when the worker's group is empty, and on
+SIGTERM (how a provider's clean stop ends it).
 
-A parent-death signal (``PR_SET_PDEATHSIG``) is not used: it fires when the *thread* that started the child exits,
-and workers are started from worker threads (an event loop in a thread, ``asyncio.to_thread``). The parent is
-watched by ``getppid()``, which changes only when the parent process is gone (the watchdog is re-parented).
+It detaches from its starter at once (a second fork; it prints its pid for the starter): a Ray worker process kills
+its direct children when it exits, before a child could clean up. A parent-death signal (``PR_SET_PDEATHSIG``) is not
+used: it fires when the *thread* that started the child exits, and workers are started from worker threads (an event
+loop in a thread, ``asyncio.to_thread``).
 
 Stdlib only, and run by path rather than as a module of the ``miles_core`` package: it starts in milliseconds and
 holds a few MB, one per worker.
@@ -38,17 +40,42 @@ STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"  # as miles_core.engines.staging na
 
 
 def main(argv: list[str]) -> int:
-    watched, group = int(argv[1]), int(argv[2])
-    stopping = []
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
-    while not stopping and group_alive(group):
-        if os.getppid() != watched:  # re-parented: the process that started the worker is gone
+    watched, watched_start, group = int(argv[1]), int(argv[2]), int(argv[3])
+    child = os.fork()
+    if child:  # the starter reads the watchdog's pid, and reaps this process at once
+        print(child, flush=True)
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the starter's pipe closes with the first process
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop)
+    while group_alive(group):
+        if start_time(watched) != watched_start:  # gone (or a zombie, or its pid reused)
+            for sig in STOP_SIGNALS:  # the cleanup is not cut short
+                signal.signal(sig, signal.SIG_IGN)
             stop_group(group)
             remove_dead_files()
             return 0
         time.sleep(POLL_S)
     return 0
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _stop(_signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, as ``/proc/PID/stat`` says); ``None`` when it is gone or a
+    zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    return None if fields[0] in "ZX" else int(fields[19])
 
 
 def group_alive(group: int) -> bool:
@@ -114,11 +141,7 @@ def _processes() -> list[tuple[int, int, int]]:
 
 
 def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    return start_time(pid) is not None
 
 
 def remove_dead_files() -> list[Path]:

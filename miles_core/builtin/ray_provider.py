@@ -53,7 +53,14 @@ from miles_core.progress import waiting_for
 from miles_core.workers.errors import PortTakenError, WorkerError, WorkerStartError
 from miles_core.workers.node import collective_interface_env, set_node_address
 from miles_core.workers.node_check import NodeCheckError, make_witnesses, miles_packages, node_problems, probe_node
-from miles_core.workers.process import PORT_ATTEMPTS, SupervisedProcess, free_ports, log_tail, wait_until
+from miles_core.workers.process import (
+    PORT_ATTEMPTS,
+    SupervisedProcess,
+    Watchdog,
+    free_ports,
+    log_tail,
+    wait_until,
+)
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
 from miles_core.workers.ray_settings import (
@@ -437,10 +444,14 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
         _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
         return
     local_token_auth()
+    before = {child.pid for child in psutil.Process().children()}
     with loopback_node_address(), keep_signal_handlers(), waiting_for("a local Ray to start"):
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
         )
+    # Ray ties its GCS and raylet to this process, but their agents may outlive it by many seconds: a watchdog
+    # stops them all when the driver goes (it ends by itself when ray.shutdown stops them)
+    Watchdog.start_for(trees=[child.pid for child in psutil.Process().children() if child.pid not in before])
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
         ray.shutdown()

@@ -194,11 +194,13 @@ class Watchdog:
     start: int | None
 
     @classmethod
-    def start_for(cls, group: int) -> Watchdog:
-        """Start the watchdog of the process group ``group`` (a supervised process's session): it stops the group
-        when this process is gone. ``-P``: the watchdog's folder (``miles_core/workers``) is not on its import path."""
+    def start_for(cls, group: int | None = None, *, trees: Iterable[int] = ()) -> Watchdog:
+        """Start the watchdog of the process group ``group`` (a supervised process's session), or of the processes
+        ``trees`` and their descendants: it stops them when this process is gone. ``-P``: the watchdog's folder
+        (``miles_core/workers``) is not on its import path."""
+        target = str(group) if group is not None else "tree:" + ",".join(map(str, trees))
         first = subprocess.Popen(
-            [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(start_time(os.getpid())), str(group)],
+            [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(start_time(os.getpid())), target],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             start_new_session=True,  # a Ctrl-C at the driver's terminal reaches the driver, not the watchdog

@@ -40,7 +40,10 @@ STAGING_DIR_ENV = "MILES_WEIGHT_STAGING_DIR"  # as miles_core.engines.staging na
 
 
 def main(argv: list[str]) -> int:
-    watched, watched_start, group = int(argv[1]), int(argv[2]), int(argv[3])
+    """``WATCHED_PID WATCHED_START GROUP`` (a worker's process group) or ``WATCHED_PID WATCHED_START tree:PID,...``
+    (processes that are no group of their own, such as a local Ray's GCS and raylet in the driver's group: they and
+    their descendants, followed while they live, since a descendant whose parent dies first is re-parented)."""
+    watched, watched_start, target = int(argv[1]), int(argv[2]), argv[3]
     child = os.fork()
     if child:  # the starter reads the watchdog's pid, and reaps this process at once
         print(child, flush=True)
@@ -49,15 +52,50 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, 1)  # the starter's pipe closes with the first process
     for sig in STOP_SIGNALS:
         signal.signal(sig, _stop)
-    while group_alive(group):
+    if target.startswith("tree:"):
+        follow = Tree([int(pid) for pid in target[len("tree:") :].split(",") if pid])
+    else:
+        follow = Group(int(target))
+    while follow.alive():
         if start_time(watched) != watched_start:  # gone (or a zombie, or its pid reused)
             for sig in STOP_SIGNALS:  # the cleanup is not cut short
                 signal.signal(sig, signal.SIG_IGN)
-            stop_group(group)
+            stop_all(follow)
             remove_dead_files()
             return 0
         time.sleep(POLL_S)
     return 0
+
+
+class Group:
+    """A worker's process group (its session): its members and all their descendants."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def alive(self) -> bool:
+        return group_alive(self.group)
+
+    def processes(self) -> set[int]:
+        return group_and_descendants(self.group)
+
+
+class Tree:
+    """Processes known by pid and their descendants, each remembered with its start time while it lives."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self.known = {pid: start for pid in roots if (start := start_time(pid)) is not None}
+
+    def alive(self) -> bool:
+        self.known = {pid: start for pid, start in self.known.items() if start_time(pid) == start}
+        parents = {pid: ppid for pid, ppid, _group in _processes()}
+        for pid in descendants(set(self.known), parents) - set(self.known):
+            if (start := start_time(pid)) is not None:
+                self.known[pid] = start
+        return bool(self.known)
+
+    def processes(self) -> set[int]:
+        return {pid for pid, start in self.known.items() if start_time(pid) == start}
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -88,15 +126,15 @@ def group_alive(group: int) -> bool:
     return True
 
 
-def stop_group(group: int) -> None:
-    """SIGTERM the group's processes and their descendants (a descendant may have a session of its own), SIGKILL
-    what is left after :data:`GRACE_S`."""
-    pids = group_and_descendants(group)
+def stop_all(follow: Group | Tree) -> None:
+    """SIGTERM the followed processes, SIGKILL what is left of them (and what they started meanwhile) after
+    :data:`GRACE_S`."""
+    pids = follow.processes()
     signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while time.monotonic() < deadline and any(_running(pid) for pid in pids):
         time.sleep(0.05)
-    signal_all(group_and_descendants(group) | pids, signal.SIGKILL)
+    signal_all(pids | follow.processes(), signal.SIGKILL)
 
 
 def signal_all(pids: set[int], sig: int) -> None:
@@ -107,13 +145,14 @@ def signal_all(pids: set[int], sig: int) -> None:
 
 def group_and_descendants(group: int) -> set[int]:
     """The pids of the group's members and of all their descendants, from ``/proc``."""
-    parents: dict[int, int] = {}
-    members: set[int] = set()
-    for pid, ppid, pgrp in _processes():
-        parents[pid] = ppid
-        if pgrp == group:
-            members.add(pid)
-    found = set(members)
+    table = _processes()
+    members = {pid for pid, _ppid, pgrp in table if pgrp == group}
+    return descendants(members, {pid: ppid for pid, ppid, _group in table}) - {os.getpid()}
+
+
+def descendants(roots: set[int], parents: dict[int, int]) -> set[int]:
+    """``roots`` and every process descended from them (``parents``: pid to parent pid)."""
+    found = set(roots)
     grew = True
     while grew:
         grew = False
@@ -121,7 +160,6 @@ def group_and_descendants(group: int) -> set[int]:
             if ppid in found and pid not in found:
                 found.add(pid)
                 grew = True
-    found.discard(os.getpid())
     return found
 
 

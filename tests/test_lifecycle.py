@@ -158,9 +158,9 @@ def test_kill_9_of_a_megatron_tp2_driver_leaves_no_rank_and_no_engine(start) -> 
     assert_kill_9_leaves_nothing(start(*MEGATRON_TP2))
 
 
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_sigterm_stops_the_run_cleanly_with_the_resume_hint(start, provider: str) -> None:
-    run = start(*PROVIDERS[provider])
+@pytest.mark.parametrize("setting", [*PROVIDERS, "megatron_tp2"])
+def test_sigterm_stops_the_run_cleanly_with_the_resume_hint(start, setting: str) -> None:
+    run = start(*PROVIDERS.get(setting, MEGATRON_TP2))
     run.wait_for_step(1)
     pids = run.processes()
     run.proc.send_signal(signal.SIGTERM)

@@ -29,6 +29,7 @@ SERIAL_TESTS = (
     "tests/workers/",  # RPC deadlines and health timeouts of a second or so, and Ray clusters
     "tests/cluster/",  # hosts in network namespaces, a Ray node each, and learning runs across them
     "tests/test_train.py",  # learning runs and engine deaths mid-run
+    "tests/test_lifecycle.py",  # runs killed mid-step (local Ray, Megatron ranks)
     "tests/test_train_fully_async.py",
     "tests/test_train_moe.py",  # MoE learning runs
     "tests/test_train_agent.py",  # an agent run that learns, an engine killed mid-session

@@ -30,6 +30,7 @@ import re
 import secrets
 import signal
 import socket
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,14 @@ from miles_core.progress import waiting_for
 from miles_core.workers.errors import PortTakenError, WorkerError, WorkerStartError
 from miles_core.workers.node import collective_interface_env, set_node_address
 from miles_core.workers.node_check import NodeCheckError, make_witnesses, miles_packages, node_problems, probe_node
-from miles_core.workers.process import PORT_ATTEMPTS, SupervisedProcess, free_ports, log_tail, wait_until
+from miles_core.workers.process import (
+    PORT_ATTEMPTS,
+    SupervisedProcess,
+    Watchdog,
+    free_ports,
+    log_tail,
+    wait_until,
+)
 from miles_core.workers.provider import BaseWorkerProvider, WorkerInfo
 from miles_core.workers.python_worker import build_target, make_server
 from miles_core.workers.ray_settings import (
@@ -436,10 +444,14 @@ def init_ray(address: str | None = None, **ray_init: Any) -> None:
         _join_cluster(os.environ["RAY_ADDRESS"], "RAY_ADDRESS", ray_init)
         return
     local_token_auth()
-    with loopback_node_address(), waiting_for("a local Ray to start"):
+    before = {child.pid for child in psutil.Process().children()}
+    with loopback_node_address(), keep_signal_handlers(), waiting_for("a local Ray to start"):
         ray.init(
             address="local", _node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False, **ray_init
         )
+    # Ray ties its GCS and raylet to this process, but their agents may outlive it by many seconds: a watchdog
+    # stops them all when the driver goes (it ends by itself when ray.shutdown stops them)
+    Watchdog.start_for(trees=[child.pid for child in psutil.Process().children() if child.pid not in before])
     node_ip = ray.util.get_node_ip_address()
     if not ipaddress.ip_address(node_ip).is_loopback:
         ray.shutdown()
@@ -463,7 +475,7 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
         reload_token_auth()  # Ray kept the token of an earlier Ray of this process: send the one given now
     loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
     try:
-        with loopback, waiting_for(f"the Ray cluster at {address} to be joined"):
+        with loopback, keep_signal_handlers(), waiting_for(f"the Ray cluster at {address} to be joined"):
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
     except (ConnectionError, RayAuthenticationError) as exc:
         raise WorkerError(f"cannot join the Ray cluster at {address} ({source}): {_join_failure(exc)}") from None
@@ -499,6 +511,24 @@ def _join_failure(exc: BaseException) -> str:
             "token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token"
         )
     return f"{chain[0][:600]}; is a Ray head node (`ray start --head`) listening there?"
+
+
+KEPT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def keep_signal_handlers():
+    """While Ray starts in this process: its core worker installs handlers of its own (SIGTERM: print a stack and
+    abort), which would replace the driver's clean stop (``miles_core.cli.stop_signals``); the handlers in place
+    before are installed again afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in KEPT_SIGNALS}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            for sig, handler in saved.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from miles_core.cli.config_args import ConfigArguments
-from miles_core.cli.exit_codes import INTERRUPTED
+from miles_core.cli.stop_signals import StopSignals
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
 
@@ -42,11 +42,13 @@ def prepare(
         from miles_core.loop import run_training  # deferred: imports torch and transformers
 
         config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
+        stop = StopSignals()
         try:
-            reporter = asyncio.run(run_training(config, manager, progress=not args.no_progress))
+            with stop:
+                reporter = asyncio.run(run_training(config, manager, progress=not args.no_progress))
         except KeyboardInterrupt:  # the run's workers are stopped by then (the loop's finally blocks)
-            print(f"miles: interrupted; {_where_the_run_is(config.run.output_dir)}", file=sys.stderr, flush=True)
-            return INTERRUPTED
+            print(f"miles: {stop.name}; {_where_the_run_is(config.run.output_dir)}", file=sys.stderr, flush=True)
+            return stop.exit_status
         print(reporter.final_table())
         print(f"metrics: {reporter.metrics_file}")
         return 0

@@ -9,4 +9,5 @@ FAILED = 1
 USAGE_ERROR = 2
 """The command was not started: a bad flag, config value or plugin, reported in one line."""
 INTERRUPTED = 130
-"""The exit status after Ctrl-C (128 + SIGINT), as shells report it."""
+"""The exit status after Ctrl-C (128 + SIGINT), as shells report it; SIGTERM and SIGHUP stop ``miles train`` the same
+way with 128 + their number (143, 129: :mod:`miles_core.cli.stop_signals`)."""

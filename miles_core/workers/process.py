@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import BinaryIO
 import psutil
 
 from miles_core.workers.node import node_address
+from miles_core.workers.watchdog import start_time
 
 LOG_TAIL_BYTES = 4096
 
@@ -110,8 +113,14 @@ def open_private_log(path: Path) -> BinaryIO:
     return os.fdopen(descriptor, "ab")
 
 
+WATCHDOG = Path(__file__).with_name("watchdog.py")
+"""The watchdog started beside each supervised process (see :mod:`miles_core.workers.watchdog`)."""
+
+
 class SupervisedProcess:
-    """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree."""
+    """A child process in its own session, its output in a log file; :meth:`stop` kills its whole tree. A watchdog
+    beside it stops that tree when this process goes without stopping it (``kill -9``): workers never outlive their
+    driver."""
 
     def __init__(
         self, argv: list[str], *, env: Mapping[str, str], log_file: str | Path, cwd: str | None = None
@@ -130,6 +139,7 @@ class SupervisedProcess:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        self.watchdog = Watchdog.start_for(self.popen.pid)
 
     @property
     def pid(self) -> int:
@@ -160,6 +170,7 @@ class SupervisedProcess:
         kill_tree(self.tree_pids(), grace_s=grace_s)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace_s)
+        self.watchdog.stop()
 
     def found_port_taken(self) -> bool:
         """Whether this process's log says a bind found its address in use (another process took a port between
@@ -173,6 +184,36 @@ class SupervisedProcess:
 
     def describe(self) -> str:
         return f"pid {self.pid}, command {' '.join(redacted(self.argv))!r}, log {self.log_file}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Watchdog:
+    """The watchdog of a supervised process (see :mod:`miles_core.workers.watchdog`), known by pid and start time."""
+
+    pid: int
+    start: int | None
+
+    @classmethod
+    def start_for(cls, group: int | None = None, *, trees: Iterable[int] = ()) -> Watchdog:
+        """Start the watchdog of the process group ``group`` (a supervised process's session), or of the processes
+        ``trees`` and their descendants: it stops them when this process is gone. ``-P``: the watchdog's folder
+        (``miles_core/workers``) is not on its import path."""
+        target = str(group) if group is not None else "tree:" + ",".join(map(str, trees))
+        first = subprocess.Popen(
+            [sys.executable, "-P", str(WATCHDOG), str(os.getpid()), str(start_time(os.getpid())), target],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C at the driver's terminal reaches the driver, not the watchdog
+        )
+        with first.stdout:
+            pid = int(first.stdout.readline() or 0)
+        first.wait()
+        return cls(pid=pid, start=start_time(pid) if pid else None)
+
+    def stop(self) -> None:
+        if self.start is not None and start_time(self.pid) == self.start:  # never a process that reused its pid
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
 
 
 SECRET_FLAG_WORDS = frozenset({"key", "keys", "token", "password", "passwd", "secret"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -151,7 +152,10 @@ class MegatronTrainer:
         ``export_parent`` (default: this machine's shared memory)."""
         model_path = Path(model_path)
         hf_config = checked_hf_config(model_path, layout)
-        export_dir = Path(tempfile.mkdtemp(prefix="miles-megatron-", dir=export_parent or _shared_memory_dir()))
+        # named with the driver's pid: a killed driver's is an orphan that the workers' watchdogs remove
+        export_dir = Path(
+            tempfile.mkdtemp(prefix=f"miles-megatron-{os.getpid()}-", dir=export_parent or _shared_memory_dir())
+        )
         ranks = _Ranks(provider_factory)
         try:
             specs = _rank_specs(

@@ -66,9 +66,18 @@ if TYPE_CHECKING:
     from miles_core.rollout.samples import Group, Sample
     from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
     from miles_core.testkit.protocol_contract import ProtocolContract
+    from miles_core.training.algorithms import (
+        AdvantageEstimator,
+        AlgorithmSettings,
+        PolicyLoss,
+        ScoredSample,
+        choose_algorithm,
+        objective_from_spec,
+    )
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch, trained_tokens
     from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
+    from miles_core.training.objective import Objective, StepShape, averaged, mini_batches
     from miles_core.training.optimizer import build_optimizer
     from miles_core.training.optimizer_reset import reset_optimizer_states
     from miles_core.training.weight_iterator import HfWeightIterator
@@ -128,6 +137,16 @@ _LAZY = {
     "CausalLM": "miles_core.models.causal_lm",
     "HfWeightIterator": "miles_core.training.weight_iterator",
     "TrainBatch": "miles_core.training.batch",
+    "AdvantageEstimator": "miles_core.training.algorithms",
+    "AlgorithmSettings": "miles_core.training.algorithms",
+    "PolicyLoss": "miles_core.training.algorithms",
+    "ScoredSample": "miles_core.training.algorithms",
+    "objective_from_spec": "miles_core.training.algorithms",
+    "choose_algorithm": "miles_core.training.algorithms",
+    "Objective": "miles_core.training.objective",
+    "StepShape": "miles_core.training.objective",
+    "averaged": "miles_core.training.objective",
+    "mini_batches": "miles_core.training.objective",
     "trained_tokens": "miles_core.training.batch",
     "policy_loss": "miles_core.training.losses",
     "kl_k3": "miles_core.training.losses",
@@ -261,6 +280,8 @@ __all__ = [
     "TENSOR_BYTES",
     "TRAINER",
     "WEIGHTS_BY_NAME",
+    "AdvantageEstimator",
+    "AlgorithmSettings",
     "CausalLM",
     "ChatFormat",
     "ChatFormatError",
@@ -283,8 +304,10 @@ __all__ = [
     "MilesConfig",
     "MilesError",
     "NamedTensorShare",
+    "Objective",
     "PluginHookError",
     "PluginLoadError",
+    "PolicyLoss",
     "Prompt",
     "ProtocolContract",
     "ProtocolSettings",
@@ -294,12 +317,14 @@ __all__ = [
     "RouterInfo",
     "Sample",
     "SamplingParams",
+    "ScoredSample",
     "Section",
     "SendsFromHolders",
     "StagedTensor",
     "StagingLayout",
     "StagingLayoutError",
     "StagingOverflowError",
+    "StepShape",
     "ToolCall",
     "TrainBatch",
     "TrainSection",
@@ -315,12 +340,14 @@ __all__ = [
     "__version__",
     "at_most_memory_share",
     "at_most_per_cpu",
+    "averaged",
     "bind_collectives_to",
     "build_optimizer",
     "check_replayable",
     "checkpoint_family",
     "checkpoint_named_tensors",
     "checksum",
+    "choose_algorithm",
     "combine_digests",
     "copy_tokenizer_files",
     "hookimpl",
@@ -331,8 +358,10 @@ __all__ = [
     "map_staging_file",
     "masked_mean",
     "merged_digests",
+    "mini_batches",
     "model_implementation",
     "node_address",
+    "objective_from_spec",
     "policy_loss",
     "raise_holder_errors",
     "read_model_config",

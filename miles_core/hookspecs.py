@@ -183,6 +183,32 @@ def provide_chat_formats() -> list[Implementation] | None:
     """
 
 
+@hookspec
+def provide_advantage_estimators() -> list[Implementation] | None:
+    """Advantage estimators (``--train-advantage-estimator NAME``, settings in
+    ``--train-advantage-estimator-settings '{...}'``).
+
+    Called once when the registries are built. Each target is a subclass of
+    :class:`miles_core.AdvantageEstimator`: its ``settings_model`` is checked against the run's settings when the
+    config is built, and :meth:`~miles_core.AdvantageEstimator.advantages` runs in the driver on each step's scored
+    groups, returning one advantage per sample (or one per response token). The core provides ``grpo`` (the
+    default), ``dr_grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline`` and ``gspo``.
+    """
+
+
+@hookspec
+def provide_policy_losses() -> list[Implementation] | None:
+    """Policy losses (``--train-policy-loss NAME``, settings in ``--train-policy-loss-settings '{...}'``; by default
+    the estimator's choice).
+
+    Called once when the registries are built. Each target is a subclass of :class:`miles_core.PolicyLoss` whose
+    :meth:`~miles_core.PolicyLoss.token_losses` runs in every trainer process on each micro-batch, returning the loss
+    of every token (the run's ``--train-loss-aggregation`` reduces it) and diagnostics. A trainer in another process
+    imports the target again: give it as an import string of an installed module. The core provides ``ppo_clip``
+    (the default) and ``gspo``.
+    """
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------------------------

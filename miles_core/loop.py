@@ -33,6 +33,7 @@ from miles_core.rollout.sessions.pool import SessionServers
 from miles_core.rollout.stream import RolloutStream, StreamState
 from miles_core.run_setup import CHECKPOINTS, RunSetup, prepare_run
 from miles_core.targets import describe_callable
+from miles_core.training.algorithms import choose_algorithm
 from miles_core.training.backend import TrainingBackend, missing_members, weight_holders
 from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
@@ -193,6 +194,13 @@ async def _run_with_trainer(
         )
         if agent is not None:
             sessions = await _start_session_servers(config, provider, controller, setup, registries)
+        algorithm = choose_algorithm(
+            config.train,
+            registries,
+            group_size=config.rollout.group_size,
+            max_new_tokens=config.rollout.max_new_tokens,
+        )
+        print(f"miles: algorithm: {algorithm.describe()}", flush=True)
         executor = RolloutExecutor(
             run=config.run,
             rollout=config.rollout,
@@ -204,6 +212,7 @@ async def _run_with_trainer(
             reward_fn=setup.reward_fn,
             reward_name=setup.reward_name,
             controller=controller,
+            advantages=algorithm.estimator,
             filters=load_filters(config.rollout.filters, registries.rollout_filters),
             initial_version=setup.start_step,
             agent=agent,

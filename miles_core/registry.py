@@ -7,6 +7,7 @@ so building the registries (and ``miles plugins``) never imports a heavy backend
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -27,6 +28,8 @@ REGISTRY_HOOKS: dict[str, str] = {
     "rollout_filters": "provide_rollout_filters",
     "chat_formats": "provide_chat_formats",
     "agents": "provide_agents",
+    "advantage_estimators": "provide_advantage_estimators",
+    "policy_losses": "provide_policy_losses",
 }
 """Registry name -> the hook that fills it."""
 
@@ -120,6 +123,9 @@ def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
     which distribution provides it."""
     label = kind.replace("_", " ")
     message = f"unknown {label.rstrip('s')} {name!r}; available: {', '.join(available) or '(none installed)'}"
+    close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
+    if close:
+        message += f" (closest: {', '.join(close)})"
     distribution = FIRST_PARTY_PROVIDERS.get(kind, {}).get(name)
     if distribution is not None:
         if _is_installed(distribution):
@@ -152,6 +158,8 @@ class Registries:
     rollout_filters: Registry
     chat_formats: Registry
     agents: Registry
+    advantage_estimators: Registry
+    policy_losses: Registry
 
     def __init__(self, registries: Mapping[str, Registry]) -> None:
         if set(registries) != set(REGISTRY_HOOKS):

@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.algorithms import Grpo
 from miles_core.builtin.dashboard.store import DashboardStore, check_run_dir
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
@@ -256,6 +257,7 @@ def _executor(reward_fn) -> RolloutExecutor:
         reward_fn=reward_fn,
         reward_name="my_rewards:score",
         controller=None,
+        advantages=Grpo(),
     )
 
 

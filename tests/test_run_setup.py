@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.algorithms import Grpo
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
@@ -268,6 +269,7 @@ def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
         reward_fn=reward_fn,
         reward_name=name,
         controller=None,
+        advantages=Grpo(),
     )
 
 

@@ -103,6 +103,11 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
         except RegistryError as exc:
             raise ConfigError(f"{field} = {name!r}: {exc}") from exc
     check_agent_settings(config, registries)
+    from miles_core.training.algorithms import choose_algorithm  # deferred: the estimators import torch
+
+    choose_algorithm(
+        config.train, registries, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens
+    )
     check_protocol_reaches_engines(config, registries)
     problems = check_faults_fit(
         config.run.fault_injection, num_engines=config.engine.num_engines, num_steps=config.run.num_steps
@@ -337,6 +342,30 @@ def provide_agents() -> list[Implementation]:
             "miles_core.default.tool_task:tool_lookup_agent",
             "the tool_lookup task's agent: offers the lookup tool, answers its calls, scores the answer",
         ),
+    ]
+
+
+@hookimpl
+def provide_advantage_estimators() -> list[Implementation]:
+    module = "miles_core.builtin.algorithms"
+    return [
+        Implementation("grpo", f"{module}:Grpo", "group-normalised rewards (the default)"),
+        Implementation("dr_grpo", f"{module}:DrGrpo", "group-centred rewards, constant-normaliser loss"),
+        Implementation("rloo", f"{module}:Rloo", "leave-one-out baseline"),
+        Implementation("reinforce_plus_plus", f"{module}:ReinforcePlusPlus", "discounted returns, batch-whitened"),
+        Implementation(
+            "reinforce_plus_plus_baseline", f"{module}:ReinforcePlusPlusBaseline", "group baseline, batch-whitened"
+        ),
+        Implementation("gspo", f"{module}:Gspo", "GRPO advantages, sequence-level ratio (gspo loss)"),
+    ]
+
+
+@hookimpl
+def provide_policy_losses() -> list[Implementation]:
+    module = "miles_core.builtin.algorithms"
+    return [
+        Implementation("ppo_clip", f"{module}:PpoClip", "PPO's clipped surrogate per token (the default)"),
+        Implementation("gspo", f"{module}:GspoLoss", "clipped sequence-level ratio (GSPO)"),
     ]
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 
+from miles_core.builtin.algorithms import PpoClip
 from miles_core.default.threads import trainer_threads
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
@@ -30,8 +31,10 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.batch import TrainBatch, trained_tokens
-from miles_core.training.losses import entropy, kl_k3, logits_dtype, masked_mean, policy_loss, token_logprobs
+from miles_core.training.algorithms import choose_algorithm, objective_from_spec
+from miles_core.training.batch import TrainBatch
+from miles_core.training.losses import entropy, logits_dtype, token_logprobs
+from miles_core.training.objective import Objective, StepShape, averaged, mini_batches
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator
@@ -61,6 +64,7 @@ class TorchTrainer:
         reference: CausalLM | None = None,
         hf_config: Any = None,
         tokenizer_from: str | Path | None = None,
+        objective: Objective | None = None,
     ) -> None:
         torch.manual_seed(seed)
         if isinstance(model, transformers.PreTrainedModel):
@@ -73,6 +77,7 @@ class TorchTrainer:
         self.tokenizer_from = tokenizer_from
         self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
+        self.objective = objective or Objective(train=settings, policy_loss=PpoClip())
         self.optimizer = build_optimizer(model.parameters(), settings)
         self.logits_dtype = logits_dtype(settings.logits_dtype)
         self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
@@ -110,6 +115,12 @@ class TorchTrainer:
         )
         load = _loader(entry)
         reference = load(initial_model_path) if config.train.kl_coef > 0 else None
+        algorithm = choose_algorithm(
+            config.train,
+            registries,
+            group_size=config.rollout.group_size,
+            max_new_tokens=config.rollout.max_new_tokens,
+        )
         trainer = cls(
             load(model_path),
             config.train,
@@ -117,6 +128,7 @@ class TorchTrainer:
             reference=reference,
             hf_config=hf_config,
             tokenizer_from=initial_model_path,
+            objective=objective_from_spec(config.train, algorithm.trainer_spec()),
         )
         trainer.implementation = f"{hf_config.model_type}/{name}"
         return trainer
@@ -129,16 +141,30 @@ class TorchTrainer:
         return ["driver"]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over the batch, accumulated over micro-batches; returns averaged metrics. With
-        ``tis_clip``, the model's logprobs of every micro-batch are taken first, without gradient, as the old
-        policy of the PPO ratio and of the TIS weights. With ``reset_optimizer_states``, the optimizer's moments
-        are reset right after the step, so the next rollout's step is a fresh optimizer's first step (and a
-        checkpoint written after this step holds the reset state)."""
-        total_tokens = trained_tokens(batch)
-        micro_batches = batch.micro_batches(self.settings.micro_batch_size)
-        micros = [micro.tensors(pad_token_id=self.pad_token_id) for micro in micro_batches]
-        weights = [float(tensors["response_mask"].sum()) / total_tokens for tensors in micros]
-        old = [self._old_logprobs(t) if self.settings.tis_clip is not None else None for t in micros]
+        """One rollout's update: ``epochs_per_rollout`` passes over the batch, each ``mini_batches_per_rollout``
+        optimizer steps (one of each by default), each accumulated over micro-batches; returns the metrics averaged
+        over the optimizer steps. With ``tis_clip``, the model's logprobs of every micro-batch are taken first,
+        without gradient, before any step, as the old policy of the PPO ratio and of the TIS weights. With
+        ``reset_optimizer_states``, the optimizer's moments are reset right after each optimizer step (and a
+        checkpoint written after this update holds the reset state)."""
+        StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
+        plan = []
+        for mini in mini_batches(batch, self.settings.mini_batches_per_rollout):
+            micros = [
+                micro.tensors(pad_token_id=self.pad_token_id)
+                for micro in mini.micro_batches(self.settings.micro_batch_size)
+            ]
+            old = [self._old_logprobs(t) if self.settings.tis_clip is not None else None for t in micros]
+            plan.append((StepShape.of(mini), micros, old))
+        steps = [self._optimizer_step(*step) for _ in range(self.settings.epochs_per_rollout) for step in plan]
+        self.step += 1
+        metrics = averaged(steps)
+        return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
+
+    def _optimizer_step(
+        self, shape: StepShape, micros: list[dict[str, torch.Tensor]], old: list[torch.Tensor | None]
+    ) -> dict[str, float]:
+        weights = [self.objective.weight(tensors["response_mask"], shape) for tensors in micros]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -150,7 +176,6 @@ class TorchTrainer:
         self.optimizer.step()
         if self.settings.reset_optimizer_states:
             reset_optimizer_states(self.optimizer)
-        self.step += 1
         return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
 
     def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -174,39 +199,24 @@ class TorchTrainer:
     def _accumulate(
         self, tensors: dict[str, torch.Tensor], weight: float, old_logprobs: torch.Tensor | None
     ) -> dict[str, float]:
-        input_ids, mask = tensors["input_ids"], tensors["response_mask"]
+        input_ids = tensors["input_ids"]
         with self._replayed(self.model, tensors):
             logits = self.model(input_ids)[:, :-1]
         targets = input_ids[:, 1:]
         logprobs = token_logprobs(logits, targets, dtype=self.logits_dtype)
-        loss, stats = policy_loss(
-            logprobs,
-            tensors["rollout_logprobs"],
-            tensors["advantages"],
-            mask,
-            clip_eps=self.settings.clip_eps,
-            clip_eps_high=self.settings.clip_eps_high,
-            tis_clip=self.settings.tis_clip,
-            old_logprobs=old_logprobs,
-        )
         # Only a bonus needs the entropy's gradient; as a metric alone it stays out of the backward pass (0 times its
         # gradient adds exact zeros to the weights' gradients, at the cost of a pass through softmax and exp).
         with torch.no_grad() if self.settings.entropy_coef == 0 else contextlib.nullcontext():
-            token_entropy = masked_mean(entropy(logits, dtype=self.logits_dtype), mask)
-        kl = torch.zeros(())
+            token_entropy = entropy(logits, dtype=self.logits_dtype)
+        ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad(), self._replayed(self.reference, tensors):
                 ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets, dtype=self.logits_dtype)
-            kl = kl_k3(logprobs, ref_logprobs, mask)
-        total = loss + self.settings.kl_coef * kl - self.settings.entropy_coef * token_entropy
+        total, metrics = self.objective.loss(
+            logprobs, tensors, token_entropy=token_entropy, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs
+        )
         (total * weight).backward()
-        return {
-            "loss": total.item(),
-            "pg_loss": loss.item(),
-            "kl": kl.item(),
-            "entropy": token_entropy.item(),
-            **{key: float(value) for key, value in stats.items()},
-        }
+        return {key: float(value.detach()) for key, value in metrics.items()}
 
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
         """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them)."""

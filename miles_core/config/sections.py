@@ -140,7 +140,12 @@ class RolloutSection(Section):
     """How prompts are sampled and answered."""
 
     batch_size: int = pydantic.Field(default=16, gt=0, description="Prompts per step.")
-    group_size: int = pydantic.Field(default=8, ge=2, description="Samples per prompt (GRPO group).")
+    group_size: int = pydantic.Field(
+        default=8,
+        ge=1,
+        le=4096,
+        description="Samples per prompt (a group; grpo, dr_grpo, rloo and the baselines need at least 2).",
+    )
     max_new_tokens: int = pydantic.Field(default=8, gt=0, description="Maximum response length in tokens.")
     temperature: float = pydantic.Field(default=1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = pydantic.Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -248,7 +253,48 @@ class TrainSection(Section):
     )
     kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
-    normalize_advantages: bool = pydantic.Field(default=True, description="Divide GRPO advantages by the group std.")
+    advantage_estimator: str = pydantic.Field(
+        default="grpo",
+        description="How rewards become advantages (`miles plugins`): grpo, dr_grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline, gspo, or a plugin's.",
+    )
+    advantage_estimator_settings: dict[str, Any] = pydantic.Field(
+        default_factory=dict,
+        description='The estimator\'s own settings, checked against its settings model: {"normalize_std": false} '
+        '(grpo), {"gamma": 0.99} (reinforce_plus_plus).',
+    )
+    policy_loss: str | None = pydantic.Field(
+        default=None,
+        description="The policy loss (`miles plugins`): ppo_clip, gspo, or a plugin's (None: the estimator's "
+        "choice, ppo_clip but for gspo).",
+    )
+    policy_loss_settings: dict[str, Any] = pydantic.Field(
+        default_factory=dict,
+        description='The policy loss\'s own settings: {"clip_eps": 3e-4, "clip_eps_high": 4e-4} (gspo).',
+    )
+    loss_aggregation: (
+        Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] | None
+    ) = pydantic.Field(
+        default=None,
+        description="How token losses become the step's loss: token-mean, seq-mean-token-mean, seq-mean-token-sum, "
+        "or seq-mean-token-sum-norm (Dr. GRPO's: divided by samples times max_new_tokens) (None: the estimator's "
+        "choice, token-mean but for dr_grpo and gspo).",
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = pydantic.Field(
+        default="k3",
+        description="Estimator of the KL to the reference per token (with --train-kl-coef): k1 = log p - log p_ref, "
+        "k2 = (log p - log p_ref)^2 / 2, k3 = exp(r) - r - 1 with r = log p_ref - log p.",
+    )
+    mini_batches_per_rollout: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Optimizer steps per epoch over a rollout's batch: the batch splits into this many mini-batches "
+        "(at most one per sample), each an optimizer step with the rollout's logprobs as the ratio's anchor.",
+    )
+    epochs_per_rollout: int = pydantic.Field(
+        default=1, ge=1, le=64, description="Passes over a rollout's batch (each of mini_batches_per_rollout steps)."
+    )
     reset_optimizer_states: bool = pydantic.Field(
         default=False,
         description="Reset the optimizer's moments (Adam's averages and step count, SGD's momentum) after each "
@@ -265,6 +311,11 @@ class TrainSection(Section):
         "was routed to (return_routed_experts) and the trainer's forward routes every token to them, the routing "
         "weights from its own router logits.",
     )
+
+    removed_fields: ClassVar[Mapping[str, str]] = {
+        "normalize_advantages": "GRPO's std division is a setting of the grpo estimator now: "
+        "--train-advantage-estimator-settings '{\"normalize_std\": false}', or --train-advantage-estimator dr_grpo"
+    }
 
 
 class EngineSection(Section):

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy
-import torch
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams, parse_weight_version
@@ -34,8 +33,8 @@ from miles_core.rollout.agents import Agent, is_session_failure
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.samples import Group, GroupFilter, Rollout, Sample
 from miles_core.rollout.sessions.session import Trajectory
+from miles_core.training.algorithms import AdvantageEstimator, ScoredSample
 from miles_core.training.batch import TrainBatch, TrainSample
-from miles_core.training.losses import grpo_advantages
 
 if TYPE_CHECKING:
     from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
@@ -64,6 +63,7 @@ class RolloutExecutor:
         reward_fn: Callable[..., float],
         reward_name: str,
         controller: Any,
+        advantages: AdvantageEstimator,
         filters: list[GroupFilter] | None = None,
         initial_version: int = 0,
         agent: Agent | None = None,
@@ -71,7 +71,8 @@ class RolloutExecutor:
         routing: RoutingShape | None = None,
     ) -> None:
         """``run``, ``rollout``, ``train``, ``engine``: the config's sections it reads (the seed, the rollout's
-        settings, whether advantages are normalised, how long to wait for engines). ``agent`` and ``sessions``: an
+        settings, how long to wait for engines). ``advantages``: the run's advantage estimator
+        (:func:`~miles_core.training.algorithms.choose_algorithm`). ``agent`` and ``sessions``: an
         agent run's agent and the session servers it plays samples through (both or neither); without them, samples
         are generated single-turn, in batches. ``routing``: the model's routing shape, to ask the engines for every
         token's routed experts and hand them to the trainer (routing replay; not with an agent, whose turns go
@@ -91,6 +92,7 @@ class RolloutExecutor:
         self.reward_fn = reward_fn
         self.reward_name = reward_name
         self.controller = controller
+        self.advantages = advantages
         self.filters = list(filters or [])
         self.initial_version = initial_version  # the version of the weights the engines started with
         self.agent, self.sessions = agent, sessions
@@ -208,13 +210,7 @@ class RolloutExecutor:
         """The training batch of ``groups``: GRPO advantages within each group; with ``--rollout-mask-off-policy``,
         each sample's tokens from before its last weight version masked off."""
         samples = [sample for group in groups for sample in group.samples]
-        normalize = self.train.normalize_advantages
-        advantages = torch.cat(  # group by group: an agent's branches make a group larger than group_size
-            [
-                grpo_advantages(torch.tensor([s.reward for s in g.samples]), len(g.samples), normalize_std=normalize)
-                for g in groups
-            ]
-        )
+        advantages = self._advantages(groups)
         mask = self.rollout.mask_off_policy
         batch = TrainBatch(
             [
@@ -222,17 +218,40 @@ class RolloutExecutor:
                     s.prompt_ids,
                     s.response_ids,
                     s.logprobs,
-                    float(a),
+                    a,
                     s.reward,
                     s.train_mask(mask_off_policy=mask),
                     s.routed_experts,
                 )
-                for s, a in zip(samples, advantages.tolist(), strict=True)
+                for s, a in zip(samples, advantages, strict=True)
             ]
         )
         stats = {**self._stats(samples, "rollout"), **(stats or {})}
         stats["rollout/continued_samples"] = float(sum(len(s.segments) > 1 for s in samples))
         return Rollout(rollout_id, samples, batch, stats, [group.index for group in groups])
+
+    def _advantages(self, groups: list[Group]) -> list[float | tuple[float, ...]]:
+        """The estimator's advantage of every sample, checked: one per sample, a number or one number per response
+        token, all finite (an estimator that breaks this is named)."""
+        scored = [[ScoredSample(float(s.reward), len(s.response_ids)) for s in g.samples] for g in groups]
+        samples = [sample for group in groups for sample in group.samples]
+        found = self.advantages.advantages(scored)
+        name = f"advantage estimator {self.advantages.name!r}"
+        if not isinstance(found, list) or len(found) != len(samples):
+            count = len(found) if isinstance(found, list) else type(found).__name__
+            raise MilesError(f"{name} returned {count} advantages for {len(samples)} samples")
+        checked: list[float | tuple[float, ...]] = []
+        for sample, value in zip(samples, found, strict=True):
+            values = value if isinstance(value, tuple) else (value,)
+            if isinstance(value, tuple) and len(value) != len(sample.response_ids):
+                raise MilesError(
+                    f"{name} returned {len(value)} token advantages for sample {sample.index}, which has "
+                    f"{len(sample.response_ids)} response tokens"
+                )
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+                raise MilesError(f"{name} returned {value!r:.80} for sample {sample.index}: not finite numbers")
+            checked.append(tuple(float(v) for v in value) if isinstance(value, tuple) else float(value))
+        return checked
 
     async def evaluate(self, rollout_id: int) -> Rollout:
         """Greedy answers to the held-out prompts."""

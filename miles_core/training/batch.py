@@ -15,6 +15,9 @@ from miles_core.errors import MilesError
 class TrainSample:
     """One sample: its tokens, the rollout's logprob of each response token, its advantage and reward.
 
+    ``advantage`` is one number for every response token, or a tuple with one number per response token (token-level
+    estimators such as ``reinforce_plus_plus``).
+
     ``loss_mask`` has one entry per response token, between 0 and 1: 1 trains on the token, 0 masks it off (a token
     generated under older weights, for example); ``None`` trains on every response token.
 
@@ -25,12 +28,20 @@ class TrainSample:
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]
-    advantage: float
+    advantage: float | tuple[float, ...]
     reward: float
     loss_mask: tuple[float, ...] | None = None
     routed_experts: RoutedExperts | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.advantage, int | float):
+            advantage = tuple(self.advantage)
+            if len(advantage) != len(self.response_ids):
+                raise ValueError(
+                    f"{self.describe()}: {len(advantage)} token advantages; a per-token advantage needs one per "
+                    f"response token ({len(self.response_ids)})"
+                )
+            object.__setattr__(self, "advantage", advantage)
         if self.routed_experts is not None:
             tokens = max(len(self.prompt_ids) + len(self.response_ids) - 1, 0)
             try:
@@ -83,7 +94,8 @@ class TrainBatch:
     def tensors(self, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
         """Right-padded ``input_ids [B, L]`` and, aligned with the next-token targets ``input_ids[:, 1:]``:
         ``response_mask`` (1 on response tokens, times each sample's ``loss_mask``), ``rollout_logprobs`` (both
-        ``[B, L-1]``), plus ``advantages [B]``; when a sample carries routed experts, ``routed_experts [B, L,
+        ``[B, L-1]``), plus ``advantages``: ``[B]``, or ``[B, L-1]`` aligned as the mask when a sample has one per
+        token; when a sample carries routed experts, ``routed_experts [B, L,
         layers, top_k]`` (:data:`NOT_ROUTED` where nothing was recorded: padding, the last token, samples without
         them)."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
@@ -99,12 +111,25 @@ class TrainBatch:
         input_ids = torch.tensor(ids, dtype=torch.long)
         mask = torch.tensor(masks, dtype=torch.float32)
         old = torch.tensor(olds, dtype=torch.float32)
-        advantages = torch.tensor([s.advantage for s in self.samples], dtype=torch.float32)
+        advantages = self._advantages(length)
         tensors = {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
         routed = self.routed_experts(length)
         if routed is not None:
             tensors["routed_experts"] = routed
         return tensors
+
+    def _advantages(self, length: int) -> torch.Tensor:
+        if all(isinstance(s.advantage, int | float) for s in self.samples):
+            return torch.tensor([s.advantage for s in self.samples], dtype=torch.float32)
+        rows = []
+        for sample in self.samples:
+            before = [0.0] * (len(sample.prompt_ids) - 1)
+            after = [0.0] * (length - len(sample.prompt_ids) - len(sample.response_ids))
+            per_token = sample.advantage
+            if isinstance(per_token, int | float):
+                per_token = (float(per_token),) * len(sample.response_ids)
+            rows.append(before + list(per_token) + after)
+        return torch.tensor(rows, dtype=torch.float32)
 
     def routed_experts(self, length: int) -> torch.Tensor | None:
         """The samples' routed experts as ``[B, length, layers, top_k]`` (see :meth:`tensors`); ``None`` when no

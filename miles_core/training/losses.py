@@ -64,7 +64,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def ppo_clip_loss(
+def ppo_clip_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -74,12 +74,10 @@ def ppo_clip_loss(
     clip_eps_high: float | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip surrogate with the importance ratio against ``old_logprobs``, averaged over response tokens.
-
-    ``old_logprobs`` are the rollout's (or, with TIS, the trainer's own: :func:`policy_loss`). ``advantages`` is
-    per sample ``[B]`` or per token ``[B, T]``; ``token_weights`` ``[B, T]`` (no gradient) multiply each token's
-    surrogate. Returns the loss and diagnostics (clip fraction, approximate KL to ``old_logprobs``).
-    """
+    """The PPO-clip loss of every token, ``-min(ratio * A, clip(ratio) * A)`` with the importance ratio against
+    ``old_logprobs``, and diagnostics (clip fraction, approximate KL to ``old_logprobs``, averaged over the trained
+    tokens). ``advantages`` is per sample ``[B]`` or per token ``[B, T]``; ``token_weights`` ``[B, T]`` (no gradient)
+    multiply each token's surrogate."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     # A masked-off token's ratio is set to 1 rather than multiplied by 0 afterwards: a stale token can be far from
@@ -90,13 +88,40 @@ def ppo_clip_loss(
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)
     if token_weights is not None:
         surrogate = surrogate * token_weights.detach()
-    loss = -masked_mean(surrogate, mask)
     with torch.no_grad():
         stats = {
             "clip_fraction": masked_mean((ratio != clipped).float(), mask),
             "approx_kl_rollout": masked_mean(0.5 * log_ratio.pow(2), mask),
         }
-    return loss, stats
+    return -surrogate, stats
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip surrogate with the importance ratio against ``old_logprobs``, averaged over response tokens
+    (:func:`ppo_clip_token_losses`, then :func:`masked_mean`).
+
+    ``old_logprobs`` are the rollout's (or, with TIS, the trainer's own: :func:`policy_loss`). Returns the loss and
+    diagnostics (clip fraction, approximate KL to ``old_logprobs``).
+    """
+    losses, stats = ppo_clip_token_losses(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_eps=clip_eps,
+        clip_eps_high=clip_eps_high,
+        token_weights=token_weights,
+    )
+    return masked_mean(losses, mask), stats
 
 
 def truncated_importance_weights(
@@ -165,5 +190,37 @@ def policy_loss(
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The k3 estimator of KL(policy || reference), ``exp(r) - r - 1`` with ``r = ref - policy``: unbiased, >= 0."""
-    log_ratio = ref_logprobs - logprobs
-    return masked_mean(log_ratio.exp() - log_ratio - 1, mask)
+    return masked_mean(kl_per_token(logprobs, ref_logprobs, "k3"), mask)
+
+
+def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL(policy || reference) per token by ``estimator`` (see :data:`~miles_core.training.algorithms.KL_ESTIMATORS`):
+    ``k1 = log p - log p_ref``, ``k2 = (log p - log p_ref)^2 / 2``, ``k3 = exp(r) - r - 1`` with
+    ``r = log p_ref - log p``."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref_logprobs).pow(2)
+    if estimator == "k3":
+        log_ratio = ref_logprobs - logprobs
+        return log_ratio.exp() - log_ratio - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}: k1, k2 or k3")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, *, norm_constant: float = 1.0) -> torch.Tensor:
+    """A micro-batch's token values ``[B, T]`` reduced to its loss by the loss aggregation ``mode`` (see
+    :data:`~miles_core.training.algorithms.LOSS_AGGREGATIONS`); ``mask`` weighs each token (a sample whose mask is
+    all 0 is not counted); ``norm_constant``: ``seq-mean-token-sum-norm``'s constant."""
+    if mode == "token-mean":
+        return masked_mean(values, mask)
+    per_sample = (values * mask).sum(-1)
+    tokens = mask.sum(-1)
+    trained = tokens > 0
+    samples = trained.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return torch.where(trained, per_sample / tokens.clamp(min=1e-12), torch.zeros_like(per_sample)).sum() / samples
+    if mode == "seq-mean-token-sum":
+        return per_sample.sum() / samples
+    if mode == "seq-mean-token-sum-norm":
+        return per_sample.sum() / (samples * norm_constant)
+    raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -77,26 +77,33 @@ class ProtocolSettings(pydantic.BaseModel):
         return {}
 
 
-def validate_settings(protocol: type, settings: Any, *, field: str = SETTINGS_FIELD) -> ProtocolSettings:
-    """``settings`` validated against the ``settings_model`` of ``protocol`` (a ``WeightTransferProtocol`` subclass).
+def validate_settings(
+    protocol: type,
+    settings: Any,
+    *,
+    field: str = SETTINGS_FIELD,
+    flag: str = "--weight-transfer-settings",
+    kind: str = "protocol",
+) -> ProtocolSettings:
+    """``settings`` validated against the ``settings_model`` of ``protocol`` (a ``WeightTransferProtocol`` subclass,
+    or any class naming a ``settings_model``: an advantage estimator, a policy loss; ``kind`` names what it is).
 
     Anything it refuses is a :class:`ConfigError` that starts with ``field`` (the config field the settings come
-    from) and its flag, the settings given and the protocol, then names every refused setting (up to
+    from) and its ``flag``, the settings given and the protocol, then names every refused setting (up to
     :data:`MAX_LISTED_PROBLEMS`) with the value given and what is allowed."""
     name = getattr(protocol, "name", protocol.__name__)
     model = getattr(protocol, "settings_model", None)
-    header = (
-        f"{field} (--weight-transfer-settings) {_shown_json(settings)} do not fit the protocol {name!r} "
-        f"({describe_callable(protocol)})"
-    )
+    header = f"{field} ({flag}) {_shown_json(settings)} do not fit the {kind} {name!r} ({describe_callable(protocol)})"
     if not (isinstance(model, type) and issubclass(model, ProtocolSettings)):
         raise ConfigError(f"{header}: its settings_model is {model!r}, not a subclass of miles_core.ProtocolSettings")
     if not isinstance(settings, Mapping):
-        raise ConfigError(f"{header}: expected a mapping of setting names to values; {_its_settings(name, model)}")
+        raise ConfigError(
+            f"{header}: expected a mapping of setting names to values; {_its_settings(name, model, flag)}"
+        )
     try:
         return model.model_validate(dict(settings))
     except pydantic.ValidationError as exc:
-        raise ConfigError(f"{header}: {_problems(name, model, exc)}") from None
+        raise ConfigError(f"{header}: {_problems(name, model, exc, flag)}") from None
 
 
 def validate_run_settings(
@@ -111,14 +118,14 @@ def validate_run_settings(
     return validated
 
 
-def _problems(name: str, model: type[ProtocolSettings], exc: pydantic.ValidationError) -> str:
+def _problems(name: str, model: type[ProtocolSettings], exc: pydantic.ValidationError, flag: str) -> str:
     """The refused settings: the unknown ones in one phrase, then each other one (its first error); on one line
     after the header when there is one phrase, else one per line."""
     by_setting: dict[Any, Any] = {}
     for error in exc.errors():
         by_setting.setdefault(error["loc"][0] if error["loc"] else None, error)
     unknown = [key for key, error in by_setting.items() if error["type"] == "extra_forbidden"]
-    phrases = [_unknown(name, model, unknown)] if unknown else []
+    phrases = [_unknown(name, model, unknown, flag)] if unknown else []
     phrases += [_problem(name, model, key, error) for key, error in by_setting.items() if key not in unknown]
     if len(phrases) == 1:
         return phrases[0]
@@ -128,7 +135,7 @@ def _problems(name: str, model: type[ProtocolSettings], exc: pydantic.Validation
     return "\n".join([f"{len(phrases)} problems:", *(f"  {phrase}" for phrase in listed)])
 
 
-def _unknown(name: str, model: type[ProtocolSettings], keys: list[Any]) -> str:
+def _unknown(name: str, model: type[ProtocolSettings], keys: list[Any], flag: str) -> str:
     """``NAME has no setting 'x' (did you mean 'y'?); NAME's settings: ...``, the keys past the first few counted."""
     shown = []
     for key in keys[:MAX_LISTED_PROBLEMS]:
@@ -137,7 +144,7 @@ def _unknown(name: str, model: type[ProtocolSettings], keys: list[Any]) -> str:
     if len(keys) > MAX_LISTED_PROBLEMS:
         shown.append(f"and {len(keys) - MAX_LISTED_PROBLEMS} more")
     setting = "setting" if len(keys) == 1 else "settings"
-    return f"{name} has no {setting} {', '.join(shown)}; {_its_settings(name, model)}"
+    return f"{name} has no {setting} {', '.join(shown)}; {_its_settings(name, model, flag)}"
 
 
 def _problem(name: str, model: type[ProtocolSettings], key: Any, error: Any) -> str:
@@ -156,10 +163,10 @@ def _problem(name: str, model: type[ProtocolSettings], key: Any, error: Any) -> 
     return phrase + (f" ({error['msg']})" if error["type"] not in _SAID_BY_ALLOWED else "")
 
 
-def _its_settings(name: str, model: type[ProtocolSettings]) -> str:
+def _its_settings(name: str, model: type[ProtocolSettings], flag: str) -> str:
     fields = list(model.model_fields)
     if fields:
-        example = f" (e.g. --weight-transfer-settings '{model.example}')" if model.example else ""
+        example = f" (e.g. {flag} '{model.example}')" if model.example else ""
         return f"{name}'s settings: {', '.join(fields)}{example}"
     return f"{name} takes no settings" + (" (its class names no settings_model)" if model is ProtocolSettings else "")
 

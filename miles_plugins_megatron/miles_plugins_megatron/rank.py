@@ -21,21 +21,21 @@ from miles_core import (
     DSV4_FAMILY,
     NOT_ROUTED,
     MilesError,
+    StepShape,
     TrainBatch,
     TrainSection,
+    averaged,
     bind_collectives_to,
     build_optimizer,
-    kl_k3,
     logits_dtype,
-    masked_mean,
+    mini_batches,
     node_address,
-    policy_loss,
+    objective_from_spec,
     reserve_rendezvous,
     reset_optimizer_states,
     rpc_method,
     tcp_init_method_address,
     tcp_store,
-    trained_tokens,
 )
 
 EXPORT_FILE = "weights.safetensors"
@@ -60,12 +60,17 @@ class MegatronRank:
         dtype: str = "float32",
         threads: int | None = None,
         reference_path: str | None = None,
+        objective: dict[str, Any] | None = None,
     ) -> None:
+        """``objective``: the run's loss (``AlgorithmChoice.trainer_spec()``, which the driver resolved)."""
         self.rank, self.world_size = rank, world_size
         self.tensor_parallel, self.backend, self.dtype = tensor_parallel, backend, DTYPES[dtype]
         self.expert_parallel = expert_parallel
         self.model_path, self.seed, self.export_dir = Path(model_path), seed, Path(export_dir)
         self.train = TrainSection.model_validate(train)  # the driver's train section, checked again here
+        if objective is None:
+            raise MilesError("a Megatron rank needs the run's objective (the driver's AlgorithmChoice.trainer_spec())")
+        self.objective = objective_from_spec(self.train, objective)
         self.logits_dtype = logits_dtype(self.train.logits_dtype)
         self.threads = threads
         self.reference_path = reference_path
@@ -206,23 +211,34 @@ class MegatronRank:
         hint."""
         from megatron.core import parallel_state
 
-        total_tokens = trained_tokens(batch)
-        share = _data_parallel_share(
-            batch, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-        )
-        pad = self._pad_id
-        micros = [
-            {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=pad).items()}
-            for micro in (share.micro_batches(self.train.micro_batch_size) if share.samples else [])
-        ]
-        if self.expert_parallel > 1:
-            micros = self._aligned_micro_batches(micros, pad)
-        old = [self._old_logprobs(t) if self.train.tis_clip is not None else None for t in micros]
+        StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
+        rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        plan = []
+        for mini in mini_batches(batch, self.train.mini_batches_per_rollout):
+            share = _data_parallel_share(mini, rank, size)
+            pad = self._pad_id
+            micros = [
+                {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=pad).items()}
+                for micro in (share.micro_batches(self.train.micro_batch_size) if share.samples else [])
+            ]
+            if self.expert_parallel > 1:
+                micros = self._aligned_micro_batches(micros, pad)
+            old = [self._old_logprobs(t) if self.train.tis_clip is not None else None for t in micros]
+            plan.append((StepShape.of(mini), micros, old))
+        steps = [self._optimizer_step(*step) for _ in range(self.train.epochs_per_rollout) for step in plan]
+        self.step += 1
+        metrics = averaged(steps)
+        return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
+
+    def _optimizer_step(
+        self, shape: StepShape, micros: list[dict[str, torch.Tensor]], old: list[torch.Tensor | None]
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's micro-batches of a (mini-)batch of the shape ``shape``."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for tensors, old_logprobs in zip(micros, old, strict=True):
-            weight = float(tensors["response_mask"].sum()) / total_tokens
+            weight = self.objective.weight(tensors["response_mask"], shape)
             for key, value in self._accumulate(tensors, weight, old_logprobs).items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         metrics = self._reduce_metrics(sums)
@@ -230,7 +246,6 @@ class MegatronRank:
         self.optimizer.step()
         if self.train.reset_optimizer_states:
             reset_optimizer_states(self.optimizer)
-        self.step += 1
         return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
 
     @property
@@ -253,7 +268,10 @@ class MegatronRank:
                 "input_ids": torch.full((rows, length), pad, dtype=torch.long, device=self.device),
                 "response_mask": torch.zeros((rows, length - 1), device=self.device),
                 "rollout_logprobs": torch.zeros((rows, length - 1), device=self.device),
-                "advantages": torch.zeros((rows,), device=self.device),
+                "advantages": torch.zeros(
+                    (rows, length - 1) if micro is not None and micro["advantages"].dim() == 2 else (rows,),
+                    device=self.device,
+                ),
             }
             if micro is not None and "routed_experts" in micro:
                 routed = micro["routed_experts"]
@@ -310,25 +328,14 @@ class MegatronRank:
     ) -> dict[str, float]:
         from miles_plugins_megatron.parallel_losses import vocab_parallel_logprobs_and_entropy
 
-        input_ids, mask = tensors["input_ids"], tensors["response_mask"]
+        input_ids = tensors["input_ids"]
         targets = input_ids[:, 1:]
         logprobs, token_entropy = vocab_parallel_logprobs_and_entropy(
             self._forward(self.model, input_ids, self._replayed(tensors))[:, :-1],
             targets,
             dtype=self.logits_dtype,
         )
-        loss, stats = policy_loss(
-            logprobs,
-            tensors["rollout_logprobs"],
-            tensors["advantages"],
-            mask,
-            clip_eps=self.train.clip_eps,
-            clip_eps_high=self.train.clip_eps_high,
-            tis_clip=self.train.tis_clip,
-            old_logprobs=old_logprobs,
-        )
-        mean_entropy = masked_mean(token_entropy, mask)
-        kl = torch.zeros((), device=self.device)
+        ref_logprobs = None
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
@@ -336,16 +343,11 @@ class MegatronRank:
                     targets,
                     dtype=self.logits_dtype,
                 )
-            kl = kl_k3(logprobs, ref_logprobs, mask)
-        total = loss + self.train.kl_coef * kl - self.train.entropy_coef * mean_entropy
+        total, metrics = self.objective.loss(
+            logprobs, tensors, token_entropy=token_entropy, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs
+        )
         (total * weight).backward()
-        return {
-            "loss": total.item(),
-            "pg_loss": loss.item(),
-            "kl": kl.item(),
-            "entropy": mean_entropy.item(),
-            **{key: float(value) for key, value in stats.items()},
-        }
+        return {key: float(value.detach()) for key, value in metrics.items()}
 
     def _reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Token-weighted metric sums added over data-parallel ranks (a rank with no samples adds zeros)."""

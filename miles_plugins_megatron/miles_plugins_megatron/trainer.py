@@ -32,6 +32,7 @@ from miles_core import (
     PythonWorkerSpec,
     TrainBatch,
     WorkerHandle,
+    choose_algorithm,
     copy_tokenizer_files,
     raise_holder_errors,
     trained_tokens,
@@ -125,6 +126,12 @@ class MegatronTrainer:
             tokenizer_from=initial_model_path,
             # ranks on other nodes write the export where the driver reads it: the run directory (shared storage)
             export_parent=None if config.run.worker_provider == "local" else run_dir,
+            objective=choose_algorithm(
+                config.train,
+                registries,
+                group_size=config.rollout.group_size,
+                max_new_tokens=config.rollout.max_new_tokens,
+            ).trainer_spec(),
         )
         print(
             f"miles: {layout.world_size} megatron ranks by the {config.run.worker_provider} provider: "
@@ -145,11 +152,13 @@ class MegatronTrainer:
         reference_path: str | Path | None = None,
         tokenizer_from: str | Path | None = None,
         export_parent: str | Path | None = None,
+        objective: dict[str, Any] | None = None,
     ) -> MegatronTrainer:
         """Check the checkpoint and layout, start every rank and load the checkpoint into it. The KL reference
         is ``reference_path`` (default: the checkpoint itself); checkpoints copy the tokenizer files of the model
         directory ``tokenizer_from`` (none when ``None``). Rank 0 writes exported weights for the driver under
-        ``export_parent`` (default: this machine's shared memory)."""
+        ``export_parent`` (default: this machine's shared memory). ``objective``: the run's loss
+        (:meth:`~miles_core.training.algorithms.AlgorithmChoice.trainer_spec`; default: PPO-clip, token-mean, k3)."""
         model_path = Path(model_path)
         hf_config = checked_hf_config(model_path, layout)
         # named with the driver's pid: a killed driver's is an orphan that the workers' watchdogs remove
@@ -165,6 +174,7 @@ class MegatronTrainer:
                 seed=seed,
                 export_dir=export_dir,
                 reference_path=Path(reference_path or model_path),
+                objective=objective or DEFAULT_OBJECTIVE,
             )
             ranks.start(specs, timeout_s=layout.startup_timeout_s)
         except BaseException:
@@ -303,8 +313,25 @@ class _ExportedWeights(HfWeightIterator):
         return iter(self.weights)
 
 
+DEFAULT_OBJECTIVE = {
+    "policy_loss_target": "miles_core.builtin.algorithms:PpoClip",
+    "policy_loss_settings": {},
+    "aggregation": "token-mean",
+    "kl_estimator": "k3",
+    "norm_constant": 1.0,
+}
+"""The loss of ranks launched outside a run (tests, tools): the run's defaults."""
+
+
 def _rank_specs(
-    model_path: Path, *, train: Any, layout: MegatronSection, seed: int, export_dir: Path, reference_path: Path
+    model_path: Path,
+    *,
+    train: Any,
+    layout: MegatronSection,
+    seed: int,
+    export_dir: Path,
+    reference_path: Path,
+    objective: dict[str, Any],
 ) -> list[PythonWorkerSpec]:
     backend = layout.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     threads = layout.threads_per_rank or max(1, (torch.get_num_threads() or 1) // layout.world_size)
@@ -320,6 +347,7 @@ def _rank_specs(
         dtype=layout.dtype,
         threads=threads,
         reference_path=str(reference_path),
+        objective=objective,
     )
     return [
         PythonWorkerSpec(

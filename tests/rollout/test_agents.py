@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from miles_core.builtin.algorithms import Grpo
 from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
@@ -161,7 +162,7 @@ def executor_for_branches() -> RolloutExecutor:
     return RolloutExecutor(
         run=RunSection(),
         rollout=RolloutSection(mask_off_policy=False),
-        train=TrainSection(normalize_advantages=False),
+        train=TrainSection(),
         engine=EngineSection(),
         tokenizer=DigitTokenizer(),
         train_prompts=[],
@@ -169,6 +170,7 @@ def executor_for_branches() -> RolloutExecutor:
         reward_fn=lambda **_: 0.0,
         reward_name="zero",
         controller=None,
+        advantages=Grpo({"normalize_std": False}),
         agent=Agent("brancher", good_agent),
         sessions=SimpleNamespace(),
     )

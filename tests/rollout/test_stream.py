@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from miles_core.builtin.algorithms import Grpo
 from miles_core.config import build_config
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.plugin_manager import MilesPluginManager
@@ -98,6 +99,7 @@ def make_executor(engine: ScriptedEngine, reward=None, **overrides) -> RolloutEx
         reward_fn=reward or (lambda *, prompt, response, label, metadata: float(len(response) % 3)),
         reward_name="test",
         controller=FakeController(engine),
+        advantages=Grpo(),
         filters=load_filters(list(config.rollout.filters), manager.registries.rollout_filters),
     )
 

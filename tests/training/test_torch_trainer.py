@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from miles_core.builtin.algorithms import Grpo
 from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.default.task import echo_last_prompts
@@ -124,6 +125,7 @@ def test_data_order_depends_on_the_step_alone() -> None:
         reward_fn=lambda **_: 0.0,
         reward_name="none",
         controller=None,
+        advantages=Grpo(),
     )
     again = RolloutExecutor(
         **sections,
@@ -133,6 +135,7 @@ def test_data_order_depends_on_the_step_alone() -> None:
         reward_fn=lambda **_: 0.0,
         reward_name="none",
         controller=None,
+        advantages=Grpo(),
     )
     assert [p.text for p in executor.prompts_for(37)] == [p.text for p in again.prompts_for(37)]
     epoch = [p.text for step in range(32) for p in executor.prompts_for(step)]

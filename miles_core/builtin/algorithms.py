@@ -1,0 +1,214 @@
+"""The core's advantage estimators and policy losses (registered by the core plugin; see
+:mod:`miles_core.training.algorithms` for the contracts and ``docs/guides/algorithms.md`` for the formulas).
+
+Estimators: ``grpo`` (the default), ``dr_grpo``, ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``
+and ``gspo``. Policy losses: ``ppo_clip`` (the default) and ``gspo``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pydantic
+import torch
+
+from miles_core.training.algorithms import (
+    Advantage,
+    AdvantageEstimator,
+    AlgorithmSettings,
+    PolicyLoss,
+    ScoredSample,
+)
+from miles_core.training.losses import grpo_advantages, masked_mean, ppo_clip_token_losses
+
+WHITENING_EPS = 1e-6
+"""Added to a standard deviation before dividing by it (as GRPO's group std): a batch whose values are all equal
+gets zeros, not NaN."""
+
+
+def _rewards(group: Sequence[ScoredSample]) -> torch.Tensor:
+    return torch.tensor([sample.reward for sample in group], dtype=torch.float32)
+
+
+class GrpoSettings(AlgorithmSettings):
+    normalize_std: bool = pydantic.Field(
+        default=True, description="Divide each group's centred rewards by the group's standard deviation."
+    )
+
+
+class Grpo(AdvantageEstimator):
+    """GRPO (Shao et al. 2024): ``(r - mean(group)) / (std(group) + 1e-6)``, the same for every token of a sample;
+    ``std`` is the unbiased sample standard deviation."""
+
+    name = "grpo"
+    settings_model = GrpoSettings
+    min_group_size = 2
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        found: list[Advantage] = []
+        for group in groups:  # group by group: an agent's branches make a group larger than group_size
+            values = grpo_advantages(_rewards(group), len(group), normalize_std=self.settings.normalize_std)
+            found += values.tolist()
+        return found
+
+
+class DrGrpo(AdvantageEstimator):
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): ``r - mean(group)``, no division by the
+    group's std, with the constant-normaliser aggregation (``seq-mean-token-sum-norm``): no length bias."""
+
+    name = "dr_grpo"
+    default_loss_aggregation = "seq-mean-token-sum-norm"
+    min_group_size = 2
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        found: list[Advantage] = []
+        for group in groups:
+            found += grpo_advantages(_rewards(group), len(group), normalize_std=False).tolist()
+        return found
+
+
+class Rloo(AdvantageEstimator):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): ``r_i - mean(r_j, j != i)``, which is
+    ``G / (G - 1) * (r_i - mean(group))``."""
+
+    name = "rloo"
+    min_group_size = 2
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        found: list[Advantage] = []
+        for group in groups:
+            rewards = _rewards(group)
+            others = (rewards.sum() - rewards) / (len(group) - 1)
+            found += (rewards - others).tolist()
+        return found
+
+
+class ReinforcePlusPlusSettings(AlgorithmSettings):
+    gamma: float = pydantic.Field(
+        default=1.0, ge=0.0, le=1.0, description="Discount of the reward per token, counted back from the last."
+    )
+
+
+def _whitened(per_sample: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sample's token values minus the mean over every token of the batch, divided by their std (+1e-6)."""
+    tokens = torch.cat(per_sample) if per_sample else torch.zeros(0)
+    if tokens.numel() == 0:
+        return per_sample
+    mean = tokens.mean()
+    std = tokens.std() if tokens.numel() > 1 else torch.zeros(())
+    return [(values - mean) / (std + WHITENING_EPS) for values in per_sample]
+
+
+class ReinforcePlusPlus(AdvantageEstimator):
+    """REINFORCE++ (Hu 2025): each token's return is the sample's reward discounted by ``gamma`` per token to the end
+    of the response (``gamma ** (T - 1 - t) * r``), whitened over every response token of the batch. The KL to the
+    reference is a loss term (``--train-kl-coef``)."""
+
+    name = "reinforce_plus_plus"
+    settings_model = ReinforcePlusPlusSettings
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        gamma = self.settings.gamma
+        returns = []
+        for sample in (sample for group in groups for sample in group):
+            steps_to_end = torch.arange(sample.response_length - 1, -1, -1, dtype=torch.float32)
+            returns.append(sample.reward * torch.pow(torch.tensor(gamma, dtype=torch.float32), steps_to_end))
+        return [tuple(values.tolist()) for values in _whitened(returns)]
+
+
+class ReinforcePlusPlusBaseline(AdvantageEstimator):
+    """REINFORCE++ with a baseline: ``r - mean(group)`` for every token of a sample, whitened over every response
+    token of the batch."""
+
+    name = "reinforce_plus_plus_baseline"
+    min_group_size = 2
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        centred = []
+        for group in groups:
+            rewards = _rewards(group)
+            for sample, value in zip(group, (rewards - rewards.mean()).tolist(), strict=True):
+                centred.append(torch.full((sample.response_length,), value, dtype=torch.float32))
+        return [tuple(values.tolist()) for values in _whitened(centred)]
+
+
+class Gspo(Grpo):
+    """GSPO (Zheng et al. 2025): GRPO's advantages with the ``gspo`` policy loss (a sequence-level importance ratio)
+    and per-sample aggregation (``seq-mean-token-mean``)."""
+
+    name = "gspo"
+    default_policy_loss = "gspo"
+    default_loss_aggregation = "seq-mean-token-mean"
+
+
+class PpoClip(PolicyLoss):
+    """PPO's clipped surrogate per token (the clip ranges are ``--train-clip-eps`` and ``--train-clip-eps-high``)."""
+
+    name = "ppo_clip"
+
+    def token_losses(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        train: Any,
+        token_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return ppo_clip_token_losses(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_eps=train.clip_eps,
+            clip_eps_high=train.clip_eps_high,
+            token_weights=token_weights,
+        )
+
+
+class GspoSettings(AlgorithmSettings):
+    clip_eps: float = pydantic.Field(
+        default=3e-4, gt=0, description="Lower clip range of the sequence ratio (GSPO's paper: 3e-4)."
+    )
+    clip_eps_high: float = pydantic.Field(
+        default=4e-4, gt=0, description="Upper clip range of the sequence ratio (GSPO's paper: 4e-4)."
+    )
+
+
+class GspoLoss(PolicyLoss):
+    """GSPO's sequence-level clipped surrogate: the ratio of a sample is the length-normalised geometric mean of its
+    token ratios, ``s = exp(mean_t(log p - log p_old))``, clipped per sample. Written per token as GSPO-token: each
+    token's ratio has the value ``s`` and the gradient ``s * grad log p_t``, so with ``seq-mean-token-mean`` the
+    gradient is GSPO's."""
+
+    name = "gspo"
+    settings_model = GspoSettings
+
+    def token_losses(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        train: Any,
+        token_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(-1)
+        log_ratio = torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
+        sequence_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1e-12)
+        token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
+        ratio = torch.where(mask > 0, token_log_ratio, torch.zeros_like(token_log_ratio)).exp()
+        clipped = ratio.clamp(1 - self.settings.clip_eps, 1 + self.settings.clip_eps_high)
+        surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+        if token_weights is not None:
+            surrogate = surrogate * token_weights.detach()
+        with torch.no_grad():
+            stats = {
+                "clip_fraction": masked_mean((ratio != clipped).float(), mask),
+                "approx_kl_rollout": masked_mean(0.5 * log_ratio.pow(2), mask),
+            }
+        return -surrogate, stats

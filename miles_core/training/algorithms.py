@@ -1,0 +1,218 @@
+"""The contracts of an RL algorithm: advantage estimators and policy losses, chosen by name.
+
+Plugins register implementations through the ``provide_advantage_estimators`` and ``provide_policy_losses`` hooks
+(the core's built-ins live in :mod:`miles_core.builtin.algorithms`); a run names them with
+``--train-advantage-estimator NAME`` and ``--train-policy-loss NAME``, each with its settings
+(``--train-advantage-estimator-settings '{...}'``), validated against the implementation's ``settings_model`` when
+the config is built. This module names no implementation.
+
+* An :class:`AdvantageEstimator` runs in the driver, on each step's scored groups: it turns the rewards into one
+  advantage per sample, or one per response token.
+* A :class:`PolicyLoss` runs in every trainer, on each micro-batch: it turns logprobs and advantages into a loss per
+  token, which the run's loss aggregation (:data:`LOSS_AGGREGATIONS`) reduces to the micro-batch's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from miles_core.errors import ConfigError, RegistryError
+from miles_core.weight_transfer.settings import ProtocolSettings, validate_settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from miles_core.training.objective import Objective
+
+Advantage = float | tuple[float, ...]
+"""One sample's advantage: a number for all its response tokens, or one number per response token."""
+
+
+class AlgorithmSettings(ProtocolSettings):
+    """The base of an estimator's or a policy loss's settings model (frozen, strict, unknown keys refused, every
+    field with a default and a description): the model of an implementation that takes no settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredSample:
+    """What an estimator knows of one sample: its reward and its number of response tokens."""
+
+    reward: float
+    response_length: int
+
+
+class AdvantageEstimator:
+    """Base class of advantage estimators. Subclasses set :attr:`name` and :attr:`settings_model`, may change the
+    defaults the run takes when the user names none (:attr:`default_policy_loss`,
+    :attr:`default_loss_aggregation`) and :attr:`min_group_size`, and implement :meth:`advantages`."""
+
+    name: ClassVar[str] = ""
+    settings_model: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
+    default_policy_loss: ClassVar[str] = "ppo_clip"
+    """The policy loss a run with this estimator uses unless ``train.policy_loss`` names one."""
+    default_loss_aggregation: ClassVar[str] = "token-mean"
+    """The loss aggregation a run with this estimator uses unless ``train.loss_aggregation`` names one."""
+    min_group_size: ClassVar[int] = 1
+    """The smallest ``rollout.group_size`` it can work with (a group baseline needs two samples)."""
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = validate_algorithm_settings(type(self), settings or {}, kind="advantage estimator")
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        """The advantage of every sample of the step, group after group, in order: a float, or a tuple with one
+        float per response token."""
+        raise NotImplementedError
+
+
+class PolicyLoss:
+    """Base class of policy losses. Subclasses set :attr:`name` and :attr:`settings_model` and implement
+    :meth:`token_losses`."""
+
+    name: ClassVar[str] = ""
+    settings_model: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
+
+    def __init__(self, settings: Any = None) -> None:
+        self.settings = validate_algorithm_settings(type(self), settings or {}, kind="policy loss")
+
+    def token_losses(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        *,
+        train: Any,
+        token_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of every token ``[B, T]`` (what the run's aggregation reduces; masked-off tokens' values are
+        ignored) and diagnostics (scalars, already averaged over the micro-batch's trained tokens).
+
+        ``logprobs`` (with gradient), ``old_logprobs`` (the ratio's anchor: the rollout's, or with TIS the trainer's
+        own before the step) and ``mask`` are ``[B, T]``; ``advantages`` is ``[B]`` or ``[B, T]``; ``train`` is the
+        run's ``train`` section (``clip_eps`` and the like); ``token_weights`` (no gradient), when given, multiply
+        each token's loss (truncated importance sampling)."""
+        raise NotImplementedError
+
+
+def validate_algorithm_settings(implementation: type, settings: Any, *, kind: str) -> AlgorithmSettings:
+    """``settings`` checked against ``implementation.settings_model``; a refusal is a :class:`ConfigError` naming
+    the config field, the implementation and every refused setting."""
+    field = "advantage_estimator_settings" if kind == "advantage estimator" else "policy_loss_settings"
+    flag = "--train-" + field.replace("_", "-")
+    return validate_settings(implementation, settings, field=f"train.{field}", flag=flag, kind=kind)
+
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""How a batch's token losses become its loss:
+
+* ``token-mean``: the mean over every trained token of the batch (a long response weighs more);
+* ``seq-mean-token-mean``: each sample's mean over its tokens, then the mean over samples;
+* ``seq-mean-token-sum``: each sample's sum over its tokens, then the mean over samples;
+* ``seq-mean-token-sum-norm``: the sum over all tokens divided by samples times a constant (``max_new_tokens``):
+  Dr. GRPO's unbiased normaliser, with no length bias and no per-group scale."""
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Estimators of KL(policy || reference) per token, from ``r = log p_ref - log p``: ``k1 = -r`` (unbiased, may be
+negative), ``k2 = r^2 / 2`` (biased, low variance), ``k3 = exp(r) - r - 1`` (unbiased, non-negative, low variance)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmChoice:
+    """A run's algorithm, every name resolved once: the estimator (built with its settings), the policy loss (its
+    import target and validated settings, which a trainer in another process builds again) and the aggregation."""
+
+    estimator: AdvantageEstimator
+    policy_loss_name: str
+    policy_loss_target: str
+    policy_loss_settings: dict[str, Any]
+    aggregation: str
+    kl_estimator: str
+    norm_constant: float
+
+    def policy_loss(self) -> PolicyLoss:
+        """A new instance of the chosen policy loss (in whichever process trains)."""
+        return load_target(self.policy_loss_target)(self.policy_loss_settings)
+
+    def trainer_spec(self) -> dict[str, Any]:
+        """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
+        (plain data: :func:`objective_from_spec` reads it)."""
+        return {
+            "policy_loss_target": self.policy_loss_target,
+            "policy_loss_settings": self.policy_loss_settings,
+            "aggregation": self.aggregation,
+            "kl_estimator": self.kl_estimator,
+            "norm_constant": self.norm_constant,
+        }
+
+    def describe(self) -> str:
+        """``grpo advantages, ppo_clip loss, token-mean``: the run says so at start."""
+        return f"{self.estimator.name} advantages, {self.policy_loss_name} loss, {self.aggregation}"
+
+
+def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_tokens: int) -> AlgorithmChoice:
+    """Resolve the ``train`` section's estimator, policy loss and aggregation through ``registries``; an unknown name,
+    settings that do not fit, or a ``group_size`` the estimator cannot work with are a :class:`ConfigError`."""
+
+    def entry(registry: Any, name: str, field: str) -> Any:
+        try:
+            return registry.get_or_raise(name)
+        except RegistryError as exc:
+            raise ConfigError(f"train.{field} (--train-{field.replace('_', '-')}) = {name!r}: {exc}") from None
+
+    estimator_class = entry(registries.advantage_estimators, train.advantage_estimator, "advantage_estimator").load()
+    _check_class(estimator_class, AdvantageEstimator, train.advantage_estimator, "advantage estimator")
+    estimator = estimator_class(train.advantage_estimator_settings)
+    if group_size < estimator.min_group_size:
+        raise ConfigError(
+            f"train.advantage_estimator (--train-advantage-estimator) = {train.advantage_estimator!r} needs groups of "
+            f"at least {estimator.min_group_size} samples (its baseline comes from the other samples of a prompt); "
+            f"rollout.group_size (--rollout-group-size) is {group_size}"
+        )
+    loss_name = train.policy_loss or estimator.default_policy_loss
+    loss_entry = entry(registries.policy_losses, loss_name, "policy_loss")
+    loss_class = loss_entry.load()
+    _check_class(loss_class, PolicyLoss, loss_name, "policy loss")
+    settings = loss_class(train.policy_loss_settings).settings.model_dump()
+    return AlgorithmChoice(
+        estimator=estimator,
+        policy_loss_name=loss_name,
+        policy_loss_target=_target_of(loss_entry.target, loss_class),
+        policy_loss_settings=settings,
+        aggregation=train.loss_aggregation or estimator.default_loss_aggregation,
+        kl_estimator=train.kl_estimator,
+        norm_constant=float(max_new_tokens),
+    )
+
+
+def _check_class(found: Any, base: type, name: str, kind: str) -> None:
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise ConfigError(f"{kind} {name!r} is {found!r}, not a subclass of miles_core.{base.__name__}")
+
+
+def _target_of(target: Any, loaded: type) -> str:
+    return target if isinstance(target, str) else f"{loaded.__module__}:{loaded.__qualname__}"
+
+
+def load_target(target: str) -> Any:
+    """The object at ``"package.module:attribute"``."""
+    module_name, _, attribute = target.partition(":")
+    found: Any = importlib.import_module(module_name)
+    for part in filter(None, attribute.split(".")):
+        found = getattr(found, part)
+    return found
+
+
+def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
+    """The :class:`~miles_core.training.objective.Objective` of :meth:`AlgorithmChoice.trainer_spec`."""
+    from miles_core.training.objective import Objective  # deferred: it imports torch
+
+    return Objective(
+        train=train,
+        policy_loss=load_target(spec["policy_loss_target"])(spec["policy_loss_settings"]),
+        aggregation=spec["aggregation"],
+        kl_estimator=spec["kl_estimator"],
+        norm_constant=spec["norm_constant"],
+    )

@@ -122,7 +122,8 @@ def unknown_name_message(kind: str, name: str, available: list[str]) -> str:
     """Explain that ``name`` is not in the registry ``kind``: list what is there and, for a first-party name,
     which distribution provides it."""
     label = kind.replace("_", " ")
-    message = f"unknown {label.rstrip('s')} {name!r}; available: {', '.join(available) or '(none installed)'}"
+    singular = label[:-2] if label.endswith("sses") else label.rstrip("s")  # policy losses, advantage estimators
+    message = f"unknown {singular} {name!r}; available: {', '.join(available) or '(none installed)'}"
     close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
     if close:
         message += f" (closest: {', '.join(close)})"

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DISTRIBUTIONS := -e '.[test,docs]' -e ./miles_plugins_megatron -e ./miles_plugins_sglang -e ./miles_plugins_rdt \
-	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks
+	-e ./plugins/miles_example_transfer -e ./plugins/miles_example_hooks -e ./plugins/miles_example_estimator
 PYPROJECTS := pyproject.toml constraints.txt $(wildcard miles_plugins_*/pyproject.toml plugins/*/pyproject.toml)
 
 .PHONY: setup sglang browser install run test wheels lint docs bench clean

@@ -1,0 +1,1 @@
+"""An example third-party advantage estimator for Miles: OPO's length-weighted baseline (see :mod:`.opo`)."""

@@ -85,8 +85,12 @@ class TorchTrainer:
         self.implementation = f"{getattr(hf_config, 'model_type', 'model')}/{type(model).__name__}"  # for_run names it
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, settings: Any, *, seed: int = 0) -> TorchTrainer:
-        return cls(load_causal_lm(path), settings, seed=seed, tokenizer_from=path if tokenizer_files(path) else None)
+    def from_pretrained(
+        cls, path: str | Path, settings: Any, *, seed: int = 0, objective: Objective | None = None
+    ) -> TorchTrainer:
+        """The trainer of the HF checkpoint ``path`` (``objective``: the run's loss; default PPO-clip, token-mean)."""
+        tokenizer_from = path if tokenizer_files(path) else None
+        return cls(load_causal_lm(path), settings, seed=seed, tokenizer_from=tokenizer_from, objective=objective)
 
     @classmethod
     def for_run(

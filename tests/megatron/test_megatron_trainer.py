@@ -68,7 +68,14 @@ def training_batch() -> TrainBatch:
     return TrainBatch(samples)
 
 
-def launch(path: Path, tmp_path: Path, reference_path: Path | None = None, train: TrainSection = SETTINGS, **layout):
+def launch(
+    path: Path,
+    tmp_path: Path,
+    reference_path: Path | None = None,
+    train: TrainSection = SETTINGS,
+    objective: dict | None = None,
+    **layout,
+):
     from miles_plugins_megatron.config import MegatronSection
     from miles_plugins_megatron.trainer import MegatronTrainer
 
@@ -82,6 +89,7 @@ def launch(path: Path, tmp_path: Path, reference_path: Path | None = None, train
         seed=0,
         provider_factory=provider,
         reference_path=reference_path,
+        objective=objective,
     )
 
 
@@ -166,6 +174,57 @@ def test_a_tis_step_with_masked_tokens_equals_the_torch_trainer(reference_step, 
         assert_same_step(step_metrics, hf_weights(trainer), metrics, hf_weights(torch_trainer), initial)
     for key in ("tis_weight_mean", "tis_clip_fraction", "approx_kl_rollout"):
         assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+
+
+def objective_spec(loss: str, aggregation: str, kl: str, **settings) -> dict:
+    return {
+        "policy_loss_target": f"miles_core.builtin.algorithms:{loss}",
+        "policy_loss_settings": settings,
+        "aggregation": aggregation,
+        "kl_estimator": kl,
+        "norm_constant": 8.0,
+    }
+
+
+ALGORITHMS = {
+    "gspo": (objective_spec("GspoLoss", "seq-mean-token-mean", "k2", clip_eps=0.2, clip_eps_high=0.2), {}),
+    "dr_grpo": (objective_spec("PpoClip", "seq-mean-token-sum-norm", "k1"), {}),
+    "reinforce_plus_plus-per-token": (objective_spec("PpoClip", "seq-mean-token-sum", "k3"), {}),
+    "two-mini-batches-two-epochs": (
+        objective_spec("PpoClip", "token-mean", "k3"),
+        {"mini_batches_per_rollout": 2, "epochs_per_rollout": 2},
+    ),
+}
+
+
+def per_token_batch() -> TrainBatch:
+    """The training batch with one advantage per response token (a token-level estimator's)."""
+    return TrainBatch(
+        [
+            dataclasses.replace(s, advantage=tuple(s.advantage * (1 + 0.25 * t) for t in range(len(s.response_ids))))
+            for s in training_batch().samples
+        ]
+    )
+
+
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
+def test_each_algorithm_steps_as_the_torch_trainer_at_tp2(reference_step, tmp_path: Path, algorithm: str) -> None:
+    """The run's objective (policy loss, loss aggregation, KL estimator; per-token advantages; several optimizer
+    steps per rollout) reaches the ranks, which step as the torch trainer does, within the tolerances of the
+    one-step equality above."""
+    from miles_core.training.algorithms import objective_from_spec
+
+    path, _, _ = reference_step
+    spec, extra = ALGORITHMS[algorithm]
+    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), **extra})
+    batch = per_token_batch() if "per-token" in algorithm else training_batch()
+    torch_trainer = TorchTrainer.from_pretrained(path, settings, objective=objective_from_spec(settings, spec))
+    metrics = torch_trainer.train_step(batch)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    with launch(path, tmp_path, train=settings, objective=spec, tensor_parallel=2) as trainer:
+        step_metrics = trainer.train_step(batch)
+        assert_same_step(step_metrics, hf_weights(trainer), metrics, hf_weights(torch_trainer), initial)
+    assert step_metrics.get("optimizer_steps") == metrics.get("optimizer_steps")
 
 
 @pytest.mark.parametrize(

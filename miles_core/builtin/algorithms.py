@@ -212,3 +212,66 @@ class GspoLoss(PolicyLoss):
                 "approx_kl_rollout": masked_mean(0.5 * log_ratio.pow(2), mask),
             }
         return -surrogate, stats
+
+
+class PpoSettings(AlgorithmSettings):
+    gamma: float = pydantic.Field(default=1.0, ge=0.0, le=1.0, description="GAE's discount per token.")
+    lambd: float = pydantic.Field(default=0.95, ge=0.0, le=1.0, description="GAE's lambda (bias against variance).")
+    critic_lr: float = pydantic.Field(default=3e-3, gt=0, le=1.0, description="The critic's AdamW learning rate.")
+    critic_warmup_steps: int = pydantic.Field(
+        default=0, ge=0, le=100_000, description="Steps at the start that train the critic only (the policy waits)."
+    )
+    value_clip: float = pydantic.Field(
+        default=0.2, gt=0, description="Clip range of the new value around the rollout's (PPO's clipped value loss)."
+    )
+    critic_model: str | None = pydantic.Field(
+        default=None,
+        max_length=4096,
+        description="An HF checkpoint directory to start the critic from (its architecture with a scalar head; "
+        "the same vocabulary as the policy's); default: the policy's initial checkpoint.",
+    )
+    normalize_advantages: bool = pydantic.Field(
+        default=True, description="Whiten the advantages over every response token of the batch."
+    )
+
+    example = '{"gamma": 1.0, "lambd": 0.95, "critic_lr": 0.003}'
+
+
+def gae(reward: float, values: torch.Tensor, *, gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over one response: the reward comes at the last token
+    (0 before), the value after the last token is 0; ``delta_t = r_t + gamma V_{t+1} - V_t`` and
+    ``A_t = delta_t + gamma lambda A_{t+1}``. Returns the advantages and the returns ``A_t + V_t``."""
+    length = values.numel()
+    advantages = torch.zeros(length, dtype=torch.float32)
+    following = 0.0
+    for t in range(length - 1, -1, -1):
+        next_value = float(values[t + 1]) if t + 1 < length else 0.0
+        delta = (reward if t == length - 1 else 0.0) + gamma * next_value - float(values[t])
+        following = delta + gamma * lambd * following
+        advantages[t] = following
+    return advantages, advantages + values.float()
+
+
+class Ppo(AdvantageEstimator):
+    """PPO with a critic: a value model trained beside the policy (clipped value loss, its own AdamW), GAE per token
+    with ``gamma`` and ``lambd``, the advantages whitened over the batch. The driver's advantages are placeholders:
+    the torch trainer computes them from the critic's values before each update."""
+
+    name = "ppo"
+    settings_model = PpoSettings
+    needs_critic = True
+
+    def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        return [0.0 for group in groups for _ in group]
+
+    def token_advantages(
+        self, rewards: Sequence[float], values: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        pairs = [
+            gae(reward, value, gamma=self.settings.gamma, lambd=self.settings.lambd)
+            for reward, value in zip(rewards, values, strict=True)
+        ]
+        advantages = [advantage for advantage, _ in pairs]
+        if self.settings.normalize_advantages:
+            advantages = _whitened(advantages)
+        return advantages, [returns for _, returns in pairs]

@@ -357,6 +357,7 @@ def provide_advantage_estimators() -> list[Implementation]:
             "reinforce_plus_plus_baseline", f"{module}:ReinforcePlusPlusBaseline", "group baseline, batch-whitened"
         ),
         Implementation("gspo", f"{module}:Gspo", "GRPO advantages, sequence-level ratio (gspo loss)"),
+        Implementation("ppo", f"{module}:Ppo", "GAE with a critic (the torch trainer)"),
     ]
 
 

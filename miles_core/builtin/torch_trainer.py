@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 import transformers
 
 from miles_core.builtin.algorithms import PpoClip
+from miles_core.builtin.critic import Critic, aligned, explained_variance, load_value_model
 from miles_core.default.threads import trainer_threads
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
@@ -65,6 +67,7 @@ class TorchTrainer:
         hf_config: Any = None,
         tokenizer_from: str | Path | None = None,
         objective: Objective | None = None,
+        critic: Critic | None = None,
     ) -> None:
         torch.manual_seed(seed)
         if isinstance(model, transformers.PreTrainedModel):
@@ -78,6 +81,10 @@ class TorchTrainer:
         self.pad_token_id = hf_config.pad_token_id or 0
         self.settings = settings
         self.objective = objective or Objective(train=settings, policy_loss=PpoClip())
+        self.critic = critic
+        estimator = self.objective.estimator
+        if (critic is not None) != (estimator is not None and estimator.needs_critic):
+            raise MilesError("a critic is trained exactly when the objective's estimator needs one (ppo)")
         self.optimizer = build_optimizer(model.parameters(), settings)
         self.logits_dtype = logits_dtype(settings.logits_dtype)
         self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
@@ -125,6 +132,15 @@ class TorchTrainer:
             group_size=config.rollout.group_size,
             max_new_tokens=config.rollout.max_new_tokens,
         )
+        objective = objective_from_spec(config.train, algorithm.trainer_spec())
+        critic = None
+        if algorithm.estimator.needs_critic:
+            settings = algorithm.estimator.settings
+            source = settings.critic_model or initial_model_path
+            what = "train.advantage_estimator_settings.critic_model" if settings.critic_model else "the policy"
+            critic = Critic(
+                load_value_model(source, vocab_size=hf_config.vocab_size, what=what), settings, config.train
+            )
         trainer = cls(
             load(model_path),
             config.train,
@@ -132,7 +148,8 @@ class TorchTrainer:
             reference=reference,
             hf_config=hf_config,
             tokenizer_from=initial_model_path,
-            objective=objective_from_spec(config.train, algorithm.trainer_spec()),
+            objective=objective,
+            critic=critic,
         )
         trainer.implementation = f"{hf_config.model_type}/{name}"
         return trainer
@@ -152,18 +169,46 @@ class TorchTrainer:
         ``reset_optimizer_states``, the optimizer's moments are reset right after each optimizer step (and a
         checkpoint written after this update holds the reset state)."""
         StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
+        critic_targets, critic_metrics = {}, {}
+        if self.critic is not None:
+            batch, critic_targets, critic_metrics = self._with_critic_advantages(batch)
         plan = []
         for mini in mini_batches(batch, self.settings.mini_batches_per_rollout):
-            micros = [
-                micro.tensors(pad_token_id=self.pad_token_id)
-                for micro in mini.micro_batches(self.settings.micro_batch_size)
-            ]
+            micros = []
+            for micro in mini.micro_batches(self.settings.micro_batch_size):
+                tensors = micro.tensors(pad_token_id=self.pad_token_id)
+                if critic_targets:
+                    length = tensors["input_ids"].shape[1]
+                    for key in ("returns", "old_values"):
+                        tensors[key] = aligned([critic_targets[id(s)][key] for s in micro.samples], micro, length)
+                micros.append(tensors)
             old = [self._old_logprobs(t) if self.settings.tis_clip is not None else None for t in micros]
             plan.append((StepShape.of(mini), micros, old))
         steps = [self._optimizer_step(*step) for _ in range(self.settings.epochs_per_rollout) for step in plan]
         self.step += 1
-        metrics = averaged(steps)
+        metrics = {**averaged(steps), **critic_metrics}
         return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
+
+    def _with_critic_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[int, dict], dict[str, float]]:
+        """The estimator's advantages per token from the critic's values of the batch (before the update), the
+        returns and old values each sample's critic loss needs (by the sample's id), and the critic's metrics."""
+        values = self.critic.response_values(batch, self.pad_token_id)
+        advantages, returns = self.objective.estimator.token_advantages([s.reward for s in batch.samples], values)
+        samples = [
+            dataclasses.replace(sample, advantage=tuple(advantage.tolist()))
+            for sample, advantage in zip(batch.samples, advantages, strict=True)
+        ]
+        targets = {
+            id(sample): {"returns": sample_returns, "old_values": sample_values}
+            for sample, sample_returns, sample_values in zip(samples, returns, values, strict=True)
+        }
+        all_returns, all_values = torch.cat(returns), torch.cat(values)
+        metrics = {
+            "critic/explained_variance": explained_variance(all_returns, all_values),
+            "critic/value_mean": float(all_values.mean()),
+            "critic/return_mean": float(all_returns.mean()),
+        }
+        return TrainBatch(samples), targets, metrics
 
     def _optimizer_step(
         self, shape: StepShape, micros: list[dict[str, torch.Tensor]], old: list[torch.Tensor | None]
@@ -177,10 +222,19 @@ class TorchTrainer:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
-        self.optimizer.step()
+        if not self._critic_warming_up():
+            self.optimizer.step()
         if self.settings.reset_optimizer_states:
             reset_optimizer_states(self.optimizer)
-        return {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
+        metrics = {**sums, "grad_norm": float(grad_norm), "lr": self.settings.lr}
+        if self.critic is not None:
+            shares = [float(tensors["response_mask"].sum()) / shape.tokens for tensors in micros]
+            metrics.update(self.critic.step(micros, shares))
+        return metrics
+
+    def _critic_warming_up(self) -> bool:
+        """Whether this step trains the critic only (``critic_warmup_steps``: the policy waits for useful values)."""
+        return self.critic is not None and self.step < self.critic.settings.critic_warmup_steps
 
     def _old_logprobs(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         """The model's logprobs of the targets before this step, without gradient, in eval mode (no dropout: the
@@ -242,6 +296,8 @@ class TorchTrainer:
             tokenizer_from=self.tokenizer_from,
         )
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
+        if self.critic is not None:
+            self.critic.save(partial)
         (partial / STATE_FILE).write_text(json.dumps({"step": self.step, **(extra or {})}))
         if directory.exists():
             raise MilesError(f"checkpoint {directory} already exists")
@@ -255,6 +311,8 @@ class TorchTrainer:
             loaded = type(self.model).from_pretrained(directory)
             self.model.load_state_dict(loaded.state_dict())
             self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+            if self.critic is not None:
+                self.critic.load(directory)
             state = parse_json_text(
                 read_text(directory / STATE_FILE, what=STATE_FILE, expected="the trainer's state", limit=1 << 20),
                 what=STATE_FILE,

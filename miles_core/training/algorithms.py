@@ -57,6 +57,9 @@ class AdvantageEstimator:
     """The loss aggregation a run with this estimator uses unless ``train.loss_aggregation`` names one."""
     min_group_size: ClassVar[int] = 1
     """The smallest ``rollout.group_size`` it can work with (a group baseline needs two samples)."""
+    needs_critic: ClassVar[bool] = False
+    """Whether its advantages need a value model: the trainer then trains a critic beside the policy and calls
+    :meth:`token_advantages` with the critic's values (what :meth:`advantages` returns in the driver is replaced)."""
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = validate_algorithm_settings(type(self), settings or {}, kind="advantage estimator")
@@ -65,6 +68,13 @@ class AdvantageEstimator:
         """The advantage of every sample of the step, group after group, in order: a float, or a tuple with one
         float per response token."""
         raise NotImplementedError
+
+    def token_advantages(
+        self, rewards: Sequence[float], values: Sequence[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """With a critic (:attr:`needs_critic`), in the trainer: each sample's advantage and return per response
+        token from its reward and the critic's value of each response token (1-D tensors)."""
+        raise NotImplementedError(f"{type(self).__name__} does not use a critic")
 
 
 class PolicyLoss:
@@ -125,6 +135,7 @@ class AlgorithmChoice:
     import target and validated settings, which a trainer in another process builds again) and the aggregation."""
 
     estimator: AdvantageEstimator
+    estimator_target: str
     policy_loss_name: str
     policy_loss_target: str
     policy_loss_settings: dict[str, Any]
@@ -140,6 +151,8 @@ class AlgorithmChoice:
         """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
         (plain data: :func:`objective_from_spec` reads it)."""
         return {
+            "estimator_target": self.estimator_target,
+            "estimator_settings": self.estimator.settings.model_dump(),
             "policy_loss_target": self.policy_loss_target,
             "policy_loss_settings": self.policy_loss_settings,
             "aggregation": self.aggregation,
@@ -162,7 +175,8 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
         except RegistryError as exc:
             raise ConfigError(f"train.{field} (--train-{field.replace('_', '-')}) = {name!r}: {exc}") from None
 
-    estimator_class = entry(registries.advantage_estimators, train.advantage_estimator, "advantage_estimator").load()
+    estimator_entry = entry(registries.advantage_estimators, train.advantage_estimator, "advantage_estimator")
+    estimator_class = estimator_entry.load()
     _check_class(estimator_class, AdvantageEstimator, train.advantage_estimator, "advantage estimator")
     estimator = estimator_class(train.advantage_estimator_settings)
     if group_size < estimator.min_group_size:
@@ -178,6 +192,7 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
     settings = loss_class(train.policy_loss_settings).settings.model_dump()
     return AlgorithmChoice(
         estimator=estimator,
+        estimator_target=_target_of(estimator_entry.target, estimator_class),
         policy_loss_name=loss_name,
         policy_loss_target=_target_of(loss_entry.target, loss_class),
         policy_loss_settings=settings,
@@ -209,8 +224,12 @@ def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
     """The :class:`~miles_core.training.objective.Objective` of :meth:`AlgorithmChoice.trainer_spec`."""
     from miles_core.training.objective import Objective  # deferred: it imports torch
 
+    estimator = None
+    if spec.get("estimator_target"):
+        estimator = load_target(spec["estimator_target"])(spec.get("estimator_settings") or {})
     return Objective(
         train=train,
+        estimator=estimator,
         policy_loss=load_target(spec["policy_loss_target"])(spec["policy_loss_settings"]),
         aggregation=spec["aggregation"],
         kl_estimator=spec["kl_estimator"],

@@ -95,7 +95,7 @@ class TrainBatch:
         """Right-padded ``input_ids [B, L]`` and, aligned with the next-token targets ``input_ids[:, 1:]``:
         ``response_mask`` (1 on response tokens, times each sample's ``loss_mask``), ``rollout_logprobs`` (both
         ``[B, L-1]``), plus ``advantages``: ``[B]``, or ``[B, L-1]`` aligned as the mask when a sample has one per
-        token; when a sample carries routed experts, ``routed_experts [B, L,
+        token; ``rewards [B]``; when a sample carries routed experts, ``routed_experts [B, L,
         layers, top_k]`` (:data:`NOT_ROUTED` where nothing was recorded: padding, the last token, samples without
         them)."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
@@ -112,7 +112,14 @@ class TrainBatch:
         mask = torch.tensor(masks, dtype=torch.float32)
         old = torch.tensor(olds, dtype=torch.float32)
         advantages = self._advantages(length)
-        tensors = {"input_ids": input_ids, "response_mask": mask, "rollout_logprobs": old, "advantages": advantages}
+        rewards = torch.tensor([s.reward for s in self.samples], dtype=torch.float32)
+        tensors = {
+            "input_ids": input_ids,
+            "response_mask": mask,
+            "rollout_logprobs": old,
+            "advantages": advantages,
+            "rewards": rewards,
+        }
         routed = self.routed_experts(length)
         if routed is not None:
             tensors["routed_experts"] = routed

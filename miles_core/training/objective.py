@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles_core.training.algorithms import PolicyLoss
+from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import aggregate, kl_per_token, masked_mean, truncated_importance_weights
 
@@ -39,6 +39,8 @@ class Objective:
 
     train: Any
     policy_loss: PolicyLoss
+    estimator: AdvantageEstimator | None = None
+    """The run's estimator, when the trainer needs it (one with a critic computes its advantages there)."""
     aggregation: str = "token-mean"
     kl_estimator: str = "k3"
     norm_constant: float = 1.0

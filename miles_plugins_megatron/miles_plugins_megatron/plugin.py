@@ -25,9 +25,10 @@ def config_sections() -> dict[str, type]:
 
 
 @hookimpl
-def validate_config(config: Any) -> None:
+def validate_config(config: Any, registries: Any) -> None:
     if config.train.backend != "megatron":
         return
+    check_no_critic(config, registries)
     for family, impl in config.model.implementations.items():
         if family in FAMILIES and impl != "megatron":
             raise ConfigError(
@@ -35,6 +36,18 @@ def validate_config(config: Any) -> None:
                 f"ranks (--model-impl {family}=megatron); {impl!r} is for --trainer torch"
             )
     check_deepseek_v4_settings(config)
+
+
+def check_no_critic(config: Any, registries: Any) -> None:
+    """The Megatron ranks train the policy only: an estimator with a critic (ppo) is refused, saying where it runs."""
+    name = config.train.advantage_estimator
+    entry = registries.advantage_estimators.get(name)
+    if entry is not None and getattr(entry.load(), "needs_critic", False):
+        raise ConfigError(
+            f"train.advantage_estimator (--train-advantage-estimator) = {name!r} trains a critic, which the megatron "
+            "trainer does not have yet; use --trainer torch for it, or an estimator without a critic (grpo, rloo, "
+            "reinforce_plus_plus, ...)"
+        )
 
 
 def check_deepseek_v4_settings(config: Any) -> None:

@@ -268,6 +268,7 @@ class MegatronRank:
                 "input_ids": torch.full((rows, length), pad, dtype=torch.long, device=self.device),
                 "response_mask": torch.zeros((rows, length - 1), device=self.device),
                 "rollout_logprobs": torch.zeros((rows, length - 1), device=self.device),
+                "rewards": torch.zeros((rows,), device=self.device),
                 "advantages": torch.zeros(
                     (rows, length - 1) if micro is not None and micro["advantages"].dim() == 2 else (rows,),
                     device=self.device,

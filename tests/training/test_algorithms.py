@@ -325,6 +325,7 @@ def test_the_registries_hold_the_built_ins(manager: MilesPluginManager) -> None:
         "dr_grpo",
         "grpo",
         "gspo",
+        "ppo",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "rloo",
@@ -342,7 +343,8 @@ def test_the_registries_hold_the_built_ins(manager: MilesPluginManager) -> None:
         (
             {"train.advantage_estimator": "grpp"},
             "train.advantage_estimator (--train-advantage-estimator) = 'grpp': unknown advantage estimator 'grpp'; "
-            "available: dr_grpo, grpo, gspo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo (closest: grpo",
+            "available: dr_grpo, grpo, gspo, ppo, reinforce_plus_plus, reinforce_plus_plus_baseline, rloo "
+            "(closest: grpo",
         ),
         (
             {"train.policy_loss": "ppo"},
@@ -389,3 +391,71 @@ def test_bad_algorithm_settings_are_refused_when_the_config_is_built(
     manager: MilesPluginManager, overrides: dict, message: str
 ) -> None:
     assert message in refused(manager, **overrides)
+
+
+# -- ppo: GAE and the critic ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("gamma", "lambd"), [(1.0, 1.0), (0.9, 0.95), (0.99, 0.0)])
+def test_gae_is_its_recursion(gamma: float, lambd: float) -> None:
+    """``delta_t = r_t + gamma V_{t+1} - V_t`` (the reward at the last token, V after it 0),
+    ``A_t = sum_l (gamma lambda)^l delta_{t+l}``, returns ``A_t + V_t``; written here as the sum, not the recursion."""
+    from miles_core.builtin.algorithms import gae
+
+    reward, values = 0.7, [0.1, -0.3, 0.25, 0.5]
+    rewards = [0.0, 0.0, 0.0, reward]
+    following = [*values[1:], 0.0]
+    deltas = [r + gamma * v_next - v for r, v, v_next in zip(rewards, values, following, strict=True)]
+    expected = [sum((gamma * lambd) ** (k - t) * deltas[k] for k in range(t, 4)) for t in range(4)]
+    advantages, returns = gae(reward, torch.tensor(values), gamma=gamma, lambd=lambd)
+    assert advantages.tolist() == pytest.approx(expected, **FLOAT32)
+    assert returns.tolist() == pytest.approx([a + v for a, v in zip(expected, values, strict=True)], **FLOAT32)
+
+
+def test_ppo_whitens_gae_over_the_batch() -> None:
+    from miles_core.builtin.algorithms import Ppo, gae
+
+    values = [torch.tensor([0.1, 0.2, 0.3]), torch.tensor([-0.5]), torch.tensor([0.0, 0.4])]
+    rewards = [1.0, 0.0, 0.5]
+    raw = [gae(r, v, gamma=1.0, lambd=0.95)[0].tolist() for r, v in zip(rewards, values, strict=True)]
+    expected = whitened([value for sample in raw for value in sample])
+    advantages, returns = Ppo().token_advantages(rewards, values)
+    assert [value for a in advantages for value in a.tolist()] == pytest.approx(expected, **FLOAT32)
+    assert [len(r) for r in returns] == [3, 1, 2]
+    assert Ppo.needs_critic and not Grpo.needs_critic
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"lambd": 1.01}, "ppo setting lambd = 1.01: expected a number of at least 0.0 and of at most 1.0"),
+        ({"gamma": -1}, "ppo setting gamma = -1: expected a number of at least 0.0 and of at most 1.0"),
+        ({"critic_lr": "fast"}, "ppo setting critic_lr = 'fast': expected a number"),
+        ({"lamda": 0.9}, "ppo has no setting 'lamda' (did you mean 'lambd'?)"),
+    ],
+)
+def test_bad_ppo_settings_are_refused_when_the_config_is_built(
+    manager: MilesPluginManager, settings: dict, message: str
+) -> None:
+    text = refused(manager, **{"train.advantage_estimator": "ppo", "train.advantage_estimator_settings": settings})
+    assert message in text
+
+
+def test_megatron_refuses_an_estimator_with_a_critic() -> None:
+    manager = MilesPluginManager.load()  # with miles-plugins-megatron's entry point
+    text = refused(manager, **{"train.backend": "megatron", "train.advantage_estimator": "ppo"})
+    assert "= 'ppo' trains a critic, which the megatron trainer does not have yet; use --trainer torch" in text
+
+
+def test_a_critic_checkpoint_of_another_vocabulary_is_refused(tmp_path) -> None:
+    from miles_core.builtin.critic import load_value_model
+
+    config = tiny_llama_config()
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"its vocabulary has \d+ tokens, the policy's 7; the critic reads the policy's"
+    ):
+        load_value_model(tmp_path, vocab_size=7, what="train.advantage_estimator_settings.critic_model")
+    critic = load_value_model(tmp_path, vocab_size=config.vocab_size, what="the policy")
+    values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert values.shape == (1, 3, 1) and torch.equal(values, torch.zeros_like(values))  # the head starts at 0

@@ -459,3 +459,53 @@ def test_a_critic_checkpoint_of_another_vocabulary_is_refused(tmp_path) -> None:
     critic = load_value_model(tmp_path, vocab_size=config.vocab_size, what="the policy")
     values = critic(input_ids=torch.tensor([[1, 2, 3]])).logits
     assert values.shape == (1, 3, 1) and torch.equal(values, torch.zeros_like(values))  # the head starts at 0
+
+
+def ppo_trainer(path) -> TorchTrainer:
+    from miles_core.builtin.algorithms import Ppo
+    from miles_core.builtin.critic import Critic, load_value_model
+
+    settings = TrainSection(lr=1e-2)
+    estimator = Ppo({"critic_lr": 1e-2})
+    critic = Critic(load_value_model(path, vocab_size=64, what="the policy"), estimator.settings, settings)
+    objective = Objective(train=settings, policy_loss=PpoClip(), estimator=estimator)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    return TorchTrainer(model, settings, objective=objective, critic=critic)
+
+
+def rewarded_batch(seed: int) -> TrainBatch:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(6):
+        response = torch.randint(3, 64, (2 + i % 3,), generator=generator).tolist()
+        logprobs = (-torch.rand(len(response), generator=generator) - 1).tolist()
+        samples.append(TrainSample([2, 5 + i], response, logprobs, 0.0, float(i % 2)))
+    return TrainBatch(samples)
+
+
+def test_a_resumed_ppo_run_continues_with_the_same_critic(tmp_path) -> None:
+    """Two steps, a checkpoint, a third step; against a trainer resumed from that checkpoint taking the third step:
+    the same actor and the same critic, weight for weight (the checkpoint holds the critic and its optimizer)."""
+    config = tiny_llama_config()
+    assert config.vocab_size == 64
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "initial")
+    whole = ppo_trainer(tmp_path / "initial")
+    for seed in (1, 2):
+        metrics = whole.train_step(rewarded_batch(seed))
+    assert {"critic/value_loss", "critic/explained_variance", "critic/value_mean", "critic/return_mean"} <= set(metrics)
+    whole.save_checkpoint(tmp_path / "step_2")
+    assert (tmp_path / "step_2" / "critic" / "optimizer.pt").is_file()
+    resumed = ppo_trainer(tmp_path / "initial")
+    resumed.load_checkpoint(tmp_path / "step_2")
+    whole.train_step(rewarded_batch(3))
+    resumed.train_step(rewarded_batch(3))
+    pairs = {"actor": (resumed.model, whole.model), "critic": (resumed.critic.model, whole.critic.model)}
+    for part, (found, expected) in pairs.items():
+        found_parameters = dict(found.named_parameters())
+        for name, tensor in expected.named_parameters():
+            assert torch.equal(found_parameters[name], tensor), (part, name)
+    fresh = ppo_trainer(tmp_path / "initial")  # and the critic did move: a fresh one differs
+    assert not all(
+        torch.equal(a, b) for a, b in zip(fresh.critic.model.parameters(), whole.critic.model.parameters(), strict=True)
+    )

@@ -20,7 +20,7 @@ from miles_core.training.algorithms import (
     PolicyLoss,
     ScoredSample,
 )
-from miles_core.training.losses import grpo_advantages, masked_mean, ppo_clip_token_losses
+from miles_core.training.losses import clipped_surrogate_losses, grpo_advantages, ppo_clip_token_losses
 
 WHITENING_EPS = 1e-6
 """Added to a standard deviation before dividing by it (as GRPO's group std): a batch whose values are all equal
@@ -202,16 +202,15 @@ class GspoLoss(PolicyLoss):
         sequence_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1e-12)
         token_log_ratio = sequence_log_ratio.detach().unsqueeze(-1) + logprobs - logprobs.detach()
         ratio = torch.where(mask > 0, token_log_ratio, torch.zeros_like(token_log_ratio)).exp()
-        clipped = ratio.clamp(1 - self.settings.clip_eps, 1 + self.settings.clip_eps_high)
-        surrogate = torch.minimum(ratio * advantages, clipped * advantages)
-        if token_weights is not None:
-            surrogate = surrogate * token_weights.detach()
-        with torch.no_grad():
-            stats = {
-                "clip_fraction": masked_mean((ratio != clipped).float(), mask),
-                "approx_kl_rollout": masked_mean(0.5 * log_ratio.pow(2), mask),
-            }
-        return -surrogate, stats
+        return clipped_surrogate_losses(
+            ratio,
+            log_ratio,
+            advantages,
+            mask,
+            low=self.settings.clip_eps,
+            high=self.settings.clip_eps_high,
+            token_weights=token_weights,
+        )
 
 
 class PpoSettings(AlgorithmSettings):

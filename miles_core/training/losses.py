@@ -83,8 +83,26 @@ def ppo_clip_token_losses(
     # A masked-off token's ratio is set to 1 rather than multiplied by 0 afterwards: a stale token can be far from
     # the policy, and exp() of a large gap is inf, whose product with a zero mask (and its gradient) is NaN.
     log_ratio = torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = log_ratio.exp()
-    clipped = ratio.clamp(1 - clip_eps, 1 + (clip_eps if clip_eps_high is None else clip_eps_high))
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    return clipped_surrogate_losses(
+        log_ratio.exp(), log_ratio, advantages, mask, low=clip_eps, high=high, token_weights=token_weights
+    )
+
+
+def clipped_surrogate_losses(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    low: float,
+    high: float,
+    token_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)`` per token (times ``token_weights``), and the clip
+    fraction and the approximate KL ``log_ratio^2 / 2`` to the anchor over the trained tokens: the clipped surrogate
+    of PPO (a token's ratio) and of GSPO (its sample's). ``advantages``: ``[B, 1]`` or ``[B, T]``."""
+    clipped = ratio.clamp(1 - low, 1 + high)
     surrogate = torch.minimum(ratio * advantages, clipped * advantages)
     if token_weights is not None:
         surrogate = surrogate * token_weights.detach()

@@ -509,3 +509,24 @@ def test_a_resumed_ppo_run_continues_with_the_same_critic(tmp_path) -> None:
     assert not all(
         torch.equal(a, b) for a, b in zip(fresh.critic.model.parameters(), whole.critic.model.parameters(), strict=True)
     )
+
+
+def test_the_example_third_party_estimator_registers_through_its_entry_point() -> None:
+    """plugins/miles_example_estimator (installed, as make setup and CI's wheel stage install it): ``opo``, the
+    length-weighted group baseline ``r_i - sum(l_j r_j) / sum(l_j)``, times its ``scale`` setting."""
+    registries = MilesPluginManager.load().registries
+    entry = registries.advantage_estimators["opo"]
+    assert entry.provider == "example-estimator"
+    opo = entry.load()({"scale": 2.0})
+    expected = []
+    for rewards, lengths in zip(REWARDS, LENGTHS, strict=True):
+        baseline = sum(r * n for r, n in zip(rewards, lengths, strict=True)) / sum(lengths)
+        expected += [2.0 * (r - baseline) for r in rewards]
+    assert opo.advantages(scored()) == pytest.approx(expected, **FLOAT32)
+    choice = choose_algorithm(
+        TrainSection(advantage_estimator="opo", advantage_estimator_settings={"scale": 2.0}),
+        registries,
+        group_size=4,
+        max_new_tokens=8,
+    )
+    assert choice.describe() == "opo advantages, ppo_clip loss, token-mean"

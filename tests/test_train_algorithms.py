@@ -95,3 +95,32 @@ def test_bad_algorithm_input_is_one_line_before_anything_starts(tmp_path: Path, 
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
     assert not (tmp_path / "run" / "logs").exists()  # no worker started
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "ppo"])
+def test_the_kl_in_the_reward_replaces_the_kl_loss_term(tmp_path: Path, estimator: str) -> None:
+    """``--train-kl-placement reward``: the trainer subtracts ``kl_coef`` x KL per token from the rewards (recorded
+    as ``train/kl_in_reward``, which grows from 0 as the policy leaves the reference) and the loss has no KL term."""
+    result = run_miles(
+        "train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        *QUICK,
+        "--num-steps",
+        "4",
+        "--run-checkpoint-every",
+        "0",
+        "--train-advantage-estimator",
+        estimator,
+        "--train-kl-coef",
+        "0.1",
+        "--train-kl-placement",
+        "reward",
+        "--train-kl-estimator",
+        "k2",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = [row for row in rows(tmp_path / "run") if "train/loss" in row]
+    penalties = [row["train/kl_in_reward"] for row in trained]
+    assert all(value >= 0 for value in penalties) and penalties[-1] > penalties[0], penalties
+    assert all(row["train/kl"] == 0.0 for row in trained)  # not a loss term

@@ -107,6 +107,7 @@ class ReinforcePlusPlus(AdvantageEstimator):
 
     name = "reinforce_plus_plus"
     settings_model = ReinforcePlusPlusSettings
+    takes_token_rewards = True
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
         gamma = self.settings.gamma
@@ -115,6 +116,23 @@ class ReinforcePlusPlus(AdvantageEstimator):
             steps_to_end = torch.arange(sample.response_length - 1, -1, -1, dtype=torch.float32)
             returns.append(sample.reward * torch.pow(torch.tensor(gamma, dtype=torch.float32), steps_to_end))
         return [tuple(values.tolist()) for values in _whitened(returns)]
+
+    def token_advantages(
+        self, token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """With the KL in the reward: each token's discounted return of the rewards from it to the end, whitened."""
+        returns = [discounted_returns(rewards, self.settings.gamma) for rewards in token_rewards]
+        return _whitened(returns), returns
+
+
+def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = sum_k gamma^(k - t) r_k`` over the rest of the response."""
+    returns = torch.zeros(rewards.numel(), dtype=torch.float32)
+    following = 0.0
+    for t in range(rewards.numel() - 1, -1, -1):
+        following = float(rewards[t]) + gamma * following
+        returns[t] = following
+    return returns
 
 
 class ReinforcePlusPlusBaseline(AdvantageEstimator):
@@ -236,16 +254,19 @@ class PpoSettings(AlgorithmSettings):
     example = '{"gamma": 1.0, "lambd": 0.95, "critic_lr": 0.003}'
 
 
-def gae(reward: float, values: torch.Tensor, *, gamma: float, lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Schulman et al. 2016) over one response: the reward comes at the last token
-    (0 before), the value after the last token is 0; ``delta_t = r_t + gamma V_{t+1} - V_t`` and
-    ``A_t = delta_t + gamma lambda A_{t+1}``. Returns the advantages and the returns ``A_t + V_t``."""
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lambd: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over one response, from each token's reward (the
+    sample's reward at its last token, less any KL penalty) and value, the value after the last token 0:
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` and ``A_t = delta_t + gamma lambda A_{t+1}``. Returns the advantages and
+    the returns ``A_t + V_t``."""
     length = values.numel()
     advantages = torch.zeros(length, dtype=torch.float32)
     following = 0.0
     for t in range(length - 1, -1, -1):
         next_value = float(values[t + 1]) if t + 1 < length else 0.0
-        delta = (reward if t == length - 1 else 0.0) + gamma * next_value - float(values[t])
+        delta = float(rewards[t]) + gamma * next_value - float(values[t])
         following = delta + gamma * lambd * following
         advantages[t] = following
     return advantages, advantages + values.float()
@@ -264,11 +285,13 @@ class Ppo(AdvantageEstimator):
         return [0.0 for group in groups for _ in group]
 
     def token_advantages(
-        self, rewards: Sequence[float], values: Sequence[torch.Tensor]
+        self, token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if values is None:
+            raise ValueError("ppo's advantages need the critic's values")
         pairs = [
-            gae(reward, value, gamma=self.settings.gamma, lambd=self.settings.lambd)
-            for reward, value in zip(rewards, values, strict=True)
+            gae(rewards, value, gamma=self.settings.gamma, lambd=self.settings.lambd)
+            for rewards, value in zip(token_rewards, values, strict=True)
         ]
         advantages = [advantage for advantage, _ in pairs]
         if self.settings.normalize_advantages:

@@ -33,9 +33,9 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.algorithms import choose_algorithm, objective_from_spec
+from miles_core.training.algorithms import choose_algorithm, objective_from_spec, trainer_side
 from miles_core.training.batch import TrainBatch
-from miles_core.training.losses import entropy, logits_dtype, token_logprobs
+from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
 from miles_core.training.objective import Objective, StepShape, averaged, mini_batches
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
@@ -170,8 +170,8 @@ class TorchTrainer:
         checkpoint written after this update holds the reset state)."""
         StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
         critic_targets, critic_metrics = {}, {}
-        if self.critic is not None:
-            batch, critic_targets, critic_metrics = self._with_critic_advantages(batch)
+        if trainer_side(self.objective.estimator, self.settings):
+            batch, critic_targets, critic_metrics = self._with_trainer_advantages(batch)
         plan = []
         for mini in mini_batches(batch, self.settings.mini_batches_per_rollout):
             micros = []
@@ -189,26 +189,54 @@ class TorchTrainer:
         metrics = {**averaged(steps), **critic_metrics}
         return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
 
-    def _with_critic_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[int, dict], dict[str, float]]:
-        """The estimator's advantages per token from the critic's values of the batch (before the update), the
-        returns and old values each sample's critic loss needs (by the sample's id), and the critic's metrics."""
-        values = self.critic.response_values(batch, self.pad_token_id)
-        advantages, returns = self.objective.estimator.token_advantages([s.reward for s in batch.samples], values)
+    def _with_trainer_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[int, dict], dict[str, float]]:
+        """The estimator's advantages per token, computed here: from each token's reward (the sample's at its last
+        token, less ``kl_coef`` x the KL to the reference with ``kl_placement = reward``) and the critic's values of
+        the batch before the update; the returns and old values each sample's critic loss needs (by the sample's
+        id), and the metrics."""
+        token_rewards = [torch.zeros(len(s.response_ids)) for s in batch.samples]
+        for rewards, sample in zip(token_rewards, batch.samples, strict=True):
+            rewards[-1] = sample.reward
+        metrics: dict[str, float] = {}
+        if self.settings.kl_placement == "reward":
+            penalties = self._reward_kl(batch)
+            token_rewards = [r - self.settings.kl_coef * kl for r, kl in zip(token_rewards, penalties, strict=True)]
+            metrics["kl_in_reward"] = float(torch.cat(penalties).mean())
+        values = self.critic.response_values(batch, self.pad_token_id) if self.critic is not None else None
+        advantages, returns = self.objective.estimator.token_advantages(token_rewards, values)
         samples = [
             dataclasses.replace(sample, advantage=tuple(advantage.tolist()))
             for sample, advantage in zip(batch.samples, advantages, strict=True)
         ]
+        if values is None:
+            return TrainBatch(samples), {}, metrics
         targets = {
             id(sample): {"returns": sample_returns, "old_values": sample_values}
             for sample, sample_returns, sample_values in zip(samples, returns, values, strict=True)
         }
         all_returns, all_values = torch.cat(returns), torch.cat(values)
-        metrics = {
+        metrics |= {
             "critic/explained_variance": explained_variance(all_returns, all_values),
             "critic/value_mean": float(all_values.mean()),
             "critic/return_mean": float(all_returns.mean()),
         }
         return TrainBatch(samples), targets, metrics
+
+    @torch.no_grad()
+    def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Each sample's KL to the reference per response token (the run's estimator), of the rollout's logprobs
+        (the policy that sampled the tokens) against the reference's."""
+        found = []
+        for micro in batch.micro_batches(self.settings.micro_batch_size):
+            tensors = micro.tensors(pad_token_id=self.pad_token_id)
+            input_ids = tensors["input_ids"]
+            with self._replayed(self.reference, tensors):
+                ref = token_logprobs(self.reference(input_ids)[:, :-1], input_ids[:, 1:], dtype=self.logits_dtype)
+            kl = kl_per_token(tensors["rollout_logprobs"], ref, self.objective.kl_estimator)
+            for row, sample in enumerate(micro.samples):
+                start = len(sample.prompt_ids) - 1
+                found.append(kl[row, start : start + len(sample.response_ids)].float().clone())
+        return found
 
     def _optimizer_step(
         self, shape: StepShape, micros: list[dict[str, torch.Tensor]], old: list[torch.Tensor | None]
@@ -267,7 +295,7 @@ class TorchTrainer:
         with torch.no_grad() if self.settings.entropy_coef == 0 else contextlib.nullcontext():
             token_entropy = entropy(logits, dtype=self.logits_dtype)
         ref_logprobs = None
-        if self.reference is not None:
+        if self.reference is not None and self.settings.kl_placement == "loss":
             with torch.no_grad(), self._replayed(self.reference, tensors):
                 ref_logprobs = token_logprobs(self.reference(input_ids)[:, :-1], targets, dtype=self.logits_dtype)
         total, metrics = self.objective.loss(

@@ -285,6 +285,11 @@ class TrainSection(Section):
         description="Estimator of the KL to the reference per token (with --train-kl-coef): k1 = log p - log p_ref, "
         "k2 = (log p - log p_ref)^2 / 2, k3 = exp(r) - r - 1 with r = log p_ref - log p.",
     )
+    kl_placement: Literal["loss", "reward"] = pydantic.Field(
+        default="loss",
+        description="Where the KL to the reference goes: loss (kl_coef x KL, a loss term) or reward (kl_coef x KL "
+        "subtracted from each token's reward before the advantages: ppo, reinforce_plus_plus; torch trainer).",
+    )
     mini_batches_per_rollout: int = pydantic.Field(
         default=1,
         ge=1,

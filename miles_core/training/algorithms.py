@@ -60,6 +60,9 @@ class AdvantageEstimator:
     needs_critic: ClassVar[bool] = False
     """Whether its advantages need a value model: the trainer then trains a critic beside the policy and calls
     :meth:`token_advantages` with the critic's values (what :meth:`advantages` returns in the driver is replaced)."""
+    takes_token_rewards: ClassVar[bool] = False
+    """Whether :meth:`token_advantages` can take a reward per token: with ``--train-kl-placement reward`` the trainer
+    subtracts the KL to the reference from each token's reward and calls it (a critic's estimator always is)."""
 
     def __init__(self, settings: Any = None) -> None:
         self.settings = validate_algorithm_settings(type(self), settings or {}, kind="advantage estimator")
@@ -70,11 +73,12 @@ class AdvantageEstimator:
         raise NotImplementedError
 
     def token_advantages(
-        self, rewards: Sequence[float], values: Sequence[torch.Tensor]
+        self, token_rewards: Sequence[torch.Tensor], values: Sequence[torch.Tensor] | None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """With a critic (:attr:`needs_critic`), in the trainer: each sample's advantage and return per response
-        token from its reward and the critic's value of each response token (1-D tensors)."""
-        raise NotImplementedError(f"{type(self).__name__} does not use a critic")
+        """In the trainer (:attr:`needs_critic`, :attr:`takes_token_rewards`): each sample's advantage and return per
+        response token (1-D tensors) from its reward per response token (the sample's reward at its last token, less
+        the KL penalty where the run puts it in the reward) and, with a critic, the critic's value of each token."""
+        raise NotImplementedError(f"{type(self).__name__} does not take rewards per token")
 
 
 class PolicyLoss:
@@ -185,6 +189,7 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
             f"at least {estimator.min_group_size} samples (its baseline comes from the other samples of a prompt); "
             f"rollout.group_size (--rollout-group-size) is {group_size}"
         )
+    check_kl_placement(train, estimator)
     loss_name = train.policy_loss or estimator.default_policy_loss
     loss_entry = entry(registries.policy_losses, loss_name, "policy_loss")
     loss_class = loss_entry.load()
@@ -200,6 +205,27 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
         kl_estimator=train.kl_estimator,
         norm_constant=float(max_new_tokens),
     )
+
+
+def check_kl_placement(train: Any, estimator: AdvantageEstimator) -> None:
+    """``kl_placement = reward`` needs a KL weight and an estimator that takes rewards per token."""
+    if train.kl_placement != "reward":
+        return
+    flag = "train.kl_placement (--train-kl-placement) = 'reward'"
+    if train.kl_coef == 0:
+        raise ConfigError(f"{flag} subtracts kl_coef x KL from each token's reward, and train.kl_coef is 0: set it")
+    if not (estimator.takes_token_rewards or estimator.needs_critic):
+        raise ConfigError(
+            f"{flag} needs an estimator that takes a reward per token (ppo, reinforce_plus_plus); "
+            f"{estimator.name!r} takes one reward per sample: use kl_placement loss with it"
+        )
+
+
+def trainer_side(estimator: AdvantageEstimator | None, train: Any) -> bool:
+    """Whether the trainer computes the advantages (a critic's estimator, or the KL in the reward)."""
+    if estimator is None:
+        return False
+    return estimator.needs_critic or (train.kl_placement == "reward" and estimator.takes_token_rewards)
 
 
 def _check_class(found: Any, base: type, name: str, kind: str) -> None:

@@ -48,6 +48,11 @@ def check_no_critic(config: Any, registries: Any) -> None:
             "trainer does not have yet; use --trainer torch for it, or an estimator without a critic (grpo, rloo, "
             "reinforce_plus_plus, ...)"
         )
+    if config.train.kl_placement == "reward":
+        raise ConfigError(
+            "train.kl_placement (--train-kl-placement) = 'reward': the megatron trainer puts the KL in the loss only "
+            "for now; use --train-kl-placement loss, or --trainer torch"
+        )
 
 
 def check_deepseek_v4_settings(config: Any) -> None:

@@ -382,6 +382,15 @@ def test_the_registries_hold_the_built_ins(manager: MilesPluginManager) -> None:
             "gspo setting clip_eps = True: expected a number above 0 (a boolean is not a number)",
         ),
         (
+            {"train.kl_placement": "reward", "train.kl_coef": 0.1},
+            "train.kl_placement (--train-kl-placement) = 'reward' needs an estimator that takes a reward per token "
+            "(ppo, reinforce_plus_plus); 'grpo' takes one reward per sample",
+        ),
+        (
+            {"train.kl_placement": "reward", "train.advantage_estimator": "ppo"},
+            "subtracts kl_coef x KL from each token's reward, and train.kl_coef is 0: set it",
+        ),
+        (
             {"train.normalize_advantages": False},
             "--train-advantage-estimator-settings '{\"normalize_std\": false}', or --train-advantage-estimator dr_grpo",
         ),
@@ -402,12 +411,12 @@ def test_gae_is_its_recursion(gamma: float, lambd: float) -> None:
     ``A_t = sum_l (gamma lambda)^l delta_{t+l}``, returns ``A_t + V_t``; written here as the sum, not the recursion."""
     from miles_core.builtin.algorithms import gae
 
-    reward, values = 0.7, [0.1, -0.3, 0.25, 0.5]
-    rewards = [0.0, 0.0, 0.0, reward]
+    values = [0.1, -0.3, 0.25, 0.5]
+    rewards = [-0.01, 0.02, 0.0, 0.7]  # a KL penalty on each token, the reward at the last
     following = [*values[1:], 0.0]
     deltas = [r + gamma * v_next - v for r, v, v_next in zip(rewards, values, following, strict=True)]
     expected = [sum((gamma * lambd) ** (k - t) * deltas[k] for k in range(t, 4)) for t in range(4)]
-    advantages, returns = gae(reward, torch.tensor(values), gamma=gamma, lambd=lambd)
+    advantages, returns = gae(torch.tensor(rewards), torch.tensor(values), gamma=gamma, lambd=lambd)
     assert advantages.tolist() == pytest.approx(expected, **FLOAT32)
     assert returns.tolist() == pytest.approx([a + v for a, v in zip(expected, values, strict=True)], **FLOAT32)
 
@@ -416,13 +425,36 @@ def test_ppo_whitens_gae_over_the_batch() -> None:
     from miles_core.builtin.algorithms import Ppo, gae
 
     values = [torch.tensor([0.1, 0.2, 0.3]), torch.tensor([-0.5]), torch.tensor([0.0, 0.4])]
-    rewards = [1.0, 0.0, 0.5]
+    rewards = [torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.0]), torch.tensor([0.0, 0.5])]
     raw = [gae(r, v, gamma=1.0, lambd=0.95)[0].tolist() for r, v in zip(rewards, values, strict=True)]
     expected = whitened([value for sample in raw for value in sample])
     advantages, returns = Ppo().token_advantages(rewards, values)
     assert [value for a in advantages for value in a.tolist()] == pytest.approx(expected, **FLOAT32)
     assert [len(r) for r in returns] == [3, 1, 2]
     assert Ppo.needs_critic and not Grpo.needs_critic
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_in_the_trainer_is_its_driver_formula_plus_the_kl_per_token(gamma: float) -> None:
+    """With the KL in the reward the trainer gives each token ``r_t = -kl_coef * KL_t`` (plus the reward at the last
+    token) and the estimator whitens ``G_t = sum_k gamma^(k - t) r_k``; with no KL that is the driver's formula."""
+    estimator = ReinforcePlusPlus({"gamma": gamma})
+    lengths = [n for group in LENGTHS for n in group]
+    rewards = [r for group in REWARDS for r in group]
+    last_only = [torch.tensor([0.0] * (n - 1) + [r]) for r, n in zip(rewards, lengths, strict=True)]
+    advantages, _ = estimator.token_advantages(last_only, None)
+    assert [v for a in advantages for v in a.tolist()] == pytest.approx(flat(estimator.advantages(scored())), **FLOAT32)
+    penalties = [[0.01 * (t + 1) for t in range(n)] for n in lengths]
+    token_rewards = [
+        [-p + (r if t == n - 1 else 0.0) for t, p in enumerate(penalty)]
+        for r, n, penalty in zip(rewards, lengths, penalties, strict=True)
+    ]
+    returns = [
+        [sum(gamma ** (k - t) * rs[k] for k in range(t, len(rs))) for t in range(len(rs))] for rs in token_rewards
+    ]
+    expected = whitened([v for sample in returns for v in sample])
+    advantages, _ = estimator.token_advantages([torch.tensor(rs) for rs in token_rewards], None)
+    assert [v for a in advantages for v in a.tolist()] == pytest.approx(expected, **FLOAT32)
 
 
 @pytest.mark.parametrize(

@@ -51,15 +51,17 @@ def run(estimator: str, steps: int, eval_every: int, extra: list[str]) -> list[d
     return rows
 
 
-def summary(rows: list[dict]) -> tuple[float, int | None, float]:
+def summary(rows: list[dict]) -> tuple[float, int | None, float, str]:
     """Mean step time (steps 3 and later, those without an eval), the first step whose eval reached 0.5, the last
-    eval reward."""
+    eval reward, and for an estimator with a critic the mean explained variance of its last 20 steps."""
     timed = [
         row["time/step"] for row in rows if "time/step" in row and row["step"] > 2 and "eval/reward_mean" not in row
     ]
     evals = [(row["step"], row["eval/reward_mean"]) for row in rows if "eval/reward_mean" in row]
     reached = next((step for step, reward in evals if reward >= REACHED), None)
-    return sum(timed) / len(timed), reached, evals[-1][1]
+    explained = [row["train/critic/explained_variance"] for row in rows if "train/critic/explained_variance" in row]
+    critic = f"{sum(explained[-20:]) / len(explained[-20:]):.2f}" if explained else "-"
+    return sum(timed) / len(timed), reached, evals[-1][1], critic
 
 
 def main() -> None:
@@ -73,11 +75,14 @@ def main() -> None:
         estimators.insert(0, BASELINE)
     results = {name: summary(run(name, args.steps, args.eval_every, extra)) for name in estimators}
     base = results[BASELINE][0]
-    print(f"\n| estimator | s/step | vs {BASELINE} | first step with eval >= {REACHED} | eval at the end |")
-    print("|---|---|---|---|---|")
-    for name, (step_s, reached, final) in results.items():
+    print(
+        f"\n| estimator | s/step | vs {BASELINE} | first step with eval >= {REACHED} | eval at the end "
+        "| critic's explained variance (last 20 steps) |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, (step_s, reached, final, critic) in results.items():
         first = reached if reached is not None else "never"
-        print(f"| {name} | {step_s:.3f} | {step_s / base:.2f}x | {first} | {final:.3f} |")
+        print(f"| {name} | {step_s:.3f} | {step_s / base:.2f}x | {first} | {final:.3f} | {critic} |")
 
 
 if __name__ == "__main__":

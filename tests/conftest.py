@@ -37,6 +37,16 @@ SERIAL_TESTS = (
     "tests/dashboard/test_browser.py",
     "tests/dashboard/test_cli.py",  # signals to a dashboard in the background
 )
+PARALLEL_SAFE = (
+    "tests/sglang/test_engine_loader.py",  # no server: the loader's checks on files and tensors
+    "tests/sglang/test_server_args_table.py",  # no server: SGLang's argument parser, in its own environment
+    "tests/sglang/test_engine_environment.py",  # no server: the engine's environment and command line
+    "tests/rdt/test_staging.py",  # no Ray, no NIXL agent: staging files and their bounds
+    "tests/workers/test_rpc_wire.py",  # the wire format, no deadline
+    "tests/workers/test_node_check.py",  # address checks, no deadline
+)
+"""Files under a serial path prefix that run with the others after all: no server start, no deadline, no Ray."""
+
 """Tests marked ``serial`` (by path prefix): ``make test`` runs them one at a time after the others, which run on
 several workers (pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss.
 The Megatron model tests (a step or a forward of tiny models on two gloo ranks, no deadline under a minute) run with
@@ -45,7 +55,8 @@ the others: mostly process start-up, they overlap well, and CI's 45 minutes need
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if Path(item.path).relative_to(REPO).as_posix().startswith(SERIAL_TESTS):
+        path = Path(item.path).relative_to(REPO).as_posix()
+        if path.startswith(SERIAL_TESTS) and not path.startswith(PARALLEL_SAFE):
             item.add_marker(pytest.mark.serial)
 
 

@@ -46,3 +46,20 @@ def test_probe_detects_heavy_imports() -> None:
     probe = run_probe("config", "show", "--update-weight-transfer-mode", "sharded-disk")
     assert probe["status"] == 0
     assert "torch" in probe["heavy"]
+
+
+def test_checking_the_algorithm_when_the_config_is_built_imports_no_heavy_module() -> None:
+    """``config show`` validates the estimator's and the policy loss's settings (issue 46) with their classes
+    loaded, yet without torch: the estimators import it only when they compute."""
+    probe = run_probe(
+        "config",
+        "show",
+        "--train-advantage-estimator",
+        "ppo",
+        "--train-advantage-estimator-settings",
+        '{"gamma": 0.99}',
+        "--train-policy-loss",
+        "gspo",
+    )
+    assert probe["status"] == 0 and "advantage_estimator: ppo" in probe["output"]
+    assert probe["heavy"] == []

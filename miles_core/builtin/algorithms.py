@@ -8,10 +8,9 @@ and ``gspo``. Policy losses: ``ppo_clip`` (the default) and ``gspo``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
-import torch
 
 from miles_core.training.algorithms import (
     Advantage,
@@ -20,7 +19,9 @@ from miles_core.training.algorithms import (
     PolicyLoss,
     ScoredSample,
 )
-from miles_core.training.losses import clipped_surrogate_losses, grpo_advantages, ppo_clip_token_losses
+
+if TYPE_CHECKING:
+    import torch
 
 WHITENING_EPS = 1e-6
 """Added to a standard deviation before dividing by it (as GRPO's group std): a batch whose values are all equal
@@ -28,6 +29,8 @@ gets zeros, not NaN."""
 
 
 def _rewards(group: Sequence[ScoredSample]) -> torch.Tensor:
+    import torch
+
     return torch.tensor([sample.reward for sample in group], dtype=torch.float32)
 
 
@@ -46,6 +49,8 @@ class Grpo(AdvantageEstimator):
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        from miles_core.training.losses import grpo_advantages
+
         found: list[Advantage] = []
         for group in groups:  # group by group: an agent's branches make a group larger than group_size
             values = grpo_advantages(_rewards(group), len(group), normalize_std=self.settings.normalize_std)
@@ -62,6 +67,8 @@ class DrGrpo(AdvantageEstimator):
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        from miles_core.training.losses import grpo_advantages
+
         found: list[Advantage] = []
         for group in groups:
             found += grpo_advantages(_rewards(group), len(group), normalize_std=False).tolist()
@@ -92,6 +99,8 @@ class ReinforcePlusPlusSettings(AlgorithmSettings):
 
 def _whitened(per_sample: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each sample's token values minus the mean over every token of the batch, divided by their std (+1e-6)."""
+    import torch
+
     tokens = torch.cat(per_sample) if per_sample else torch.zeros(0)
     if tokens.numel() == 0:
         return per_sample
@@ -110,6 +119,8 @@ class ReinforcePlusPlus(AdvantageEstimator):
     takes_token_rewards = True
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        import torch
+
         gamma = self.settings.gamma
         returns = []
         for sample in (sample for group in groups for sample in group):
@@ -127,6 +138,8 @@ class ReinforcePlusPlus(AdvantageEstimator):
 
 def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     """``G_t = sum_k gamma^(k - t) r_k`` over the rest of the response."""
+    import torch
+
     returns = torch.zeros(rewards.numel(), dtype=torch.float32)
     following = 0.0
     for t in range(rewards.numel() - 1, -1, -1):
@@ -143,6 +156,8 @@ class ReinforcePlusPlusBaseline(AdvantageEstimator):
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
+        import torch
+
         centred = []
         for group in groups:
             rewards = _rewards(group)
@@ -175,6 +190,8 @@ class PpoClip(PolicyLoss):
         train: Any,
         token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        from miles_core.training.losses import ppo_clip_token_losses
+
         return ppo_clip_token_losses(
             logprobs,
             old_logprobs,
@@ -214,6 +231,10 @@ class GspoLoss(PolicyLoss):
         train: Any,
         token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        import torch
+
+        from miles_core.training.losses import clipped_surrogate_losses
+
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(-1)
         log_ratio = torch.where(mask > 0, logprobs - old_logprobs, torch.zeros_like(logprobs))
@@ -261,6 +282,8 @@ def gae(
     sample's reward at its last token, less any KL penalty) and value, the value after the last token 0:
     ``delta_t = r_t + gamma V_{t+1} - V_t`` and ``A_t = delta_t + gamma lambda A_{t+1}``. Returns the advantages and
     the returns ``A_t + V_t``."""
+    import torch
+
     length = values.numel()
     advantages = torch.zeros(length, dtype=torch.float32)
     following = 0.0

@@ -254,7 +254,13 @@ class GspoLoss(PolicyLoss):
 
 class PpoSettings(AlgorithmSettings):
     gamma: float = pydantic.Field(default=1.0, ge=0.0, le=1.0, description="GAE's discount per token.")
-    lambd: float = pydantic.Field(default=0.95, ge=0.0, le=1.0, description="GAE's lambda (bias against variance).")
+    lambd: float = pydantic.Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="GAE's lambda (bias against variance); 1.0 (verl's default too): the Monte-Carlo return less the "
+        "value, which a young critic biases least.",
+    )
     critic_lr: float = pydantic.Field(default=3e-3, gt=0, le=1.0, description="The critic's AdamW learning rate.")
     critic_warmup_steps: int = pydantic.Field(
         default=0, ge=0, le=100_000, description="Steps at the start that train the critic only (the policy waits)."

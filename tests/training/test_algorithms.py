@@ -428,7 +428,7 @@ def test_ppo_whitens_gae_over_the_batch() -> None:
     rewards = [torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.0]), torch.tensor([0.0, 0.5])]
     raw = [gae(r, v, gamma=1.0, lambd=0.95)[0].tolist() for r, v in zip(rewards, values, strict=True)]
     expected = whitened([value for sample in raw for value in sample])
-    advantages, returns = Ppo().token_advantages(rewards, values)
+    advantages, returns = Ppo({"lambd": 0.95}).token_advantages(rewards, values)
     assert [value for a in advantages for value in a.tolist()] == pytest.approx(expected, **FLOAT32)
     assert [len(r) for r in returns] == [3, 1, 2]
     assert Ppo.needs_critic and not Grpo.needs_critic

@@ -138,6 +138,7 @@ class AlgorithmChoice:
     """A run's algorithm, every name resolved once: the estimator (built with its settings), the policy loss (its
     import target and validated settings, which a trainer in another process builds again) and the aggregation."""
 
+    estimator_name: str
     estimator: AdvantageEstimator
     estimator_target: str
     policy_loss_name: str
@@ -146,10 +147,6 @@ class AlgorithmChoice:
     aggregation: str
     kl_estimator: str
     norm_constant: float
-
-    def policy_loss(self) -> PolicyLoss:
-        """A new instance of the chosen policy loss (in whichever process trains)."""
-        return load_target(self.policy_loss_target)(self.policy_loss_settings)
 
     def trainer_spec(self) -> dict[str, Any]:
         """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
@@ -166,7 +163,7 @@ class AlgorithmChoice:
 
     def describe(self) -> str:
         """``grpo advantages, ppo_clip loss, token-mean``: the run says so at start."""
-        return f"{self.estimator.name} advantages, {self.policy_loss_name} loss, {self.aggregation}"
+        return f"{self.estimator_name} advantages, {self.policy_loss_name} loss, {self.aggregation}"
 
 
 def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_tokens: int) -> AlgorithmChoice:
@@ -196,6 +193,7 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
     _check_class(loss_class, PolicyLoss, loss_name, "policy loss")
     settings = loss_class(train.policy_loss_settings).settings.model_dump()
     return AlgorithmChoice(
+        estimator_name=train.advantage_estimator,
         estimator=estimator,
         estimator_target=_target_of(estimator_entry.target, estimator_class),
         policy_loss_name=loss_name,

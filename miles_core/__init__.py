@@ -72,12 +72,11 @@ if TYPE_CHECKING:
         PolicyLoss,
         ScoredSample,
         choose_algorithm,
-        objective_from_spec,
     )
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch, trained_tokens
     from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
-    from miles_core.training.objective import Objective, StepShape, averaged, mini_batches
+    from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
     from miles_core.training.optimizer import build_optimizer
     from miles_core.training.optimizer_reset import reset_optimizer_states
     from miles_core.training.weight_iterator import HfWeightIterator
@@ -141,7 +140,7 @@ _LAZY = {
     "AlgorithmSettings": "miles_core.training.algorithms",
     "PolicyLoss": "miles_core.training.algorithms",
     "ScoredSample": "miles_core.training.algorithms",
-    "objective_from_spec": "miles_core.training.algorithms",
+    "objective_from_spec": "miles_core.training.objective",
     "choose_algorithm": "miles_core.training.algorithms",
     "Objective": "miles_core.training.objective",
     "StepShape": "miles_core.training.objective",

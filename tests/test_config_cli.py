@@ -91,7 +91,7 @@ def test_unknown_flag_suggests_the_closest() -> None:
         (["--rollout-batch-size", "many"], "rollout.batch_size = 'many': Input should be a valid integer"),
         (["--weight-transfer-verify-checksum", "maybe"], "weight_transfer.verify_checksum = 'maybe': Input should be"),
         (["--rollout-top-p", "1.5"], "rollout.top_p = '1.5': Input should be less than or equal to 1"),
-        (["--rollout-group-size", "1"], "rollout.group_size = '1': Input should be greater than or equal to 2"),
+        (["--rollout-group-size", "0"], "rollout.group_size = '0': Input should be greater than or equal to 1"),
         (["--rollout-temperature", "-0.1"], "rollout.temperature = '-0.1': Input should be greater than or equal"),
         (["--model-implementations", "[a, b]"], "model.implementations = ['a', 'b']: Input should be a valid dict"),
         (["--train-reset-optimizer-states", "maybe"], "train.reset_optimizer_states = 'maybe': Input should be"),

@@ -116,6 +116,7 @@ def test_every_distribution_is_checked() -> None:
         "miles-plugins-rdt",
         "miles-example-transfer",
         "miles-example-hooks",
+        "miles-example-estimator",
     }
 
 

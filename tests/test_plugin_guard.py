@@ -341,7 +341,7 @@ def test_blocking_a_name_no_plugin_has(name: str) -> None:
     assert_clean_error(
         result,
         f"--plugin no:{name}: no plugin is named {name!r}, so this blocks nothing; "
-        "plugins that can be blocked: dashboard, example-hooks, faults, megatron",
+        "plugins that can be blocked: dashboard, example-estimator, example-hooks, faults, megatron",
     )
     assert "sglang" in result.stderr and "miles-example-transfer" in result.stderr
 

@@ -33,10 +33,10 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.algorithms import choose_algorithm, objective_from_spec, trainer_side
+from miles_core.training.algorithms import choose_algorithm, trainer_side
 from miles_core.training.batch import TrainBatch
 from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
-from miles_core.training.objective import Objective, StepShape, averaged, mini_batches
+from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
 from miles_core.training.optimizer import build_optimizer
 from miles_core.training.optimizer_reset import reset_optimizer_states
 from miles_core.training.weight_iterator import HfWeightIterator

@@ -282,7 +282,7 @@ class TrainSection(Section):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = pydantic.Field(
         default="k3",
-        description="Estimator of the KL to the reference per token (with --train-kl-coef): k1 = log p - log p_ref, "
+        description="Estimator of the KL to the reference per token (weighted by kl_coef): k1 = log p - log p_ref, "
         "k2 = (log p - log p_ref)^2 / 2, k3 = exp(r) - r - 1 with r = log p_ref - log p.",
     )
     kl_placement: Literal["loss", "reward"] = pydantic.Field(

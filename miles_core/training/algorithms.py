@@ -25,8 +25,6 @@ from miles_core.weight_transfer.settings import ProtocolSettings, validate_setti
 if TYPE_CHECKING:
     import torch
 
-    from miles_core.training.objective import Objective
-
 Advantage = float | tuple[float, ...]
 """One sample's advantage: a number for all its response tokens, or one number per response token."""
 
@@ -150,7 +148,7 @@ class AlgorithmChoice:
 
     def trainer_spec(self) -> dict[str, Any]:
         """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
-        (plain data: :func:`objective_from_spec` reads it)."""
+        (plain data: :func:`~miles_core.training.objective.objective_from_spec` reads it)."""
         return {
             "estimator_target": self.estimator_target,
             "estimator_settings": self.estimator.settings.model_dump(),
@@ -242,20 +240,3 @@ def load_target(target: str) -> Any:
     for part in filter(None, attribute.split(".")):
         found = getattr(found, part)
     return found
-
-
-def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
-    """The :class:`~miles_core.training.objective.Objective` of :meth:`AlgorithmChoice.trainer_spec`."""
-    from miles_core.training.objective import Objective  # deferred: it imports torch
-
-    estimator = None
-    if spec.get("estimator_target"):
-        estimator = load_target(spec["estimator_target"])(spec.get("estimator_settings") or {})
-    return Objective(
-        train=train,
-        estimator=estimator,
-        policy_loss=load_target(spec["policy_loss_target"])(spec["policy_loss_settings"]),
-        aggregation=spec["aggregation"],
-        kl_estimator=spec["kl_estimator"],
-        norm_constant=spec["norm_constant"],
-    )

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss
+from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss, load_target
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import aggregate, kl_per_token, masked_mean, truncated_importance_weights
 
@@ -115,3 +115,19 @@ def averaged(steps: list[dict[str, float]]) -> dict[str, float]:
         return steps[0]
     keys = dict.fromkeys(key for step in steps for key in step)
     return {key: sum(step[key] for step in steps if key in step) / sum(key in step for step in steps) for key in keys}
+
+
+def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
+    """The :class:`~miles_core.training.objective.Objective` of :meth:`AlgorithmChoice.trainer_spec`."""
+
+    estimator = None
+    if spec.get("estimator_target"):
+        estimator = load_target(spec["estimator_target"])(spec.get("estimator_settings") or {})
+    return Objective(
+        train=train,
+        estimator=estimator,
+        policy_loss=load_target(spec["policy_loss_target"])(spec["policy_loss_settings"]),
+        aggregation=spec["aggregation"],
+        kl_estimator=spec["kl_estimator"],
+        norm_constant=spec["norm_constant"],
+    )

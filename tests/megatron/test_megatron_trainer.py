@@ -212,7 +212,7 @@ def test_each_algorithm_steps_as_the_torch_trainer_at_tp2(reference_step, tmp_pa
     """The run's objective (policy loss, loss aggregation, KL estimator; per-token advantages; several optimizer
     steps per rollout) reaches the ranks, which step as the torch trainer does, within the tolerances of the
     one-step equality above."""
-    from miles_core.training.algorithms import objective_from_spec
+    from miles_core.training.objective import objective_from_spec
 
     path, _, _ = reference_step
     spec, extra = ALGORITHMS[algorithm]

@@ -14,7 +14,7 @@ import torch
 
 from miles_core.builtin.core_plugin import check_model_implementation
 from miles_core.builtin.torch_trainer import TorchTrainer
-from miles_core.config.sections import TrainSection
+from miles_core.config.sections import RolloutSection, TrainSection
 from miles_core.errors import ConfigError
 from miles_core.plugin_manager import MilesPluginManager
 from tests.conftest import run_miles
@@ -67,6 +67,7 @@ def test_torch_trainer_steps_equally_with_either_implementation(tmp_path: Path, 
     config = types.SimpleNamespace(
         train=settings,
         run=types.SimpleNamespace(seed=0, schedule="sync"),
+        rollout=RolloutSection(),
         model=types.SimpleNamespace(implementations={}, path=str(checkpoint)),
     )
     results, initial = {}, None

@@ -15,7 +15,6 @@ the config is built. This module names no implementation.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -231,12 +230,3 @@ def _check_class(found: Any, base: type, name: str, kind: str) -> None:
 
 def _target_of(target: Any, loaded: type) -> str:
     return target if isinstance(target, str) else f"{loaded.__module__}:{loaded.__qualname__}"
-
-
-def load_target(target: str) -> Any:
-    """The object at ``"package.module:attribute"``."""
-    module_name, _, attribute = target.partition(":")
-    found: Any = importlib.import_module(module_name)
-    for part in filter(None, attribute.split(".")):
-        found = getattr(found, part)
-    return found

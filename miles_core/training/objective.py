@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss, load_target
+from miles_core.targets import import_target
+from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import aggregate, kl_per_token, masked_mean, truncated_importance_weights
 
@@ -122,11 +123,15 @@ def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
 
     estimator = None
     if spec.get("estimator_target"):
-        estimator = load_target(spec["estimator_target"])(spec.get("estimator_settings") or {})
+        estimator = import_target(spec["estimator_target"], what="the run's advantage estimator")(
+            spec.get("estimator_settings") or {}
+        )
     return Objective(
         train=train,
         estimator=estimator,
-        policy_loss=load_target(spec["policy_loss_target"])(spec["policy_loss_settings"]),
+        policy_loss=import_target(spec["policy_loss_target"], what="the run's policy loss")(
+            spec["policy_loss_settings"]
+        ),
         aggregation=spec["aggregation"],
         kl_estimator=spec["kl_estimator"],
         norm_constant=spec["norm_constant"],

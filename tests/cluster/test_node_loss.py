@@ -1,6 +1,8 @@
 """An engine's node dies mid-run (every process of its host killed, by pid): the run says which node went and which
 worker with it, goes on with the engine on the other node, and brings the lost engine back, at the published
-version, once the node returns (its Ray node started again: Ray re-places the engine's bundle there).
+version, once the node returns (its Ray node started again: Ray re-places the engine's bundle there). And the
+driver's own host dies whole: the run's workers on the other hosts are gone within :data:`REMOTE_GONE_WITHIN_S`, and
+those hosts' Ray nodes take the next run.
 
 Hosts: A runs the driver (the torch trainer), C1 and C2 one engine each (each offers one ``engine_node``). Ray's
 health checks run every second here, so that the head sees the node die within seconds."""
@@ -8,12 +10,14 @@ health checks run every second here, so that the head sees the node die within s
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.hosts import MILES, Hosts, hosts_or_skip
+from tests.cluster.hosts import MILES, Host, Hosts, hosts_or_skip
 from tests.cluster.test_learning_across_hosts import assert_learned, weight_updates, where
 from tests.test_train_moe import LEARNING_FLAGS, save_echo_last_moe
 
@@ -113,3 +117,76 @@ def test_a_lost_engine_node_is_named_the_run_goes_on_and_the_engine_comes_back(h
     assert [version for version, _, _, _ in updates] == list(range(1, STEPS + 1))
     assert {checksum_ok for _, _, checksum_ok, _ in updates} == {1}  # on the engines each version reached
     assert updates[-1][1] == 2 and cells == [("engine-0", STEPS), ("engine-1", STEPS)]  # both serve the last one
+
+
+REMOTE_GONE_WITHIN_S = 90.0
+"""The bound docs/concepts/workers.md states for workers on other nodes once the driver's host is lost whole."""
+
+
+def test_the_driver_host_lost_whole_leaves_no_worker_on_the_other_hosts_and_their_nodes_take_the_next_run(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The driver runs on C2 (not the head) with an engine on C1 and one on C2; at step 2 every process of C2 is
+    killed at once (the driver, its engine, C2's Ray node). The run's processes on C1 (its Ray actor and the engine it
+    started, found by their command lines) are gone within the documented bound, and a new run from A places its
+    engine on C1 and trains."""
+    driver_host, other = hosts.hosts[SECOND], hosts.hosts[FIRST]
+    run_dir = tmp_path / "lost"
+    quick = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
+    ray_flags = ["--run-worker-provider", "ray", "--run-ray-address", hosts.ray_address]
+    ray_flags += ["--run-ray-engine-resources", '{"engine_node": 1}']
+    driver = subprocess.Popen(
+        driver_host.command([MILES, "train", "--output-dir", run_dir, *quick, *ray_flags, "--num-steps", "200",
+                             "--engine-num-engines", "2"]),
+        env=hosts.env(**hosts.ray_env), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        seen = _read_until_step(driver, 2, timeout_s=240)
+        workers = run_processes(other, run_dir)
+        assert any(command.startswith("ray::WorkerActor") for command in workers.values()), (workers, seen[-3000:])
+        assert any(str(run_dir) in command for command in workers.values()), workers  # the engine C1's actor started
+        killed = hosts.kill_host(driver_host)
+        assert driver.pid in killed or driver.wait(timeout=10) is not None
+        started = time.monotonic()
+        while (left := run_processes(other, run_dir)) and time.monotonic() - started < REMOTE_GONE_WITHIN_S:
+            time.sleep(1.0)
+        assert left == {}, (
+            f"the run's processes on {other.name} {REMOTE_GONE_WITHIN_S:.0f} s after its driver's host died: {left}"
+        )
+        print(f"the run's workers on {other.name} were gone {time.monotonic() - started:.1f} s after the driver's host")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.wait()
+    result = hosts.head.run(
+        [MILES, "train", "--output-dir", tmp_path / "next", *quick, *ray_flags, "--num-steps", "2"],
+        env=hosts.env(**hosts.ray_env), cwd=tmp_path, timeout_s=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    assert where(result.stdout, "engine-0") == other.address, result.stdout[-3000:]
+
+
+def run_processes(host: Host, run_dir: Path) -> dict[int, str]:
+    """The run's live processes on ``host``: its Ray actors (``ray::WorkerActor``) and every process whose command
+    line names the run's directory (the engines), by pid."""
+    found = {}
+    for pid in host.pids():
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in "ZX" and (command.startswith("ray::WorkerActor") or str(run_dir) in command):
+            found[pid] = command[:200]
+    return found
+
+
+def _read_until_step(process: subprocess.Popen, step: int, *, timeout_s: float) -> str:
+    """The run's output up to its ``step`` line; an error when it ends first or takes longer than ``timeout_s``."""
+    lines, deadline = [], time.monotonic() + timeout_s
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(f"step {step:4d}"):
+            return "".join(lines)
+        assert time.monotonic() < deadline, f"no step {step} within {timeout_s:.0f} s: {''.join(lines)[-3000:]}"
+    raise AssertionError(f"the run ended before step {step}: {''.join(lines)[-3000:]}")

@@ -177,8 +177,19 @@ def test_an_unreachable_mlflow_server_is_an_error_within_seconds(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("name", "key"),
-    [("eval/pass@4", "eval/pass_at_4"), ("a b/c-d.e:f", "a b/c-d.e_f"), ("/x/", "x"), ("é", "_"), ("", "_")],
+    [
+        ("eval/pass@4", "eval/pass_at_4"),
+        ("a b/c-d.e:f", "a b/c-d.e_f"),
+        ("/x/", "x"),
+        ("é", "_"),
+        ("", "_"),
+        ("a//b/./c/../d", "a/b/c/d"),
+        ("..", "_"),
+        ("x" * 249 + "/y", "x" * 249),
+    ],
 )
 def test_mlflow_keys_keep_only_what_mlflow_allows(name: str, key: str) -> None:
     assert mlflow_key(name) == key
     assert len(mlflow_key("x" * 300)) == 250
+    validation = pytest.importorskip("mlflow.utils.validation")
+    assert validation.validate_param_and_metric_name(key) and not validation.path_not_unique(key)  # MLflow's checks

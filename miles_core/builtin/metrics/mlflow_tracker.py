@@ -42,9 +42,11 @@ DEFAULT_DB = "mlflow.db"
 
 
 def mlflow_key(name: str) -> str:
-    """``name`` with only the characters MLflow allows in a metric or param name, at most 250 of them."""
+    """``name`` with only the characters MLflow allows in a metric or param name, at most 250 of them, and no empty,
+    ``.`` or ``..`` part between slashes (MLflow refuses a name that a path would normalise to another)."""
     key = re.sub(r"[^/\w.\- ]", "_", name.replace("@", "_at_"), flags=re.ASCII)
-    return key.strip("/")[:MAX_KEY] or "_"
+    key = "/".join(part for part in key.split("/") if part not in ("", ".", ".."))
+    return key[:MAX_KEY].rstrip("/") or "_"
 
 
 def param_value(value: str) -> str:

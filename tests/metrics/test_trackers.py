@@ -25,8 +25,11 @@ from miles_core.builtin.metrics.mlflow_tracker import (
     default_tracking_uri,
     mlflow_key,
 )
+from miles_core.builtin.metrics.plugin import MetricsPlugin
 from miles_core.builtin.metrics.wandb_tracker import WandbExporter
+from miles_core.config import build_config
 from miles_core.errors import MilesError
+from miles_core.plugin_manager import MilesPluginManager
 
 WANDB = Path(sys.executable).with_name("wandb")
 CONFIG = {"run": {"seed": 3, "output_dir": "runs/x"}, "rollout": {"prompts": "p" * 7000, "extra": None}}
@@ -193,3 +196,44 @@ def test_mlflow_keys_keep_only_what_mlflow_allows(name: str, key: str) -> None:
     assert len(mlflow_key("x" * 300)) == 250
     validation = pytest.importorskip("mlflow.utils.validation")
     assert validation.validate_param_and_metric_name(key) and not validation.path_not_unique(key)  # MLflow's checks
+
+
+# -- the plugin's part -------------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """An exporter that records how it was closed."""
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    def close(self, status: str = "finished") -> None:
+        self.closed.append(status)
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "closed"),
+    [
+        ("finished", None, "finished"),
+        ("failed", "MilesError: no engine is running", "failed"),
+        ("failed", "KeyboardInterrupt: stopped by SIGTERM", "stopped"),
+    ],
+)
+def test_a_stop_reaches_the_trackers_as_stopped(status: str, error: str | None, closed: str) -> None:
+    plugin, recorder = MetricsPlugin(), Recorder()
+    plugin.exporters = {"wandb": recorder}
+    plugin.on_run_end(status=status, error=error)
+    assert recorder.closed == [closed] and plugin.exporters == {}
+
+
+def test_a_tracker_that_cannot_start_closes_the_exporters_started_before_it(tmp_path: Path) -> None:
+    manager = MilesPluginManager.load()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = build_config(manager, overrides={"metrics.mlflow_tracking_uri": uri})
+        plugin, recorder = MetricsPlugin(), Recorder()
+        plugin.exporters = {"tensorboard": recorder}
+        with pytest.raises(MilesError, match="the MLflow server does not answer"):
+            plugin._start_tracker("mlflow", config, tmp_path, 0)
+    assert recorder.closed == ["failed"] and plugin.exporters == {}

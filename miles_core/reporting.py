@@ -62,7 +62,8 @@ class RunReporter:
         self.rows.append(row)
         with open(self.metrics_file, "a") as out:
             out.write(json.dumps(row) + "\n")
-        self.bar.write(f"eval at step {step}: reward {metrics['eval/reward_mean']:.3f}")
+        at_k = "".join(f", {name[5:]} {value:.3f}" for name, value in metrics.items() if name.startswith("eval/pass@"))
+        self.bar.write(f"eval at step {step}: reward {metrics['eval/reward_mean']:.3f}{at_k}")
 
     def close(self) -> None:
         self.bar.close()

@@ -34,6 +34,8 @@ SERIAL_TESTS = (
     "tests/test_train_moe.py",  # MoE learning runs
     "tests/test_train_agent.py",  # an agent run that learns, an engine killed mid-session
     "tests/metrics/test_train_exporters.py",
+    "tests/metrics/test_train_trackers.py",
+    "tests/test_train_eval_at_k.py",
     "tests/dashboard/test_browser.py",
     "tests/dashboard/test_cli.py",  # signals to a dashboard in the background
 )

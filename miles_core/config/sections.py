@@ -159,6 +159,18 @@ class RolloutSection(Section):
         default=None, description="JSONL prompt file ({prompt, label, metadata} per line); None: the task's prompts."
     )
     eval_prompts: str | None = pydantic.Field(default=None, description="JSONL file of held-out eval prompts.")
+    eval_samples: int = pydantic.Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="K: each eval prompt is also sampled K times at the rollout temperature, besides its greedy "
+        "answer, for eval/pass@K and eval/mean@K; 1: the greedy answer only.",
+    )
+    eval_pass_threshold: float | None = pydantic.Field(
+        default=None,
+        allow_inf_nan=False,
+        description="An eval sample passes (eval/pass@K) when its reward is at least this; None: when it is above 0.",
+    )
     reward: str | None = pydantic.Field(
         default=None, description="Reward function: a registry name or module:function; None: the task's own."
     )

@@ -30,6 +30,7 @@ from miles_core.engines.generate_types import GenerateOutput, SamplingParams, pa
 from miles_core.engines.routed_experts import RoutedExperts, RoutingShape
 from miles_core.errors import MilesError
 from miles_core.rollout.agents import Agent, is_session_failure
+from miles_core.rollout.eval_at_k import at_k_stats, eval_seed
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.samples import Group, GroupFilter, Rollout, Sample
 from miles_core.rollout.sessions.session import Trajectory
@@ -254,17 +255,43 @@ class RolloutExecutor:
         return checked
 
     async def evaluate(self, rollout_id: int) -> Rollout:
-        """Greedy answers to the held-out prompts."""
-        samples = [
+        """Greedy answers to the held-out prompts (the rollout's samples and the ``eval/`` metrics); with
+        ``--rollout-eval-samples K`` above 1, also K samples of each at the rollout temperature, for ``eval/pass@K``
+        and ``eval/mean@K`` (:mod:`~miles_core.rollout.eval_at_k`)."""
+        greedy = [
             Sample(index=i, prompt=p, prompt_ids=self.encode(p.text), seed=i) for i, p in enumerate(self.eval_prompts)
         ]
-        where = f"eval sample {{index}} at step {rollout_id}"
+        greedy = await self._answer(greedy, 0.0, f"eval sample {{index}} at step {rollout_id}")
+        stats = self._stats(greedy, "eval")
+        k = self.rollout.eval_samples
+        if k > 1:
+            sampled = await self._answer(
+                self._eval_samples(k), self.rollout.temperature, f"eval sample {{index}} (of {k}) at step {rollout_id}"
+            )
+            per_prompt: list[list[float]] = [[] for _ in self.eval_prompts]
+            for sample in sampled:  # an agent's branches keep their sample's index
+                per_prompt[sample.index // k].append(sample.reward)
+            stats |= at_k_stats(per_prompt, k=k, threshold=self.rollout.eval_pass_threshold)
+        return Rollout(rollout_id, greedy, None, stats)
+
+    def _eval_samples(self, k: int) -> list[Sample]:
+        """``k`` samples of each eval prompt (sample ``j`` of prompt ``i`` is at index ``i * k + j``), seeded by
+        :func:`eval_seed`."""
+        return [
+            Sample(
+                index=i * k + j, prompt=prompt, prompt_ids=self.encode(prompt.text), seed=eval_seed(self.run.seed, i, j)
+            )
+            for i, prompt in enumerate(self.eval_prompts)
+            for j in range(k)
+        ]
+
+    async def _answer(self, samples: list[Sample], temperature: float, where: str) -> list[Sample]:
+        """``samples`` answered at ``temperature`` and scored: played by the agent if the run has one."""
         if self.agent is not None:
-            samples = await self._play_all([(sample, where) for sample in samples], 0.0)
-        else:
-            await self._generate(samples, self._sampling(temperature=0.0))
-            self._score(samples, where)
-        return Rollout(rollout_id, samples, None, self._stats(samples, "eval"))
+            return await self._play_all([(sample, where) for sample in samples], temperature)
+        await self._generate(samples, self._sampling(temperature=temperature))
+        self._score(samples, where)
+        return samples
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -1,9 +1,10 @@
 """The metrics exporters' built-in plugin: feeds the run hooks into the exporters that ``metrics.exporters`` names
-(none by default, and then neither prometheus-client nor tensorboard is imported).
+(none by default, and then no exporter's library is imported).
 
 Exporting never kills training, as with the dashboard: a failing exporter warns at a limited rate and the run goes
 on. What can be known before the run starts is a config error instead: an unknown exporter, a bad host or port,
-a missing library.
+a missing library. An experiment tracker (wandb, mlflow) that cannot start fails the run at its start, before any
+worker starts: its record is what the user asked the run for, and a run without it would be lost to them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,17 @@ from miles_core.hookspecs import hookimpl
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
 
-LIBRARIES = {"prometheus": ("prometheus_client", "prometheus-client"), "tensorboard": ("tensorboard", "tensorboard")}
-"""Exporter -> (the module it imports, the package that provides it)."""
+LIBRARIES = {
+    "prometheus": (("prometheus_client", "prometheus-client"),),
+    "tensorboard": (("tensorboard", "tensorboard"),),
+    "wandb": (("wandb", "wandb"),),
+    "mlflow": (("mlflow", "mlflow-skinny"), ("sqlalchemy", "sqlalchemy"), ("alembic", "alembic")),
+}
+"""Exporter -> (the module it imports, the package that provides it) for each library it needs."""
+EXTRAS = {"prometheus": "metrics", "tensorboard": "metrics", "wandb": "wandb", "mlflow": "mlflow"}
+"""Exporter -> the extra of miles-core that installs its libraries."""
+TRACKERS = frozenset({"wandb", "mlflow"})
+"""Exporters whose failure to start fails the run."""
 
 
 class MetricsPlugin:
@@ -45,7 +55,7 @@ class MetricsPlugin:
                 flag="--metrics",
                 path="metrics.exporters",
                 metavar="NAME[,NAME]",
-                help="metrics exporters: prometheus and/or tensorboard",
+                help="metrics exporters: prometheus, tensorboard, wandb, mlflow",
             )
         ]
 
@@ -55,28 +65,37 @@ class MetricsPlugin:
 
         metrics = config.section("metrics", MetricsSection)
         for name in metrics.exporters:
-            module, package = LIBRARIES[name]
-            if importlib.util.find_spec(module) is None:  # found, not imported: `miles config show` stays light
-                raise ConfigError(
-                    f"metrics.exporters (--metrics) = {','.join(metrics.exporters)}: the {name} "
-                    f"exporter needs the package {package}, which is not installed: pip install "
-                    f"{package} (or miles-core[metrics])"
-                )
+            _check_installed(name, metrics.exporters)
         if "tensorboard" in metrics.exporters and metrics.tensorboard_dir is not None:
             check_output_dir(metrics.tensorboard_dir, setting="metrics.tensorboard_dir (--metrics-tensorboard-dir)")
+        if "wandb" in metrics.exporters and metrics.wandb_dir is not None:
+            check_output_dir(metrics.wandb_dir, setting="metrics.wandb_dir (--metrics-wandb-dir)")
 
     # -- the run ------------------------------------------------------------------------------------------------
 
-    @hookimpl
+    @hookimpl(tryfirst=True)  # a tracker that cannot start fails the run before other plugins start anything
     def on_run_start(self, config: MilesConfig, run_dir: Path, start_step: int) -> None:
         from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic (loaded with the config)
 
         metrics = config.section("metrics", MetricsSection)
         for name in metrics.exporters:
+            if name in TRACKERS:
+                self._start_tracker(name, config, run_dir, start_step)
+                continue
             with self.warnings.guard(f"starting the {name} exporter"):
                 exporter = _make_exporter(name, metrics, run_dir)
                 exporter.start(start_step=start_step)
                 self.exporters[name] = exporter
+
+    def _start_tracker(self, name: str, config: MilesConfig, run_dir: Path, start_step: int) -> None:
+        """Start the tracker ``name``; when it cannot start, close the exporters started so far and raise."""
+        try:
+            exporter = make_tracker(name, config, run_dir)
+            exporter.start(start_step=start_step)
+        except BaseException:
+            self.on_run_end(status="failed", error=None)
+            raise
+        self.exporters[name] = exporter
 
     @hookimpl
     def on_run_resume(self, run_dir: Path, from_step: int) -> None:
@@ -84,9 +103,11 @@ class MetricsPlugin:
 
     @hookimpl
     def on_run_end(self, status: str, error: str | None) -> None:
+        if status != "finished" and (error or "").startswith("KeyboardInterrupt"):
+            status = "stopped"  # Ctrl-C, SIGTERM or SIGHUP: a tracker marks the run killed rather than failed
         for name, exporter in self.exporters.items():
             with self.warnings.guard(f"closing the {name} exporter"):
-                exporter.close()
+                exporter.close(status=status)
         self.exporters = {}
 
     @hookimpl
@@ -112,6 +133,44 @@ class MetricsPlugin:
         for name, exporter in self.exporters.items():
             with self.warnings.guard(f"{hook} of the {name} exporter"):
                 getattr(exporter, method)(*args)
+
+
+def _check_installed(name: str, exporters: list[str]) -> None:
+    """A :class:`ConfigError` naming what to install when a library of the exporter ``name`` is missing."""
+    for module, package in LIBRARIES[name]:
+        if importlib.util.find_spec(module) is None:  # found, not imported: `miles config show` stays light
+            everything = " ".join(package for _, package in LIBRARIES[name])
+            raise ConfigError(
+                f"metrics.exporters (--metrics) = {','.join(exporters)}: the {name} exporter needs the package "
+                f"{package}, which is not installed: pip install {everything} (or miles-core[{EXTRAS[name]}])"
+            )
+
+
+def make_tracker(name: str, config: MilesConfig, run_dir: Path) -> Any:
+    """The experiment tracker ``name`` (wandb or mlflow) of a run in ``run_dir``, not started yet."""
+    from miles_core.builtin.metrics.config import MetricsSection  # deferred: pydantic (loaded with the config)
+
+    section = config.section("metrics", MetricsSection)
+    run_name = section.run_name or run_dir.resolve().name
+    facts = {"config": config.model_dump(mode="json"), "labels": section.labels, "name": run_name}
+    if name == "wandb":
+        from miles_core.builtin.metrics.wandb_tracker import WandbExporter  # deferred: wandb
+
+        directory = Path(section.wandb_dir) if section.wandb_dir is not None else run_dir
+        return WandbExporter(
+            project=section.wandb_project,
+            entity=section.wandb_entity,
+            mode=section.wandb_mode,
+            directory=directory,
+            **facts,
+        )
+    from miles_core.builtin.metrics.mlflow_tracker import MlflowExporter, default_tracking_uri  # deferred: mlflow
+
+    uri = section.mlflow_tracking_uri or default_tracking_uri(run_dir)
+    print(f"miles: MLflow run {run_name!r} in experiment {section.mlflow_experiment!r} at {uri}", flush=True)
+    return MlflowExporter(
+        tracking_uri=uri, experiment=section.mlflow_experiment, artifact_dir=run_dir / "mlartifacts", **facts
+    )
 
 
 def _make_exporter(name: str, section: Any, run_dir: Path) -> Any:

@@ -158,7 +158,7 @@ class PrometheusExporter:
         self.update_seconds.inc(max(float(report.seconds), 0.0))
         self.version.set(version)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
         self.server.stop()
 
 

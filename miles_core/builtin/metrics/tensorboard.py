@@ -67,7 +67,7 @@ class TensorBoardExporter:
     def weight_update(self, version: int, report: Any) -> None:
         """Weight-update bytes and seconds reach TensorBoard as the ``weight_transfer/`` metrics of the step."""
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
         if self._writer is not None:
             self._writer.close()
 

@@ -302,6 +302,17 @@ def provide_reward_functions() -> list[Implementation]:
         Implementation(
             "tool_lookup", "miles_core.default.tool_task:tool_lookup_reward", "the answer's score of tool_lookup"
         ),
+        *(
+            Implementation(name, f"miles_core.builtin.rewards:{name}_reward", description)
+            for name, description in (
+                ("math", "math-verify: the last \\boxed{} answer equals the label"),
+                ("gsm8k", "the number after #### (else the last number) equals the label's"),
+                ("exact", "the stripped response equals the label"),
+                ("multiple_choice", "the chosen letter A-J equals the label"),
+                ("f1", "SQuAD token F1 with the label (or the best of a list)"),
+                ("format", "the final answer is given in \\boxed{...}"),
+            )
+        ),
     ]
 
 

@@ -114,13 +114,9 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
     )
     if problems:
         raise ConfigError(f"run.fault_injection (--fault-injection): {'; '.join(problems)}")
-    if config.rollout.reward is not None and ":" not in config.rollout.reward:
-        try:
-            registries.reward_functions.get_or_raise(config.rollout.reward)
-        except RegistryError as exc:
-            raise ConfigError(
-                f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
-            ) from exc
+    from miles_core.run_setup import check_reward_specs  # deferred: the rollout's modules import numpy and torch
+
+    check_reward_specs(config, registries)
 
 
 def check_protocol_reaches_engines(config: MilesConfig, registries: Registries) -> None:

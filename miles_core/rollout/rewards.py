@@ -202,9 +202,12 @@ def run_call(call: RewardCall) -> float | Failure:
             label=copy.deepcopy(item.label),
             metadata=copy.deepcopy(item.metadata),
         )
-        return checked_reward(value)
     except Exception as exc:  # the reward's own error, whatever it is: counted, never the run's end by itself
-        return Failure("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, ValueError) else str(exc))
+        return Failure("error", f"raised {type(exc).__name__}: {exc}")
+    try:
+        return checked_reward(value)
+    except ValueError as exc:
+        return Failure("error", f"{exc} (a reward is a finite int or float, or a bool)")
 
 
 class _Worker:

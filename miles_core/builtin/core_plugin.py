@@ -50,7 +50,17 @@ def config_flags() -> list[ConfigFlag]:
         ConfigFlag(flag="--task", path="rollout.task", help="task (`miles plugins` lists them)", metavar="NAME"),
         ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
         ConfigFlag(
-            flag="--reward", path="rollout.reward", help="reward: registry name or module:function", metavar="NAME"
+            flag="--reward",
+            path="rollout.reward",
+            help="reward: registry name, module:function, or NAME:WEIGHT,...",
+            metavar="SPEC",
+        ),
+        ConfigFlag(flag="--reward-url", path="rollout.reward_url", help="reward server base URL", metavar="URL"),
+        ConfigFlag(
+            flag="--reward-url-token",
+            path="rollout.reward_url_token",
+            help="bearer token of the reward server (or MILES_REWARD_URL_TOKEN)",
+            metavar="TOKEN",
         ),
         ConfigFlag(flag="--trainer", path="train.backend", help="training backend", metavar="NAME"),
         ConfigFlag(flag="--engine", path="engine.backend", help="engine backend", metavar="NAME"),

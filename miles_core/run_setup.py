@@ -388,7 +388,7 @@ def resolve_reward(text: str, registries: Registries, *, field: str, remote: Bat
 
 def remote_reward(rollout: RolloutSection) -> BatchReward:
     """The ``--reward-url`` server's client, probed: an unreachable server stops the run before it starts."""
-    from miles_core.builtin.remote_reward import RemoteReward  # deferred: httpx's client, only for --reward-url
+    from miles_core.rollout.remote_reward import RemoteReward  # deferred: httpx's client, only for --reward-url
 
     token = rollout.reward_url_token.get_secret_value() if rollout.reward_url_token is not None else None
     client = RemoteReward(

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from miles_core.builtin.remote_reward import RemoteReward
 from miles_core.errors import MilesError
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.remote_reward import RemoteReward
 from miles_core.rollout.rewards import CompositeReward, RewardPart, RewardPlan, RewardScorer
 from miles_core.rollout.samples import Sample
 from tests.conftest import run_miles

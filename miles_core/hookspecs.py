@@ -125,9 +125,12 @@ def provide_reward_functions() -> list[Implementation] | None:
     * ``label`` and ``metadata``: the prompt line's ``"label"`` (any JSON value, ``None`` when absent) and
       ``"metadata"`` (``{}`` when absent).
 
-    It must return a finite ``int`` or ``float``; ``True``/``False`` count as 1.0/0.0. A return value of any other
-    type (a string, ``None``, a tensor) or a NaN/infinite one, and any exception, stop the run with an error naming
-    the sample and the function. The same holds for a ``--reward module:function`` target.
+    It must return a finite ``int`` or ``float``; ``True``/``False`` count as 1.0/0.0. It runs in a worker thread
+    of the scoring pool with a timeout (``--rollout-reward-timeout-s``). A return value of any other type (a string,
+    ``None``, a tensor), a NaN/infinite one, an exception or a timeout scores 0 and is counted (``reward/errors``,
+    ``reward/timeouts``; the first of each kind is printed naming the sample and the function);
+    ``--rollout-reward-max-consecutive-failures`` failures in a row stop the run. The same holds for a
+    ``--reward module:function`` target. Names compose: ``--reward math:1.0,format:0.1``.
     """
 
 

@@ -186,6 +186,7 @@ async def _run_with_trainer(
         setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step, enabled=progress
     )
     sessions: SessionServers | None = None
+    executor: RolloutExecutor | None = None
     try:
         await controller.start(version=setup.start_step)  # in the try: started engines stop if another fails
         print(
@@ -209,8 +210,7 @@ async def _run_with_trainer(
             tokenizer=setup.tokenizer,
             train_prompts=setup.train_prompts,
             eval_prompts=setup.eval_prompts,
-            reward_fn=setup.reward_fn,
-            reward_name=setup.reward_name,
+            reward=setup.reward,
             controller=controller,
             advantages=algorithm.estimator,
             filters=load_filters(config.rollout.filters, registries.rollout_filters),
@@ -226,6 +226,8 @@ async def _run_with_trainer(
             await sessions.stop()
             await close_session_clients()
         await controller.stop()
+        if executor is not None:
+            executor.close()
     return reporter
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.errors import ConfigError, MilesError
+from miles_core.errors import ConfigError, MilesError, RegistryError
 from miles_core.models.hf_checkpoint import (
     CONTEXT_LENGTH_KEYS,
     checkpoint_family,
@@ -24,15 +24,25 @@ from miles_core.models.hf_checkpoint import (
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
-from miles_core.targets import describe_callable, registered_or_target
+from miles_core.rollout.rewards import (
+    REMOTE,
+    BatchReward,
+    CompositeReward,
+    RewardPart,
+    RewardPlan,
+    parse_reward_spec,
+)
+from miles_core.targets import describe_callable, is_target, registered_or_target
 from miles_core.workers.rpc.wire import new_run_token
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
+    from miles_core.config.sections import RolloutSection
 
 CHECKPOINTS = "checkpoints"
 DEFAULT_MODEL_FAMILY = "llama"  # the embedded default model (default_model)
 DEFAULT_CONTEXT_LENGTH = 64  # its max_position_embeddings
+REWARD_TOKEN_ENV = "MILES_REWARD_URL_TOKEN"
 
 
 @dataclasses.dataclass
@@ -43,8 +53,7 @@ class RunSetup:
     tokenizer: Any
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
-    reward_fn: Callable[..., float]
-    reward_name: str
+    reward: RewardPlan
     token: str
     start_step: int = 0
     routing: RoutingShape | None = None  # the model's routing shape when --train-routing-replay is on
@@ -65,7 +74,7 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
         model_path=model_path,
         max_new_tokens=config.rollout.max_new_tokens,
     )
-    reward_fn, reward_name = load_reward(config, registries)
+    reward = load_reward(config, registries)
     routing = routing_replay_shape(config, model_path)
     try:
         if not config.run.resume:
@@ -87,8 +96,7 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
         tokenizer,
         train_prompts,
         eval_prompts,
-        reward_fn,
-        reward_name,
+        reward,
         token=new_run_token(),
         routing=routing,
     )
@@ -290,35 +298,109 @@ def task_prompts(name: str, entry: Implementation, *, seed: int) -> tuple[list[P
     return result[0], result[1]
 
 
-def load_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[..., float], str]:
-    """``--reward`` (a registered name or module:function), else the reward function named like the task (with
-    ``--prompts`` too, when the task was named or the model is the default one: the default task's reward is made
-    for the default model)."""
-    name = config.rollout.reward
-    if name is None:
-        task = config.rollout.task
-        if config.rollout.prompts is not None and config.model.path is not None and not task_given(config):
-            raise ConfigError(
-                "--prompts needs --reward to score the responses: add --reward NAME (registered: "
-                f"{', '.join(registries.reward_functions)}) or --reward module:function (a module in the working "
-                f"directory), or --task NAME to score them with that task's reward (the default task, {task!r}, "
-                "is made for the default model)"
-            )
-        if task not in registries.reward_functions:
-            raise ConfigError(
-                f"task {task!r} needs --reward NAME or module:function: no reward function is named "
-                f"like it (registered: {', '.join(registries.reward_functions) or 'none'})"
-            )
-        if config.rollout.prompts is not None:
-            print(f"miles: --prompts without --reward: scoring with the reward of task {task!r}", flush=True)
-        return registries.reward_functions[task].load(), task
-    reward = registered_or_target(name, registries.reward_functions, flag="--reward", kind="reward function")
-    if not callable(reward):
-        raise ConfigError(f"--reward {name!r} is {reward!r:.80}, not a function")
-    described = describe_callable(reward)
-    label = name if described == name else f"{name} ({described})"
-    _check_reward_signature(reward, what=f"--reward {name!r}" + ("" if described == name else f" ({described})"))
-    return reward, label
+def load_reward(config: MilesConfig, registries: Registries) -> RewardPlan:
+    """The run's reward: ``--reward`` (a registered name, module:function, or weighted parts; ``remote`` is the
+    ``--reward-url`` server, probed here), per data source with ``--rollout-reward-by-source``; without either, the
+    reward function named like the task (with ``--prompts`` too, when the task was named or the model is the
+    default one: the default task's reward is made for the default model)."""
+    rollout = config.rollout
+    check_reward_specs(config, registries)
+    text = rollout.reward
+    if text is None and rollout.reward_url is not None and not rollout.reward_by_source:
+        text = REMOTE
+    if text is None and not rollout.reward_by_source:
+        fn, name = task_reward(config, registries)
+        return RewardPlan(CompositeReward(name, (RewardPart(name, 1.0, fn=fn),)))
+    remote = remote_reward(rollout) if rollout.reward_url is not None else None
+    default = resolve_reward(text, registries, field="--reward", remote=remote) if text is not None else None
+    by_source = {
+        source: resolve_reward(spec, registries, field=f"--rollout-reward-by-source {source}", remote=remote)
+        for source, spec in rollout.reward_by_source.items()
+    }
+    return RewardPlan(default, by_source, rollout.reward_dispatch_key)
+
+
+def task_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[..., float], str]:
+    """The reward function named like the task, when no reward is given."""
+    task = config.rollout.task
+    if config.rollout.prompts is not None and config.model.path is not None and not task_given(config):
+        raise ConfigError(
+            "--prompts needs --reward to score the responses: add --reward NAME (registered: "
+            f"{', '.join(registries.reward_functions)}) or --reward module:function (a module in the working "
+            f"directory), or --task NAME to score them with that task's reward (the default task, {task!r}, "
+            "is made for the default model)"
+        )
+    if task not in registries.reward_functions:
+        raise ConfigError(
+            f"task {task!r} needs --reward NAME or module:function: no reward function is named "
+            f"like it (registered: {', '.join(registries.reward_functions) or 'none'})"
+        )
+    if config.rollout.prompts is not None:
+        print(f"miles: --prompts without --reward: scoring with the reward of task {task!r}", flush=True)
+    return registries.reward_functions[task].load(), task
+
+
+def check_reward_specs(config: MilesConfig, registries: Registries) -> None:
+    """Every reward the config names (``--reward``, each ``--rollout-reward-by-source`` value) parses, its
+    registered names exist (an unknown one: the closest names) and ``remote`` goes with ``--reward-url``: checked
+    when the config is built, before anything starts. ``module:function`` targets are imported when the run
+    starts."""
+    rollout = config.rollout
+    specs = [("rollout.reward (--reward)", rollout.reward)] if rollout.reward is not None else []
+    specs += [(f"rollout.reward_by_source.{source}", spec) for source, spec in rollout.reward_by_source.items()]
+    named: set[str] = set()
+    for field, spec in specs:
+        for name, _ in parse_reward_spec(spec, field=field):
+            named.add(name)
+            if name != REMOTE and not is_target(name):
+                try:
+                    registries.reward_functions.get_or_raise(name)
+                except RegistryError as exc:
+                    raise ConfigError(f"{field} = {spec!r}: {exc}; or module:function") from None
+    if REMOTE in named and rollout.reward_url is None:
+        raise ConfigError(
+            f"the reward part {REMOTE!r} is the reward server, but rollout.reward_url (--reward-url) is not set"
+        )
+    if rollout.reward_url is not None and specs and REMOTE not in named:
+        raise ConfigError(
+            f"rollout.reward_url (--reward-url) is set but no reward names {REMOTE!r}: add it, e.g. "
+            f"--reward {REMOTE}:1.0,format:0.1"
+        )
+
+
+def resolve_reward(text: str, registries: Registries, *, field: str, remote: BatchReward | None) -> CompositeReward:
+    """A reward spec (:func:`parse_reward_spec`) with each part loaded and its signature checked."""
+    parts = []
+    for name, weight in parse_reward_spec(text, field=field):
+        if name == REMOTE:
+            if remote is None:
+                raise ConfigError(f"{field} {text!r} names {REMOTE!r}, the reward server: give --reward-url URL")
+            parts.append(RewardPart(name, weight, batch=remote))
+            continue
+        fn = registered_or_target(name, registries.reward_functions, flag=field, kind="reward function")
+        if not callable(fn):
+            raise ConfigError(f"{field} {name!r} is {fn!r:.80}, not a function")
+        described = describe_callable(fn)
+        _check_reward_signature(fn, what=f"{field} {name!r}" + ("" if described == name else f" ({described})"))
+        parts.append(RewardPart(name, weight, fn=fn))
+    return CompositeReward(text, tuple(parts))
+
+
+def remote_reward(rollout: RolloutSection) -> BatchReward:
+    """The ``--reward-url`` server's client, probed: an unreachable server stops the run before it starts."""
+    from miles_core.rollout.remote_reward import RemoteReward  # deferred: httpx's client, only for --reward-url
+
+    token = rollout.reward_url_token.get_secret_value() if rollout.reward_url_token is not None else None
+    client = RemoteReward(
+        rollout.reward_url,
+        token=token if token is not None else os.environ.get(REWARD_TOKEN_ENV) or None,
+        timeout_s=rollout.reward_url_timeout_s,
+        retries=rollout.reward_url_retries,
+        batch_size=rollout.reward_url_batch_size,
+        concurrency=rollout.reward_url_concurrency,
+    )
+    client.probe()
+    return client
 
 
 def _check_reward_signature(reward: Callable[..., Any], *, what: str) -> None:

@@ -8,6 +8,7 @@ what to give instead, no traceback, and nothing created or moved.
 
 from __future__ import annotations
 
+import asyncio
 import decimal
 import json
 import os
@@ -31,6 +32,7 @@ from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoin
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, checked_reward
 from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.rollout.rewards import single_reward
 from miles_core.rollout.samples import Sample
 from miles_core.run_setup import check_prompts_encode, latest_checkpoint, load_tokenizer, prepare_run
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
@@ -254,8 +256,7 @@ def _executor(reward_fn) -> RolloutExecutor:
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],
-        reward_fn=reward_fn,
-        reward_name="my_rewards:score",
+        reward=single_reward(reward_fn, "my_rewards:score"),
         controller=None,
         advantages=Grpo(),
     )
@@ -272,7 +273,10 @@ def test_a_reward_that_changes_its_inputs_changes_no_other_sample() -> None:
 
     prompt = Prompt("1:", label=["1"], metadata={"source": "a"})
     samples = [Sample(index=i, prompt=prompt, prompt_ids=[2], response="1") for i in range(3)]
-    _executor(greedy)._score(samples, "sample {index}")
+    executor = _executor(greedy)
+    asyncio.run(executor.scorer.score(samples, ["sample {index}"] * 3))
+    executor.close()
+    assert [s.reward for s in samples] == [1.0] * 3
     assert seen == [(["1"], {"source": "a"})] * 3  # each sample scored against the file's label and metadata
     assert prompt.label == ["1"] and prompt.metadata == {"source": "a"}  # and later steps too
 

@@ -69,7 +69,7 @@ def test_a_trainer_lacking_members_is_closed_and_refused_naming_them(tmp_path: P
     monkeypatch.syspath_prepend(str(tmp_path))
     manager = MilesPluginManager.load(["half_trainer"], environ={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})
     config = build_config(manager, overrides={"train.backend": "half"})
-    setup = RunSetup(tmp_path, tmp_path, tmp_path, None, [], [], None, "none", token="t")
+    setup = RunSetup(tmp_path, tmp_path, tmp_path, None, [], [], None, token="t")
     with pytest.raises(miles_core.MilesError) as error:
         _build_trainer(config, manager.registries, setup)
     assert str(error.value) == (

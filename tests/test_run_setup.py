@@ -4,12 +4,14 @@ return. Real tokenizers, real modules on disk, the real plugin manager; no engin
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from miles_core.models.hf_checkpoint import TOKENIZER_FILES, copy_tokenizer_file
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor, checked_reward, decode_response
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.rewards import RewardPlan, single_reward
 from miles_core.rollout.samples import Sample
 from miles_core.run_setup import (
     RunSetup,
@@ -38,6 +41,7 @@ from miles_core.run_setup import (
     load_tokenizer,
     prepare_run,
 )
+from miles_core.targets import describe_callable
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import save_char_tokenizer
 
@@ -130,8 +134,7 @@ def test_every_checkpoint_of_a_run_holds_the_tokenizer_also_from_a_trainer_that_
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],
-        reward_fn=None,
-        reward_name="",
+        reward=None,
         token="",
     )
     bare = TorchTrainer.from_pretrained(save_tiny_llama(tmp_path / "no-tokenizer"), TrainSection())
@@ -242,18 +245,32 @@ def test_a_reward_is_a_finite_number_or_a_bool(value, expected: float) -> None:
         (np.array([0.5]), "of type ndarray, not a number (call .item() on it)"),
     ],
 )
-def test_anything_else_is_an_error_naming_the_sample_and_the_function(value, problem: str) -> None:
+def test_anything_else_scores_0_counted_and_said_once_naming_the_sample_and_the_function(value, problem: str) -> None:
     with pytest.raises(ValueError, match=re.escape(problem)):
         checked_reward(value)
     executor = scoring_executor(lambda **_: value, name="my_rewards:score")
+    lines: list[str] = []
+    executor.scorer.log = lines.append
     sample = Sample(index=5, prompt=Prompt("73915:" + "9" * 200, label="5"), prompt_ids=[2], response="5555")
-    with pytest.raises(MilesError) as error:
-        executor._score([sample], "sample {index} of rollout 2 (step 3)")
-    message = str(error.value)
-    assert message.startswith("reward function my_rewards:score returned") and problem in message
+    again = Sample(index=6, prompt=sample.prompt, prompt_ids=[2], response="5")
+    asyncio.run(executor.scorer.score([sample, again], ["sample {index} of rollout 2 (step 3)"] * 2))
+    assert (sample.reward, sample.reward_errors, again.reward, again.reward_errors) == (0.0, 1, 0.0, 1)
+    assert len(lines) == 1  # the first of its kind, once
+    message = lines[0]
+    assert message.startswith("miles: reward my_rewards:score returned") and problem in message
     assert "on sample 5 of rollout 2 (step 3) (prompt '73915:999" in message and "...' (cut)" in message
-    assert "response '5555'" in message and "a reward must be a finite int or float" in message
+    assert "response '5555'" in message and "it scores 0" in message
     assert len(message) < 600  # an excerpt of the prompt, not all of it
+    stats = executor._stats([sample, again], "rollout")
+    assert stats["reward/errors"] == 2.0 and stats["rollout/reward/my_rewards:score"] == 0.0
+    executor.close()
+
+
+def only_part(plan: RewardPlan) -> tuple[Any, str]:
+    """The function and name of a plan of one reward function."""
+    assert plan.dispatch_key is None and plan.default is not None and len(plan.default.parts) == 1
+    part = plan.default.parts[0]
+    return part.fn, part.name
 
 
 def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
@@ -266,8 +283,7 @@ def scoring_executor(reward_fn, *, name: str) -> RolloutExecutor:
         tokenizer=None,
         train_prompts=[],
         eval_prompts=[],
-        reward_fn=reward_fn,
-        reward_name=name,
+        reward=single_reward(reward_fn, name),
         controller=None,
         advantages=Grpo(),
     )
@@ -302,20 +318,24 @@ def work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_a_reward_module_in_the_working_directory_is_found(work_dir: Path, manager) -> None:
     path_before = list(sys.path)
-    reward, name = load_reward(config(manager, **{"rollout.reward": "cwd_rewards:score"}), manager.registries)
+    reward, name = only_part(
+        load_reward(config(manager, **{"rollout.reward": "cwd_rewards:score"}), manager.registries)
+    )
     assert reward(prompt="", response="", label=None, metadata={}) == 1.0 and name == "cwd_rewards:score"
     assert sys.path == path_before  # the working directory was first on the path for that lookup only
-    nested, name = load_reward(
-        config(manager, **{"rollout.reward": "cwd_package.rewards:Rewards.exact"}), manager.registries
+    nested, name = only_part(
+        load_reward(config(manager, **{"rollout.reward": "cwd_package.rewards:Rewards.exact"}), manager.registries)
     )
     assert nested() == 0.0 and name == "cwd_package.rewards:Rewards.exact"
-    flexible, _ = load_reward(config(manager, **{"rollout.reward": "cwd_shapes:flexible"}), manager.registries)
+    flexible, _ = only_part(
+        load_reward(config(manager, **{"rollout.reward": "cwd_shapes:flexible"}), manager.registries)
+    )
     assert flexible(prompt="", response="", label=None, metadata={}) == 0.0  # keywords by name or **rest: fine
 
 
 def test_a_registered_reward_is_named_with_its_function(manager) -> None:
-    _, name = load_reward(config(manager, **{"rollout.reward": "echo_last"}), manager.registries)
-    assert name == "echo_last (miles_core.default.task:echo_last_reward)"
+    reward, name = only_part(load_reward(config(manager, **{"rollout.reward": "echo_last"}), manager.registries))
+    assert name == "echo_last" and describe_callable(reward) == "miles_core.default.task:echo_last_reward"
 
 
 @pytest.mark.parametrize(
@@ -335,11 +355,11 @@ def test_a_registered_reward_is_named_with_its_function(manager) -> None:
             "importing module 'cwd_broken' failed: it imports 'not_installed_dependency_xyz', which is not installed",
         ),
         ("cwd_raising:score", "importing module 'cwd_raising' failed: RuntimeError: reward module is broken"),
-        (":score", "is neither a registered reward function (registered: "),
-        ("cwd_rewards:", "nor module:function"),
-        ("cwd_rewards:score:x", "nor module:function"),
+        (":score", "unknown reward function ':score'; available: echo_last"),
+        ("cwd_rewards:", "rollout.reward (--reward) = 'cwd_rewards:': the weight '' of 'cwd_rewards' is not a number"),
+        ("cwd_rewards:score:x", "unknown reward function 'cwd_rewards:score:x'"),
         ("score", "rollout.reward (--reward) = 'score': unknown reward function 'score'; available: echo_last"),
-        ("../etc:passwd", "nor module:function"),
+        ("../etc:passwd", "unknown reward function '../etc:passwd'"),
         (
             "cwd_shapes:positional",
             "--reward 'cwd_shapes:positional' cannot be called as fn(*, prompt, response, "
@@ -470,7 +490,7 @@ def test_a_task_gives_the_prompts_and_the_reward_of_its_name(task_manager) -> No
     train, evaluation = load_prompts(run_config, task_manager.registries)
     assert [p.text for p in train] == [f"{n}:" for n in range(8)] and [p.label for p in evaluation] == ["0", "1"]
     assert train[0].metadata == {"seed": 4}
-    reward, name = load_reward(run_config, task_manager.registries)
+    reward, name = only_part(load_reward(run_config, task_manager.registries))
     assert name == "parity" and reward(prompt="3:", response="1", label="1", metadata={}) == 1.0
     default = config(task_manager)
     expected = echo_last_prompts(seed=default.run.seed)
@@ -505,7 +525,7 @@ def test_a_task_without_a_reward_of_its_name_needs_a_reward(task_manager) -> Non
     with pytest.raises(ConfigError, match=r"task 'empty' needs --reward NAME or module:function: no reward function"):
         load_reward(config(task_manager, **{"rollout.task": "empty"}), task_manager.registries)
     run_config = config(task_manager, **{"rollout.task": "empty", "rollout.reward": "parity"})
-    reward, _ = load_reward(run_config, task_manager.registries)
+    reward, _ = only_part(load_reward(run_config, task_manager.registries))
     assert reward(prompt="", response="0", label="0", metadata={}) == 1.0
 
 
@@ -536,10 +556,10 @@ def _prompt_file(tmp_path: Path) -> Path:
 def test_prompts_without_a_reward_are_scored_by_the_task_s_reward(task_manager, tmp_path: Path, capsys) -> None:
     prompts = str(_prompt_file(tmp_path))
     run_config = config(task_manager, **{"rollout.prompts": prompts, "rollout.task": "parity"})
-    reward, name = load_reward(run_config, task_manager.registries)
+    reward, name = only_part(load_reward(run_config, task_manager.registries))
     assert name == "parity" and reward(prompt="3:", response="1", label="1", metadata={}) == 1.0
     assert "miles: --prompts without --reward: scoring with the reward of task 'parity'" in capsys.readouterr().out
-    reward, name = load_reward(config(task_manager, **{"rollout.prompts": prompts}), task_manager.registries)
+    reward, name = only_part(load_reward(config(task_manager, **{"rollout.prompts": prompts}), task_manager.registries))
     assert name == "echo_last"  # the default model and task: the default task's reward
 
 
@@ -549,7 +569,8 @@ def test_prompts_for_another_model_without_a_reward_say_which_flag_to_add(task_m
     with pytest.raises(ConfigError) as error:
         load_reward(run_config, task_manager.registries)
     assert str(error.value) == (
-        "--prompts needs --reward to score the responses: add --reward NAME (registered: echo_last, parity, "
-        "tool_lookup) or --reward module:function (a module in the working directory), or --task NAME to score them "
-        "with that task's reward (the default task, 'echo_last', is made for the default model)"
+        "--prompts needs --reward to score the responses: add --reward NAME (registered: echo_last, exact, f1, "
+        "format, gsm8k, math, multiple_choice, parity, tool_lookup) or --reward module:function (a module in the "
+        "working directory), or --task NAME to score them with that task's reward (the default task, "
+        "'echo_last', is made for the default model)"
     )

@@ -321,7 +321,9 @@ def test_real_use_model_prompts_and_reward(real_model, tmp_path: Path) -> None:
     assert [row["step"] for row in rows if "train/loss" in row] == [1, 2, 3]
 
 
-def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: Path) -> None:
+def test_a_reward_that_keeps_raising_stops_the_run_naming_the_sample_and_function(real_model, tmp_path: Path) -> None:
+    """A raising reward scores 0 and is counted; ``--rollout-reward-max-consecutive-failures`` in a row stop the
+    run, naming the reward and its last error (the first one was printed)."""
     model_dir, prompts, module_dir = real_model
     result = train(
         tmp_path / "run",
@@ -334,13 +336,18 @@ def test_reward_that_raises_names_the_sample_and_function(real_model, tmp_path: 
         str(prompts),
         "--reward",
         "my_rewards:broken_reward",
+        "--rollout-reward-max-consecutive-failures",
+        "3",
         cwd=module_dir,
         ok=False,
     )
     assert result.returncode == 2
     # The eval before training scores first: its sample 0 is the file's first prompt.
-    assert "reward function my_rewards:broken_reward raised on eval sample 0 at step 0 (prompt 'a0:'" in result.stderr
-    assert "KeyError: 'score'" in result.stderr and "Traceback" not in result.stderr
+    first = "miles: reward my_rewards:broken_reward raised KeyError: 'score' on eval sample 0 at step 0 (prompt 'a0:'"
+    assert first in result.stdout and "it scores 0" in result.stdout
+    assert "reward my_rewards:broken_reward failed 3 times in a row" in result.stderr
+    assert "the last: reward my_rewards:broken_reward raised KeyError: 'score' on eval sample 2" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 WORKING_DIRECTORY_REWARDS = """\
@@ -405,14 +412,17 @@ def test_a_reward_that_is_not_a_finite_number_stops_the_run_naming_sample_and_fu
         "2",
         "--reward",
         "cwd_rewards:not_a_number",
+        "--rollout-reward-max-consecutive-failures",
+        "2",
         cwd=tmp_path,
     )
     assert result.returncode == 2, result.stderr[-3000:]
     assert (
-        "reward function cwd_rewards:not_a_number returned nan, not a finite number on eval sample 0 at step 0 "
-        "(prompt '"
+        "reward cwd_rewards:not_a_number failed 2 times in a row (--rollout-reward-max-consecutive-failures); the "
+        "last: reward cwd_rewards:not_a_number returned nan, not a finite number (a reward is a finite int or float, "
+        "or a bool) on eval sample 1 at step 0 (prompt '"
     ) in result.stderr
-    assert "a reward must be a finite int or float" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,17 @@ def config_flags() -> list[ConfigFlag]:
         ConfigFlag(flag="--task", path="rollout.task", help="task (`miles plugins` lists them)", metavar="NAME"),
         ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
         ConfigFlag(
-            flag="--reward", path="rollout.reward", help="reward: registry name or module:function", metavar="NAME"
+            flag="--reward",
+            path="rollout.reward",
+            help="reward: registry name, module:function, or NAME:WEIGHT,...",
+            metavar="SPEC",
+        ),
+        ConfigFlag(flag="--reward-url", path="rollout.reward_url", help="reward server base URL", metavar="URL"),
+        ConfigFlag(
+            flag="--reward-url-token",
+            path="rollout.reward_url_token",
+            help="bearer token of the reward server (or MILES_REWARD_URL_TOKEN)",
+            metavar="TOKEN",
         ),
         ConfigFlag(flag="--trainer", path="train.backend", help="training backend", metavar="NAME"),
         ConfigFlag(flag="--engine", path="engine.backend", help="engine backend", metavar="NAME"),
@@ -114,13 +124,9 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
     )
     if problems:
         raise ConfigError(f"run.fault_injection (--fault-injection): {'; '.join(problems)}")
-    if config.rollout.reward is not None and ":" not in config.rollout.reward:
-        try:
-            registries.reward_functions.get_or_raise(config.rollout.reward)
-        except RegistryError as exc:
-            raise ConfigError(
-                f"rollout.reward (--reward) = {config.rollout.reward!r}: {exc}; or module:function"
-            ) from exc
+    from miles_core.run_setup import check_reward_specs  # deferred: the rollout's modules import numpy and torch
+
+    check_reward_specs(config, registries)
 
 
 def check_protocol_reaches_engines(config: MilesConfig, registries: Registries) -> None:
@@ -301,6 +307,17 @@ def provide_reward_functions() -> list[Implementation]:
         Implementation("echo_last", "miles_core.default.task:echo_last_reward", "the default task's reward"),
         Implementation(
             "tool_lookup", "miles_core.default.tool_task:tool_lookup_reward", "the answer's score of tool_lookup"
+        ),
+        *(
+            Implementation(name, f"miles_core.builtin.rewards:{name}_reward", description)
+            for name, description in (
+                ("math", "math-verify: the last \\boxed{} answer equals the label"),
+                ("gsm8k", "the number after #### (else the last number) equals the label's"),
+                ("exact", "the stripped response equals the label"),
+                ("multiple_choice", "the chosen letter A-J equals the label"),
+                ("f1", "SQuAD token F1 with the label (or the best of a list)"),
+                ("format", "the final answer is given in \\boxed{...}"),
+            )
         ),
     ]
 

@@ -123,6 +123,8 @@ MAX_LISTED_PROBLEMS = 20
 """Problems listed one per line; the rest are counted (a file with thousands of unknown keys stays readable)."""
 MAX_SHOWN_CHARS = 200
 """A key or value longer than this is cut in error messages."""
+MAX_LISTED_KEYS = 20
+"""The most allowed keys an unknown-key error lists (then a count)."""
 
 
 def format_validation_error(exc: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
@@ -170,7 +172,10 @@ def _unknown_key_hint(model: type[pydantic.BaseModel], loc: tuple[Any, ...]) -> 
         return f"removed: {removed}"
     allowed = list(parent.model_fields)
     where = "sections" if len(loc) == 1 else f"keys of {'.'.join(str(p) for p in loc[:-1])!r}"
-    hint = f"unknown key; allowed {where}: {', '.join(allowed) or '(none)'}"
+    listed = ", ".join(allowed[:MAX_LISTED_KEYS]) or "(none)"
+    if len(allowed) > MAX_LISTED_KEYS:  # a long section: the closest name below says more than all of them
+        listed += f", and {len(allowed) - MAX_LISTED_KEYS} more (`miles config show` lists them)"
+    hint = f"unknown key; allowed {where}: {listed}"
     close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
     return hint + (f"; did you mean {close[0]!r}?" if close else "")
 

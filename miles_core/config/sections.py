@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -172,7 +174,64 @@ class RolloutSection(Section):
         description="An eval sample passes (eval/pass@K) when its reward is at least this; None: when it is above 0.",
     )
     reward: str | None = pydantic.Field(
-        default=None, description="Reward function: a registry name or module:function; None: the task's own."
+        default=None,
+        description="Reward: a registry name or module:function, or weighted parts summed, NAME[:WEIGHT],... "
+        "(math:1.0,format:0.1; remote is the --reward-url server); None: the task's own (remote with --reward-url).",
+    )
+    reward_dispatch_key: str | None = pydantic.Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="Metadata field naming each sample's data source, whose reward reward_by_source gives.",
+    )
+    reward_by_source: dict[str, str] = pydantic.Field(
+        default_factory=dict,
+        description="Data source -> reward (same syntax as reward), with reward_dispatch_key; a source not in it "
+        "takes reward, or is an error without one. YAML: '{gsm8k: gsm8k, math: \"math:1.0,format:0.1\"}'.",
+    )
+    reward_timeout_s: float = pydantic.Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="The longest one reward call may run; a call past it scores 0 and is counted (reward/timeouts).",
+    )
+    reward_workers: int = pydantic.Field(
+        default=2,
+        ge=1,
+        le=MAX_THREADS,
+        description="Threads that run reward functions off the event loop, at most 8 per CPU of this machine.",
+    )
+    reward_max_consecutive_failures: int = pydantic.Field(
+        default=16,
+        ge=1,
+        le=1_000_000,
+        description="Failures (errors, non-finite values, timeouts) of one reward in a row that stop the run.",
+    )
+    reward_url: str | None = pydantic.Field(
+        default=None,
+        max_length=2000,
+        description="Base URL of a reward server (POST /score, GET /health; see the rewards page of the docs), the "
+        "reward part named remote.",
+    )
+    reward_url_token: pydantic.SecretStr | None = pydantic.Field(
+        default=None,
+        description="Bearer token sent to the reward server; None: the environment variable MILES_REWARD_URL_TOKEN, "
+        "if set.",
+    )
+    reward_url_timeout_s: float = pydantic.Field(
+        default=60.0, gt=0, le=3600, description="The longest one request to the reward server may take."
+    )
+    reward_url_retries: int = pydantic.Field(
+        default=2,
+        ge=0,
+        le=10,
+        description="Retries of a failed request to the reward server (then its samples score 0).",
+    )
+    reward_url_batch_size: int = pydantic.Field(
+        default=64, ge=1, le=4096, description="Samples per request to the reward server."
+    )
+    reward_url_concurrency: int = pydantic.Field(
+        default=4, ge=1, le=64, description="Requests to the reward server in flight at once."
     )
     filters: list[str] = pydantic.Field(
         default_factory=list,
@@ -227,6 +286,30 @@ class RolloutSection(Section):
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
         return value
+
+    @pydantic.field_validator("reward_workers")
+    @classmethod
+    def _workers_fit_machine(cls, value: int) -> int:
+        most = 8 * (os.cpu_count() or 1)
+        if value > most:
+            raise ValueError(f"at most {most} (8 per CPU of this machine)")
+        return value
+
+    @pydantic.field_validator("reward_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", value):
+            raise ValueError("an http:// or https:// base URL such as http://127.0.0.1:8000")
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _dispatch_complete(self) -> RolloutSection:
+        if bool(self.reward_dispatch_key) != bool(self.reward_by_source):
+            raise ValueError(
+                "reward_dispatch_key (--rollout-reward-dispatch-key) and reward_by_source "
+                "(--rollout-reward-by-source) go together: give both or neither"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _mask_needs_partial(self) -> RolloutSection:

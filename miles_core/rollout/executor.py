@@ -3,10 +3,10 @@ the same id, so a resumed run sees the same data), generates ``group_size`` samp
 (or through a router), scores them, computes group statistics and returns the training batch.
 
 A request that fails because its engine died is sent again to a running engine once the controller has one, so
-no sample of the step is lost. A reward function sees the response decoded without special tokens
-(:func:`decode_response`) and must return a finite number (:func:`checked_reward`); one that raises or returns
-anything else stops the run with an error naming the sample and the function: a silently wrong reward would be
-worse than a stopped run.
+no sample of the step is lost. Rewards see the response decoded without special tokens (:func:`decode_response`)
+and are scored off the event loop by a :class:`~miles_core.rollout.rewards.RewardScorer`: a reward that raises,
+returns no finite number or hangs scores 0 and is counted (``reward/errors``, ``reward/timeouts``); one that keeps
+failing stops the run.
 """
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
-import decimal
 import math
-import numbers
 import random
 import statistics
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import numpy
 
 from miles_core.engines.client import EngineClient, EngineError
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams, parse_weight_version
@@ -32,6 +27,7 @@ from miles_core.errors import MilesError
 from miles_core.rollout.agents import Agent, is_session_failure
 from miles_core.rollout.eval_at_k import at_k_stats, eval_seed
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.rewards import RewardPlan, RewardScorer, checked_reward, describe
 from miles_core.rollout.samples import Group, GroupFilter, Rollout, Sample
 from miles_core.rollout.sessions.session import Trajectory
 from miles_core.training.algorithms import AdvantageEstimator, ScoredSample
@@ -61,8 +57,7 @@ class RolloutExecutor:
         tokenizer: Any,
         train_prompts: list[Prompt],
         eval_prompts: list[Prompt],
-        reward_fn: Callable[..., float],
-        reward_name: str,
+        reward: RewardPlan,
         controller: Any,
         advantages: AdvantageEstimator,
         filters: list[GroupFilter] | None = None,
@@ -77,7 +72,8 @@ class RolloutExecutor:
         agent run's agent and the session servers it plays samples through (both or neither); without them, samples
         are generated single-turn, in batches. ``routing``: the model's routing shape, to ask the engines for every
         token's routed experts and hand them to the trainer (routing replay; not with an agent, whose turns go
-        through the session servers)."""
+        through the session servers). ``reward``: how samples are scored (:func:`~miles_core.run_setup.load_reward`),
+        with ``rollout``'s timeout, workers and failure limit."""
         if (agent is None) != (sessions is None):
             raise MilesError("an agent needs session servers, and session servers an agent")
         if routing is not None and agent is not None:
@@ -90,8 +86,12 @@ class RolloutExecutor:
         self.tokenizer = tokenizer
         self.train_prompts = train_prompts
         self.eval_prompts = eval_prompts
-        self.reward_fn = reward_fn
-        self.reward_name = reward_name
+        self.scorer = RewardScorer(
+            reward,
+            timeout_s=rollout.reward_timeout_s,
+            workers=rollout.reward_workers,
+            max_consecutive_failures=rollout.reward_max_consecutive_failures,
+        )
         self.controller = controller
         self.advantages = advantages
         self.filters = list(filters or [])
@@ -187,8 +187,7 @@ class RolloutExecutor:
             return groups
         samples = [sample for group in groups for sample in group.samples]
         await self._generate(samples, self._sampling(temperature=temperature))
-        for group, where in zip(groups, wheres, strict=True):
-            self._score(group.samples, where)
+        await self.scorer.score(samples, [where for g, where in zip(groups, wheres, strict=True) for _ in g.samples])
         return groups
 
     def keeps(self, group: Group) -> bool:
@@ -290,7 +289,7 @@ class RolloutExecutor:
         if self.agent is not None:
             return await self._play_all([(sample, where) for sample in samples], temperature)
         await self._generate(samples, self._sampling(temperature=temperature))
-        self._score(samples, where)
+        await self.scorer.score(samples, [where] * len(samples))
         return samples
 
     def encode(self, text: str) -> list[int]:
@@ -432,7 +431,7 @@ class RolloutExecutor:
                     await self.sessions.finish(server, session_id)
                 if not is_session_failure(exc):
                     raise MilesError(
-                        f"agent {self.agent.name} raised on {_describe(sample, where)}: {type(exc).__name__}: {exc}"
+                        f"agent {self.agent.name} raised on {describe(sample, where)}: {type(exc).__name__}: {exc}"
                     ) from exc
                 failure = exc
                 continue
@@ -443,9 +442,9 @@ class RolloutExecutor:
                     raise
                 failure = exc
                 continue
-            return self._branch_samples(sample, trajectories, result, where)
+            return await self._branch_samples(sample, trajectories, result, where)
         raise MilesError(
-            f"agent {self.agent.name} could not play {_describe(sample, where)} in {MAX_ATTEMPTS} sessions: "
+            f"agent {self.agent.name} could not play {describe(sample, where)} in {MAX_ATTEMPTS} sessions: "
             f"{type(failure).__name__}: {failure}"
         )
 
@@ -469,13 +468,15 @@ class RolloutExecutor:
             "seed": sample.seed % (1 << 62),
         }
 
-    def _branch_samples(self, sample: Sample, trajectories: list[Trajectory], result: Any, where: str) -> list[Sample]:
+    async def _branch_samples(
+        self, sample: Sample, trajectories: list[Trajectory], result: Any, where: str
+    ) -> list[Sample]:
         """The samples of a played session and its branches (those in which the policy said something), each with
         its reward: one per session when the agent returned a list, else the same for all."""
         if isinstance(result, list | tuple):
             if len(result) != len(trajectories):
                 raise MilesError(
-                    f"agent {self.agent.name} returned {len(result)} rewards for {_describe(sample, where)}, which "
+                    f"agent {self.agent.name} returned {len(result)} rewards for {describe(sample, where)}, which "
                     f"has {len(trajectories)} sessions (itself and {len(trajectories) - 1} branches): one each"
                 )
             rewards = list(result)
@@ -484,12 +485,12 @@ class RolloutExecutor:
         played = [(t, r) for t, r in zip(trajectories, rewards, strict=True) if t.turns]
         if not played:
             raise MilesError(
-                f"agent {self.agent.name} finished {_describe(sample, where)} without asking the policy anything"
+                f"agent {self.agent.name} finished {describe(sample, where)} without asking the policy anything"
             )
         samples = [sample] + [copy.deepcopy(sample) for _ in played[1:]]
         for branch, (trajectory, reward) in zip(samples, played, strict=True):
             self._take_trajectory(branch, trajectory)
-            self._agent_reward(branch, reward, where)
+            await self._agent_reward(branch, reward, where)
         return samples
 
     def _take_trajectory(self, sample: Sample, trajectory: Trajectory) -> None:
@@ -505,56 +506,44 @@ class RolloutExecutor:
         sample.weight_version, sample.finish_reason, sample.engine = last.weight_version, last.finish_reason, "session"
         sample.response = decode_response(self.tokenizer, trajectory.response_ids[last.start : last.end])
 
-    def _agent_reward(self, sample: Sample, result: Any, where: str) -> None:
-        """The agent's reward, checked; ``None``: the run's reward function scores the last turn."""
+    async def _agent_reward(self, sample: Sample, result: Any, where: str) -> None:
+        """The agent's reward, checked; ``None``: the run's reward scores the last turn."""
         if result is None:
-            self._score([sample], where)
+            await self.scorer.score([sample], [where])
             return
         try:
             sample.reward = checked_reward(result)
         except ValueError as exc:
             raise MilesError(
-                f"agent {self.agent.name} {exc} on {_describe(sample, where)}: an agent returns the sample's reward "
+                f"agent {self.agent.name} {exc} on {describe(sample, where)}: an agent returns the sample's reward "
                 "(a finite int or float) or None (the run's reward function scores its last turn)"
             ) from None
 
     # -- rewards --------------------------------------------------------------------------------------------
 
-    def _score(self, samples: list[Sample], where: str) -> None:
-        """Every sample's reward, checked; ``where`` (``"sample {index} of rollout 2 (step 3)"``) names the sample in
-        errors."""
-        for sample in samples:
-            try:
-                # Copies: the prompt's label and metadata are shared by its group and by every later step, so a
-                # reward that changes them in place would silently change what the next sample is scored against.
-                reward = self.reward_fn(
-                    prompt=sample.prompt.text,
-                    response=sample.response,
-                    label=copy.deepcopy(sample.prompt.label),
-                    metadata=copy.deepcopy(sample.prompt.metadata),
-                )
-            except Exception as exc:
-                raise MilesError(
-                    f"reward function {self.reward_name} raised on {_describe(sample, where)}: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            try:
-                sample.reward = checked_reward(reward)
-            except ValueError as exc:
-                raise MilesError(
-                    f"reward function {self.reward_name} {exc} on {_describe(sample, where)}: a reward "
-                    "must be a finite int or float (or a bool, counted as 1.0/0.0)"
-                ) from None
+    def close(self) -> None:
+        """Let the reward pool's idle threads end."""
+        self.scorer.close()
 
     @staticmethod
     def _stats(samples: list[Sample], prefix: str) -> dict[str, float]:
+        """The step's reward and length statistics, each reward part's mean (``{prefix}/reward/<name>``) and the
+        reward failures counted (``reward/errors``, ``reward/timeouts``; ``eval/reward_errors``, ... for an eval)."""
         rewards = [s.reward for s in samples]
         lengths = [len(s.response_ids) for s in samples]
+        parts: dict[str, list[float]] = {}
+        for sample in samples:
+            for name, value in sample.reward_parts.items():
+                parts.setdefault(name, []).append(value)
+        failures = "reward/" if prefix == "rollout" else f"{prefix}/reward_"
         return {
             f"{prefix}/reward_mean": statistics.fmean(rewards),
             f"{prefix}/reward_std": statistics.pstdev(rewards),
             f"{prefix}/response_length": statistics.fmean(lengths),
             f"{prefix}/samples": float(len(samples)),
+            **{f"{prefix}/reward/{name}": statistics.fmean(values) for name, values in parts.items()},
+            f"{failures}errors": float(sum(s.reward_errors for s in samples)),
+            f"{failures}timeouts": float(sum(s.reward_timeouts for s in samples)),
         }
 
 
@@ -654,33 +643,3 @@ def decode_response(tokenizer: Any, ids: list[int]) -> str:
     """The text a reward function sees: the generated ids decoded without special tokens (no ``<eos>``, pad or
     bos), otherwise as generated (whitespace kept)."""
     return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def checked_reward(value: Any) -> float:
-    """``value`` as a float when it is a finite real number (``True``/``False`` count as 1.0/0.0, the reward of an
-    exact match); anything else (a string, ``None``, NaN, infinity, a tensor) is a ``ValueError`` saying what was
-    returned, since a wrong reward silently trains the wrong thing."""
-    if isinstance(value, numpy.bool_):  # `a == b` on numpy values: a bool too, though not a numbers.Real
-        value = bool(value)
-    if not isinstance(value, numbers.Real | decimal.Decimal):  # int, float, bool, Fraction, Decimal, numpy scalars
-        hint = " (call .item() on it)" if callable(getattr(value, "item", None)) else ""
-        raise ValueError(f"returned {_excerpt(value)} of type {type(value).__name__}, not a number{hint}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int or Fraction beyond float's range
-        raise ValueError(f"returned {_excerpt(value)}, beyond the range of a float") from None
-    except ValueError:  # Decimal('sNaN')
-        raise ValueError(f"returned {_excerpt(value)}, not a finite number") from None
-    if not math.isfinite(number):
-        raise ValueError(f"returned {number!r}, not a finite number")
-    return number
-
-
-def _describe(sample: Sample, where: str) -> str:
-    location = where.format(index=sample.index)
-    return f"{location} (prompt {_excerpt(sample.prompt.text)}, response {_excerpt(sample.response)})"
-
-
-def _excerpt(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 5] + "...' (cut)"

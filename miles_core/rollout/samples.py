@@ -46,6 +46,10 @@ class Sample:
     transcript: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """An agent's sample, turn by turn as the dashboard shows it: ``{"source": "policy" | "agent", "text",
     "tokens"}`` per span of ``response_ids`` (the policy's turns are trained on, the agent's messages masked)."""
+    reward_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each reward part's value (before its weight), by its name; a failed part's is 0.0."""
+    reward_errors: int = 0  # reward parts that raised or returned no finite number (each scored 0)
+    reward_timeouts: int = 0  # reward parts that ran past --rollout-reward-timeout-s (each scored 0)
     routed_experts: RoutedExperts | None = None
     """Routing replay: the experts each token the engine ran was routed to, ``[prompt + response - 1][layers]
     [top_k]``; a continued request's are appended after those it already has."""

@@ -18,6 +18,7 @@ from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.agents import Agent, agent_for_task, load_agent, session_chat_format
 from miles_core.rollout.executor import RolloutExecutor, _turn_segments
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.rewards import single_reward
 from miles_core.rollout.samples import Group, Sample
 from miles_core.rollout.sessions.batching import TurnBatcher
 from miles_core.rollout.sessions.session import Trajectory, Turn
@@ -167,8 +168,7 @@ def executor_for_branches() -> RolloutExecutor:
         tokenizer=DigitTokenizer(),
         train_prompts=[],
         eval_prompts=[],
-        reward_fn=lambda **_: 0.0,
-        reward_name="zero",
+        reward=single_reward(lambda **_: 0.0, "zero"),
         controller=None,
         advantages=Grpo({"normalize_std": False}),
         agent=Agent("brancher", good_agent),
@@ -180,13 +180,15 @@ def test_an_agents_branches_become_samples_of_its_group_with_a_reward_each() -> 
     executor = executor_for_branches()
     empty = dataclasses.replace(trajectory(), turns=[], response_ids=[], loss_mask=[], logprobs=[])
     sample = Sample(index=5, prompt=Prompt("1", "1", {}), prompt_ids=[2], group=0)
-    samples = executor._branch_samples(sample, [trajectory(), empty, trajectory()], [1.0, 0.5, 0.0], "sample {index}")
+    samples = asyncio.run(
+        executor._branch_samples(sample, [trajectory(), empty, trajectory()], [1.0, 0.5, 0.0], "sample {index}")
+    )
     assert [s.reward for s in samples] == [1.0, 0.0] and {s.index for s in samples} == {5}  # no turn: no sample
     assert samples[0] is sample and samples[1].response_ids == trajectory().response_ids
     with pytest.raises(MilesError, match=r"returned 2 rewards for sample 5 .* 3 sessions"):
-        executor._branch_samples(sample, [trajectory()] * 3, [1.0, 0.5], "sample {index}")
+        asyncio.run(executor._branch_samples(sample, [trajectory()] * 3, [1.0, 0.5], "sample {index}"))
     with pytest.raises(MilesError, match="without asking the policy anything"):
-        executor._branch_samples(sample, [empty], 1.0, "sample {index}")
+        asyncio.run(executor._branch_samples(sample, [empty], 1.0, "sample {index}"))
     # GRPO advantages within each group, whatever its size: a group of 2 (one branch) and one of 3
     group = Group(0, 0, 0, [*samples, Sample(index=6, prompt=sample.prompt, prompt_ids=[2], reward=0.5)])
     other = Group(1, 0, 1, [Sample(index=0, prompt=sample.prompt, prompt_ids=[2], reward=r) for r in (2.0, 4.0)])

@@ -20,6 +20,7 @@ from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.executor import RolloutExecutor
 from miles_core.rollout.filters import load_filters, no_truncated, nonzero_reward_std
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.rewards import single_reward
 from miles_core.rollout.samples import Group
 from miles_core.rollout.stream import RolloutStream, StreamState
 
@@ -96,8 +97,7 @@ def make_executor(engine: ScriptedEngine, reward=None, **overrides) -> RolloutEx
         tokenizer=DigitTokenizer(),
         train_prompts=prompts,
         eval_prompts=prompts[:2],
-        reward_fn=reward or (lambda *, prompt, response, label, metadata: float(len(response) % 3)),
-        reward_name="test",
+        reward=single_reward(reward or (lambda *, prompt, response, label, metadata: float(len(response) % 3)), "test"),
         controller=FakeController(engine),
         advantages=Grpo(),
         filters=load_filters(list(config.rollout.filters), manager.registries.rollout_filters),
@@ -198,7 +198,7 @@ def test_reward_std_filter_never_lets_a_zero_variance_group_in_and_over_sampling
 def test_filters_that_refuse_everything_stop_the_run_with_a_hint() -> None:
     engine = ScriptedEngine()
     executor = make_executor(engine, **{"rollout.filters": "nonzero_reward_std"})  # equal rewards: all refused
-    executor.reward_fn = lambda *, prompt, response, label, metadata: 1.0
+    executor.scorer.plan = single_reward(lambda *, prompt, response, label, metadata: 1.0, "one")
     with pytest.raises(Exception, match=r"refused .* groups of rollout 0 .* --rollout-over-sampling"):
         asyncio.run(executor.get(0))
 

@@ -12,6 +12,7 @@ from miles_core.config.sections import EngineSection, RolloutSection, RunSection
 from miles_core.default.task import echo_last_prompts
 from miles_core.models.hf_checkpoint import tokenizer_files
 from miles_core.rollout.executor import RolloutExecutor
+from miles_core.rollout.rewards import single_reward
 from miles_core.run_setup import load_tokenizer
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.testkit.tokenizers import save_char_tokenizer
@@ -122,8 +123,7 @@ def test_data_order_depends_on_the_step_alone() -> None:
         tokenizer=None,
         train_prompts=train,
         eval_prompts=evaluation,
-        reward_fn=lambda **_: 0.0,
-        reward_name="none",
+        reward=single_reward(lambda **_: 0.0, "none"),
         controller=None,
         advantages=Grpo(),
     )
@@ -132,8 +132,7 @@ def test_data_order_depends_on_the_step_alone() -> None:
         tokenizer=None,
         train_prompts=train,
         eval_prompts=evaluation,
-        reward_fn=lambda **_: 0.0,
-        reward_name="none",
+        reward=single_reward(lambda **_: 0.0, "none"),
         controller=None,
         advantages=Grpo(),
     )

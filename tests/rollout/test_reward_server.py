@@ -1,0 +1,175 @@
+"""The --reward-url client against the example reward server (a real HTTP server in a process of its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from miles_core.errors import MilesError
+from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.remote_reward import RemoteReward
+from miles_core.rollout.rewards import CompositeReward, RewardPart, RewardPlan, RewardScorer
+from miles_core.rollout.samples import Sample
+from tests.conftest import run_miles
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-reward-token"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RewardServerProcess:
+    """The example server, started and stopped by pid on one port (so it can come back where it was)."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.port, self.log, self.process = port, log, None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RewardServerProcess:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "REWARD_TOKEN": TOKEN}
+        command = [sys.executable, "-m", "miles_core.testkit.reward_server", "--port", str(self.port)]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen([*command, "--token-env", "REWARD_TOKEN"], env=env, stdout=log, stderr=log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{self.url}/health", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise AssertionError(f"the reward server did not start: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    process = RewardServerProcess(free_port(), tmp_path / "server.log").start()
+    yield process
+    process.kill()
+
+
+def client(url: str, *, token: str | None = TOKEN, retries: int = 1) -> RemoteReward:
+    return RemoteReward(url, token=token, timeout_s=10, retries=retries, batch_size=3, concurrency=2)
+
+
+def samples(count: int) -> list[Sample]:
+    return [
+        Sample(index=i, prompt=Prompt(f"{i}:", label="1", metadata={}), prompt_ids=[1], response=str(i % 7) * (i % 4))
+        for i in range(count)
+    ]
+
+
+def scorer(remote: RemoteReward, *, limit: int = 16) -> RewardScorer:
+    plan = RewardPlan(
+        CompositeReward(
+            "remote:1.0,exact:0.5",
+            (RewardPart("remote", 1.0, batch=remote), RewardPart("exact", 0.5, fn=lambda *, response, label, **_: 0.0)),
+        )
+    )
+    return RewardScorer(plan, timeout_s=10, workers=1, max_consecutive_failures=limit, log=lambda line: None)
+
+
+def score(scorer: RewardScorer, batch: list[Sample]) -> list[Sample]:
+    asyncio.run(scorer.score(batch, ["sample {index}"] * len(batch)))
+    return batch
+
+
+def test_the_server_scores_batches_the_same_as_one_by_one(server: RewardServerProcess) -> None:
+    remote = client(server.url)
+    remote.probe()
+    batch = score(scorer(remote), samples(8))  # 3 requests of at most 3 items
+    rewards = [s.reward_parts["remote"] for s in batch]
+    assert all(0.0 < r < 1.0 for r in rewards) and len(set(rewards)) > 1  # a sigmoid, differing by input
+    alone = [score(scorer(remote), [s])[0].reward_parts["remote"] for s in samples(8)[:3]]
+    assert alone == pytest.approx(rewards[:3], abs=1e-5)  # padding in a batch changes nothing beyond float32 noise
+    assert sum(s.reward_errors for s in batch) == 0
+
+
+def test_a_wrong_token_is_refused_at_the_probe(server: RewardServerProcess) -> None:
+    with pytest.raises(MilesError, match=r"answered GET /health with 401 .*give its token with --reward-url-token"):
+        client(server.url, token="wrong").probe()
+
+
+def test_a_server_that_dies_mid_run_costs_those_samples_and_scoring_resumes_when_it_is_back(
+    server: RewardServerProcess,
+) -> None:
+    remote = client(server.url, retries=1)
+    run = scorer(remote, limit=16)
+    before = score(run, samples(6))
+    assert sum(s.reward_errors for s in before) == 0
+    server.kill()
+    during = score(run, samples(6))  # 2 failed requests: every sample 0, each counted
+    assert [s.reward for s in during] == [0.0] * 6 and [s.reward_errors for s in during] == [1] * 6
+    server.start()
+    after = score(run, samples(6))
+    assert [s.reward_parts["remote"] for s in after] == pytest.approx([s.reward_parts["remote"] for s in before])
+    assert sum(s.reward_errors for s in after) == 0
+
+
+def test_a_server_that_stays_down_stops_the_run_after_the_failures_in_a_row(server: RewardServerProcess) -> None:
+    run = scorer(client(server.url, retries=0), limit=2)
+    server.kill()
+    score(run, samples(3))  # one request: one failure in a row
+    with pytest.raises(MilesError, match=r"reward remote failed 2 times in a row .* the last: reward remote POST "):
+        score(run, samples(3))
+
+
+def test_bad_requests_are_refused_with_an_error(server: RewardServerProcess) -> None:
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    for body in (b"{", b"[]", b'{"items": []}', b'{"items": [{"prompt": 1}]}'):
+        answer = httpx.post(f"{server.url}/score", content=body, headers=headers)
+        assert answer.status_code == 400 and answer.json()["error"], body
+    assert httpx.post(f"{server.url}/score", json={"items": []}).status_code == 401
+
+
+@pytest.mark.slow
+def test_a_training_run_scores_with_the_reward_server(server: RewardServerProcess, tmp_path: Path) -> None:
+    result = run_miles(
+        "train",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        "--run-eval-every",
+        "0",
+        "--num-steps",
+        "2",
+        "--rollout-batch-size",
+        "4",
+        "--rollout-group-size",
+        "4",
+        "--reward-url",
+        server.url,
+        "--reward",
+        "remote:1.0,format:0.1",
+        "--rollout-reward-url-batch-size",
+        "8",
+        env={"MILES_REWARD_URL_TOKEN": TOKEN},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in steps] == [1, 2]
+    assert all(0.0 < row["rollout/reward/remote"] < 1.0 and row["reward/errors"] == 0.0 for row in steps)
+    assert all(row["rollout/reward/format"] == 0.0 for row in steps)  # digits, no \boxed{}

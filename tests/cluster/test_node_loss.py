@@ -134,14 +134,14 @@ def test_the_driver_host_lost_whole_leaves_no_worker_on_the_other_hosts_and_thei
     run_dir = tmp_path / "lost"
     quick = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
     ray_flags = ["--run-worker-provider", "ray", "--run-ray-address", hosts.ray_address]
-    ray_flags += ["--run-ray-engine-resources", '{"engine_node": 1}']
+    ray_flags += ["--run-ray-engine-resources", '{"engine_node": 1}', "--weight-transfer-mode", "tensor"]
     driver = subprocess.Popen(
         driver_host.command([MILES, "train", "--output-dir", run_dir, *quick, *ray_flags, "--num-steps", "200",
                              "--engine-num-engines", "2"]),
         env=hosts.env(**hosts.ray_env), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        seen = _read_until_step(driver, 2, timeout_s=240)
+        seen = _read_until_step(driver, 2, timeout_s=150)
         workers = run_processes(other, run_dir)
         assert any(command.startswith("ray::WorkerActor") for command in workers.values()), (workers, seen[-3000:])
         assert any(str(run_dir) in command for command in workers.values()), workers  # the engine C1's actor started

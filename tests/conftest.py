@@ -37,7 +37,6 @@ SERIAL_TESTS = (
     "tests/metrics/test_train_trackers.py",
     "tests/test_train_eval_at_k.py",
     "tests/dashboard/test_browser.py",
-    "tests/dashboard/test_cli.py",  # signals to a dashboard in the background
 )
 PARALLEL_SAFE = (
     "tests/sglang/test_engine_loader.py",  # no server: the loader's checks on files and tensors
@@ -46,6 +45,7 @@ PARALLEL_SAFE = (
     "tests/rdt/test_staging.py",  # no Ray, no NIXL agent: staging files and their bounds
     "tests/workers/test_rpc_wire.py",  # the wire format, no deadline
     "tests/workers/test_node_check.py",  # address checks, no deadline
+    "tests/dashboard/test_cli.py",  # a dashboard process per test, stop deadlines of 30 s
 )
 """Files under a serial path prefix that run with the others after all: no server start, no deadline, no Ray."""
 

@@ -48,7 +48,12 @@ def config_flags() -> list[ConfigFlag]:
         ConfigFlag(flag="--seed", path="run.seed", help="seed of the run", metavar="N"),
         ConfigFlag(flag="--model", path="model.path", help="HF checkpoint directory", metavar="PATH"),
         ConfigFlag(flag="--task", path="rollout.task", help="task (`miles plugins` lists them)", metavar="NAME"),
-        ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
+        ConfigFlag(
+            flag="--prompts",
+            path="rollout.prompts",
+            help="prompt data: JSONL, JSON, Parquet or Arrow files (comma-separated) or a directory",
+            metavar="FILES",
+        ),
         ConfigFlag(
             flag="--reward", path="rollout.reward", help="reward: registry name or module:function", metavar="NAME"
         ),

@@ -20,7 +20,7 @@ import math
 import numbers
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy
@@ -30,6 +30,8 @@ from miles_core.engines.generate_types import GenerateOutput, SamplingParams, pa
 from miles_core.engines.routed_experts import RoutedExperts, RoutingShape
 from miles_core.errors import MilesError
 from miles_core.rollout.agents import Agent, is_session_failure
+from miles_core.rollout.prompt_encoding import PromptEncoder
+from miles_core.rollout.prompt_order import PromptOrder
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.samples import Group, GroupFilter, Rollout, Sample
 from miles_core.rollout.sessions.session import Trajectory
@@ -58,8 +60,8 @@ class RolloutExecutor:
         train: TrainSection,
         engine: EngineSection,
         tokenizer: Any,
-        train_prompts: list[Prompt],
-        eval_prompts: list[Prompt],
+        train_prompts: Sequence[Prompt],
+        eval_prompts: Sequence[Prompt],
         reward_fn: Callable[..., float],
         reward_name: str,
         controller: Any,
@@ -69,6 +71,7 @@ class RolloutExecutor:
         agent: Agent | None = None,
         sessions: SessionServers | None = None,
         routing: RoutingShape | None = None,
+        encoder: PromptEncoder | None = None,
     ) -> None:
         """``run``, ``rollout``, ``train``, ``engine``: the config's sections it reads (the seed, the rollout's
         settings, how long to wait for engines). ``advantages``: the run's advantage estimator
@@ -76,7 +79,8 @@ class RolloutExecutor:
         agent run's agent and the session servers it plays samples through (both or neither); without them, samples
         are generated single-turn, in batches. ``routing``: the model's routing shape, to ask the engines for every
         token's routed experts and hand them to the trainer (routing replay; not with an agent, whose turns go
-        through the session servers)."""
+        through the session servers). ``encoder``: encodes each prompt and checks its ids against the model
+        (:func:`miles_core.run_setup.prompt_encoder`; ``None``: encoded unchecked but for empty ids)."""
         if (agent is None) != (sessions is None):
             raise MilesError("an agent needs session servers, and session servers an agent")
         if routing is not None and agent is not None:
@@ -98,17 +102,18 @@ class RolloutExecutor:
         self.agent, self.sessions = agent, sessions
         self._next_engine = 0
         self._next_session_engine = 0
+        self.encoder = encoder or PromptEncoder(tokenizer)
+        self._order = PromptOrder(len(train_prompts), seed=run.seed, batch_size=rollout.batch_size)
         self._step_prompts: dict[int, list[Prompt]] = {}  # the last rollouts' prompts (fully_async has several)
 
     # -- data order -----------------------------------------------------------------------------------------
 
     def prompts_for(self, rollout_id: int) -> list[Prompt]:
-        """The step's prompts (:func:`step_prompts`), shuffled once per rollout (every group of it asks)."""
+        """The step's prompts (:class:`~miles_core.rollout.prompt_order.PromptOrder`), drawn once per rollout (every
+        group of it asks)."""
         chosen = self._step_prompts.get(rollout_id)
         if chosen is None:
-            chosen = step_prompts(
-                self.train_prompts, rollout_id, seed=self.run.seed, batch_size=self.rollout.batch_size
-            )
+            chosen = [self.train_prompts[i] for i in self._order.indices(rollout_id)]
             if len(self._step_prompts) >= STEP_PROMPTS_KEPT:  # the oldest goes: rollouts move forward
                 del self._step_prompts[min(self._step_prompts)]
             self._step_prompts[rollout_id] = chosen
@@ -159,7 +164,7 @@ class RolloutExecutor:
         groups = []
         for rollout_id, slot in places:
             prompt = self.prompt_of(rollout_id, slot)
-            ids = self.encode(prompt.text)
+            ids = self.encoder.ids(prompt, where=f"train prompt {slot} of rollout {rollout_id}")
             index, seed_base = rollout_id * batch_size + slot, (self.run.seed * 1_000_003 + rollout_id) * 4096
             samples = [
                 Sample(
@@ -256,7 +261,8 @@ class RolloutExecutor:
     async def evaluate(self, rollout_id: int) -> Rollout:
         """Greedy answers to the held-out prompts."""
         samples = [
-            Sample(index=i, prompt=p, prompt_ids=self.encode(p.text), seed=i) for i, p in enumerate(self.eval_prompts)
+            Sample(index=i, prompt=p, prompt_ids=self.encoder.ids(p, where=f"eval prompt {i}"), seed=i)
+            for i, p in enumerate(self.eval_prompts)
         ]
         where = f"eval sample {{index}} at step {rollout_id}"
         if self.agent is not None:
@@ -265,9 +271,6 @@ class RolloutExecutor:
             await self._generate(samples, self._sampling(temperature=0.0))
             self._score(samples, where)
         return Rollout(rollout_id, samples, None, self._stats(samples, "eval"))
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
 
     def _sampling(self, *, temperature: float) -> SamplingParams:
         rollout = self.rollout
@@ -529,20 +532,6 @@ class RolloutExecutor:
             f"{prefix}/response_length": statistics.fmean(lengths),
             f"{prefix}/samples": float(len(samples)),
         }
-
-
-def step_prompts(prompts: list[Prompt], rollout_id: int, *, seed: int, batch_size: int) -> list[Prompt]:
-    """Rollout ``rollout_id``'s ``batch_size`` prompts: consecutive slices of a seeded shuffle per epoch (a function
-    of the prompts, the id and the run's seed alone, so a resumed run, or a peer given the same prompts, sees the same
-    data in the same order)."""
-    per_epoch = max(1, len(prompts) // batch_size)
-    epoch, slot = divmod(rollout_id, per_epoch)
-    order = list(range(len(prompts)))
-    random.Random(seed * 7919 + epoch).shuffle(order)
-    chosen = order[slot * batch_size : (slot + 1) * batch_size]
-    while len(chosen) < batch_size:  # fewer prompts than a batch: wrap around
-        chosen.append(order[len(chosen) % len(order)])
-    return [prompts[i] for i in chosen]
 
 
 def _segments(output: GenerateOutput, engine: str) -> list[tuple[int | None, int]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -113,7 +114,7 @@ class PromptSource(Sequence[Prompt]):
         number = bisect.bisect_right(self._starts, index) - 1
         file, row = self.files[number], index - self._starts[number]
         self.conversions += 1
-        return row_prompt(file.dataset[row], keys=self.keys, renderer=self.renderer, where=file.where(row))
+        return row_prompt(file.row(row), keys=self.keys, renderer=self.renderer, where=file.where(row))
 
     def __iter__(self) -> Iterator[Prompt]:
         return (self[i] for i in range(len(self)))
@@ -129,8 +130,14 @@ class PromptFile:
 
     path: Path
     dataset: datasets.Dataset
-    lines: list[int] | None = None  # JSONL: the line number of each row (its non-blank lines)
+    lines: list[int] | None = None  # JSONL: the line number of each row (its non-blank lines), its values JSON text
     has_messages: bool = False
+
+    def row(self, row: int) -> dict[str, Any]:
+        values = self.dataset[row]
+        if self.lines is not None:
+            return {name: json.loads(value) for name, value in values.items() if value is not None}
+        return values
 
     def where(self, row: int) -> str:
         if self.lines is not None:
@@ -211,13 +218,10 @@ def open_prompt_file(path: Path, *, keys: PromptKeys, cache_dir: str | None) -> 
     fmt = FORMATS[path.suffix]
     if fmt == "jsonl":
         scan = scan_jsonl(path, keys=keys)
-        features = datasets.Features({name: datasets.Json() for name in scan.columns})
-        dataset = _read(
-            path, fmt, lambda: datasets.Dataset.from_json(str(path), features=features, cache_dir=cache_dir)
-        )
+        dataset = _read(path, fmt, lambda: _jsonl_dataset(path, columns=scan.columns, cache_dir=cache_dir))
         return PromptFile(path, dataset, lines=scan.lines, has_messages=scan.has_messages)
     if fmt == "arrow":
-        dataset = _read(path, fmt, lambda: datasets.Dataset.from_file(str(path)))
+        dataset = _read(path, fmt, lambda: _arrow(path, cache_dir=cache_dir))
     elif fmt == "parquet":
         dataset = _read(path, fmt, lambda: datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir))
     else:
@@ -227,6 +231,40 @@ def open_prompt_file(path: Path, *, keys: PromptKeys, cache_dir: str | None) -> 
     return file
 
 
+def _jsonl_dataset(path: Path, *, columns: list[str], cache_dir: str | None) -> datasets.Dataset:
+    """A checked JSONL file as an Arrow table of JSON texts, one column per key: each value keeps its JSON type
+    (pyarrow's JSON reader would unify a column's types, or refuse labels of several types)."""
+    info = path.stat()
+    return datasets.Dataset.from_generator(
+        _jsonl_rows,
+        # no list among the arguments: datasets would split the generator into one shard per item
+        gen_kwargs={"path": str(path), "columns": json.dumps(columns), "stamp": f"{info.st_size}/{info.st_mtime_ns}"},
+        features=datasets.Features({name: datasets.Value("string") for name in columns}),
+        cache_dir=cache_dir,
+    )
+
+
+def _jsonl_rows(path: str, columns: str, stamp: str) -> Iterator[dict[str, str | None]]:
+    """The rows of a JSONL file that :func:`scan_jsonl` checked, each value as JSON text. ``stamp`` (size and
+    modification time) is part of the arguments so that ``datasets``' cache holds a new copy for a changed file."""
+    del stamp
+    names = json.loads(columns)
+    with open(path, encoding="utf-8-sig") as file:
+        for line in file:
+            if line.strip():
+                record = json.loads(line)
+                yield {name: json.dumps(record[name]) if name in record else None for name in names}
+
+
+def _arrow(path: Path, *, cache_dir: str | None) -> datasets.Dataset:
+    """An Arrow stream file (as ``datasets`` saves) memory-mapped in place; an Arrow IPC (Feather) file through
+    the ``arrow`` builder, which copies it into the cache."""
+    try:
+        return datasets.Dataset.from_file(str(path))
+    except pa.ArrowInvalid:
+        return datasets.load_dataset("arrow", data_files=str(path), split="train", cache_dir=cache_dir)
+
+
 def _read(path: Path, fmt: str, load: Any) -> datasets.Dataset:
     try:
         return load()
@@ -234,7 +272,7 @@ def _read(path: Path, fmt: str, load: Any) -> datasets.Dataset:
         cause = exc.__cause__ or exc
         reason = " ".join(str(cause).split())[:300]
         raise ConfigError(
-            f"prompt file {str(path)!r} cannot be read as {fmt}: {type(cause).__name__}: {reason}"
+            f"prompt file {str(path)!r} cannot be read as {NAMES[fmt]}: {type(cause).__name__}: {reason}"
         ) from None
 
 

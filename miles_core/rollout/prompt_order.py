@@ -21,13 +21,13 @@ class PromptOrder:
     """Which prompt indices each rollout draws from ``size`` prompts, ``batch_size`` at a time."""
 
     def __init__(self, size: int, *, seed: int, batch_size: int) -> None:
-        if size < 1:
-            raise ValueError("a prompt order needs at least one prompt")
         self.size, self.seed, self.batch_size = size, seed, batch_size
         self._epochs: dict[int, numpy.ndarray] = {}
 
     def indices(self, rollout_id: int) -> list[int]:
         """Rollout ``rollout_id``'s ``batch_size`` prompt indices (fewer prompts than a batch: they wrap around)."""
+        if self.size < 1:
+            raise ValueError("no prompts to draw from")
         per_epoch = max(1, self.size // self.batch_size)
         epoch, slot = divmod(rollout_id, per_epoch)
         order = self.epoch(epoch)

@@ -81,6 +81,7 @@ def main() -> None:
         size = path.stat().st_size
         print(f"rows                 {len(source):>12,}")
         print(f"parquet file         {size / 2**20:>12.1f} MiB")
+        print(f"Arrow table          {source.files[0].dataset.data.nbytes / 2**20:>12.1f} MiB (uncompressed, mapped)")
         print(f"open (Arrow cache)   {opened:>12.2f} s")
         print(f"draw {args.steps} x {args.batch_size:<10} {drawn:>9.2f} s  ({tokens:,} prompt tokens)")
         print(f"RSS growth           {(rss1 - rss0) / 2**20:>12.1f} MiB")

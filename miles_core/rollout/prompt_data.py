@@ -171,6 +171,7 @@ def open_prompt_source(
                 "false; give the prompts as strings or let the template render them"
             )
     renderer.check(has_messages=source.has_messages, what=f"{flag} {files[0].path}")
+    pa.default_memory_pool().release_unused()  # the checks' temporary arrays: give their memory back
     return source
 
 

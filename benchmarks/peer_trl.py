@@ -46,7 +46,7 @@ def trl_worker(spec: dict) -> dict:
     import trl
 
     from miles_core.default.task import echo_last_prompts, echo_last_reward
-    from miles_core.rollout.executor import step_prompts
+    from miles_core.rollout.prompt_order import step_prompts
     from miles_core.run_setup import default_model
 
     seed, steps = spec["seed"], spec["steps"]

@@ -218,6 +218,7 @@ async def _run_with_trainer(
             agent=agent,
             sessions=sessions,
             routing=setup.routing,
+            encoder=setup.encoder,
         )
         await _steps(config, manager, setup, trainer, controller, executor, reporter)
     finally:

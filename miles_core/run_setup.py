@@ -7,13 +7,13 @@ import inspect
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
-from miles_core.errors import ConfigError, MilesError, RegistryError
+from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import (
     CONTEXT_LENGTH_KEYS,
     checkpoint_family,
@@ -23,16 +23,13 @@ from miles_core.models.hf_checkpoint import (
 )
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
-from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
-from miles_core.rollout.rewards import (
-    REMOTE,
-    BatchReward,
-    CompositeReward,
-    RewardPart,
-    RewardPlan,
-    parse_reward_spec,
-)
-from miles_core.targets import describe_callable, is_target, registered_or_target
+from miles_core.rollout.chat_prompts import ChatRenderer
+from miles_core.rollout.prompt_data import PromptKeys, open_prompt_source
+from miles_core.rollout.prompt_encoding import PromptEncoder
+from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.reward_specs import REMOTE, check_reward_specs, parse_reward_spec
+from miles_core.rollout.rewards import BatchReward, CompositeReward, RewardPart, RewardPlan
+from miles_core.targets import describe_callable, registered_or_target
 from miles_core.workers.rpc.wire import new_run_token
 
 if TYPE_CHECKING:
@@ -51,10 +48,11 @@ class RunSetup:
     model_path: Path  # what the trainer and engines load first
     initial_model_path: Path  # the run's starting point: the KL reference
     tokenizer: Any
-    train_prompts: list[Prompt]
-    eval_prompts: list[Prompt]
+    train_prompts: Sequence[Prompt]
+    eval_prompts: Sequence[Prompt]
     reward: RewardPlan
     token: str
+    encoder: PromptEncoder | None = None  # checks each prompt as the executor encodes it
     start_step: int = 0
     routing: RoutingShape | None = None  # the model's routing shape when --train-routing-replay is on
 
@@ -67,8 +65,8 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
     run_dir = Path(config.run.output_dir).absolute()
     model_path = Path(config.model.path).absolute() if config.model.path is not None else None
     tokenizer = load_tokenizer(model_path) if model_path is not None else DigitTokenizer()
-    train_prompts, eval_prompts = load_prompts(config, registries)
-    check_prompts_encode(
+    train_prompts, eval_prompts = load_prompts(config, registries, tokenizer=tokenizer)
+    encoder = check_prompts_encode(
         tokenizer,
         {"train": train_prompts, "eval": eval_prompts},
         model_path=model_path,
@@ -98,6 +96,7 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
         eval_prompts,
         reward,
         token=new_run_token(),
+        encoder=encoder,
         routing=routing,
     )
     if config.run.resume:
@@ -208,47 +207,52 @@ def default_model(run_dir: Path, *, seed: int) -> Path:
     return path
 
 
+CHECKED_AT_START = 1024
+"""Prompts of each set encoded and checked before any worker starts; the executor checks the others as it encodes
+them (a prompt file of millions of rows is not encoded whole at start)."""
+
+
 def check_prompts_encode(
-    tokenizer: Any, prompt_sets: dict[str, list[Prompt]], *, model_path: Path | None, max_new_tokens: int = 0
-) -> None:
-    """Every prompt encodes to a non-empty list of token ids that the model's vocabulary holds and that leaves room
-    for ``max_new_tokens`` in its context (``model_path`` ``None``: the default model and its built-in tokenizer):
-    checked before any worker starts, so a wrong tokenizer or a too-long prompt is an error in seconds instead of a
-    failed request minutes later."""
-    source = f"the tokenizer of {str(model_path)!r}" if model_path is not None else "the built-in tokenizer"
-    if model_path is None:
-        vocab_size, context = getattr(tokenizer, "vocab_size", None), DEFAULT_CONTEXT_LENGTH
-    else:
-        model_config = read_model_config(model_path)
-        vocab_size = _int_of(model_config, "vocab_size")
-        context = next((_int_of(model_config, key) for key in CONTEXT_LENGTH_KEYS if _int_of(model_config, key)), None)
+    tokenizer: Any,
+    prompt_sets: dict[str, Sequence[Prompt]],
+    *,
+    model_path: Path | None,
+    max_new_tokens: int = 0,
+    limit: int = CHECKED_AT_START,
+) -> PromptEncoder:
+    """The first ``limit`` prompts of each set encode to a non-empty list of token ids that the model's vocabulary
+    holds and that leaves room for ``max_new_tokens`` in its context (``model_path`` ``None``: the default model and
+    its built-in tokenizer): checked before any worker starts, so a wrong tokenizer or a too-long prompt is an error
+    in seconds instead of a failed request minutes later. Returns the encoder, which checks the same for every
+    prompt the executor encodes."""
+    encoder = prompt_encoder(tokenizer, model_path=model_path, max_new_tokens=max_new_tokens)
     for kind, prompts in prompt_sets.items():
-        for number, prompt in enumerate(prompts):
-            where = f"{kind} prompt {number} ({prompt.text[:60]!r})"
-            try:
-                ids = list(tokenizer.encode(prompt.text))
-            except Exception as exc:  # tokenizers raise many types (a character outside the vocabulary, ...)
-                raise MilesError(f"{source} cannot encode {where}: {type(exc).__name__}: {exc}") from None
-            if not ids:
-                raise MilesError(f"{source} encodes {where} to no token ids: {_no_ids_hint(prompt, model_path)}")
-            if vocab_size is not None and max(ids) >= vocab_size:
-                raise MilesError(
-                    f"{source} encodes {where} to token id {max(ids)}, beyond the model's "
-                    f"vocab_size {vocab_size}: the tokenizer is another model's"
-                )
-            if context is not None and len(ids) + max_new_tokens > context:
-                raise MilesError(
-                    f"{source} encodes {where} to {len(ids)} token ids, and with rollout.max_new_tokens "
-                    f"(--rollout-max-new-tokens) {max_new_tokens} that is more than the model's context "
-                    f"length {context}: shorten the prompt or ask for fewer new tokens"
-                )
+        for number in range(min(limit, len(prompts))):
+            encoder.ids(prompts[number], where=f"{kind} prompt {number}")
+    return encoder
 
 
-def _no_ids_hint(prompt: Prompt, model_path: Path | None) -> str:
-    if not prompt.text.strip():
-        return "the prompt is empty: give it some text"
-    files = ", ".join(path.name for path in tokenizer_files(model_path)) if model_path is not None else ""
-    return f"is it the model's tokenizer? (its files: {files or 'none'})"
+def prompt_encoder(tokenizer: Any, *, model_path: Path | None, max_new_tokens: int) -> PromptEncoder:
+    """The :class:`PromptEncoder` of the model at ``model_path`` (``None``: the default model)."""
+    if model_path is None:
+        return PromptEncoder(
+            tokenizer,
+            source="the built-in tokenizer",
+            vocab_size=getattr(tokenizer, "vocab_size", None),
+            context=DEFAULT_CONTEXT_LENGTH,
+            max_new_tokens=max_new_tokens,
+            files_hint="is it the model's tokenizer? (its files: none)",
+        )
+    model_config = read_model_config(model_path)
+    files = ", ".join(path.name for path in tokenizer_files(model_path))
+    return PromptEncoder(
+        tokenizer,
+        source=f"the tokenizer of {str(model_path)!r}",
+        vocab_size=_int_of(model_config, "vocab_size"),
+        context=next((_int_of(model_config, key) for key in CONTEXT_LENGTH_KEYS if _int_of(model_config, key)), None),
+        max_new_tokens=max_new_tokens,
+        files_hint=f"is it the model's tokenizer? (its files: {files or 'none'})",
+    )
 
 
 def _int_of(model_config: dict[str, Any], key: str) -> int | None:
@@ -261,19 +265,33 @@ DEFAULT_TASK = "echo_last"
 """The embedded task, made for the embedded default model (its character tokenizer)."""
 
 
-def load_prompts(config: MilesConfig, registries: Registries) -> tuple[list[Prompt], list[Prompt]]:
-    """The prompt file's prompts (eval: the eval file's, else the first 64), or else the task's own."""
+def load_prompts(
+    config: MilesConfig, registries: Registries, *, tokenizer: Any = None
+) -> tuple[Sequence[Prompt], Sequence[Prompt]]:
+    """The prompt data's prompts, or else the task's own; eval: ``--rollout-eval-prompts`` when given (with a task's
+    prompts too), else the prompt data's first 64 or the task's eval prompts. ``tokenizer``
+    renders chat prompts (:class:`~miles_core.rollout.chat_prompts.ChatRenderer`; ``None``: the built-in one, which
+    has no chat template)."""
     rollout = config.rollout
+    keys = PromptKeys.from_config(rollout)
+    renderer = ChatRenderer.from_config(tokenizer if tokenizer is not None else DigitTokenizer(), rollout)
+    evaluation = None
+    if rollout.eval_prompts:
+        evaluation = open_prompt_source(
+            rollout.eval_prompts, keys=keys, renderer=renderer, flag="--rollout-eval-prompts"
+        )
     if rollout.prompts is not None:
-        train = read_prompts_jsonl(rollout.prompts)
-        evaluation = read_prompts_jsonl(rollout.eval_prompts) if rollout.eval_prompts else train[: min(64, len(train))]
-        return train, evaluation
+        train = open_prompt_source(rollout.prompts, keys=keys, renderer=renderer)
+        return train, evaluation if evaluation is not None else train[: min(64, len(train))]
     if config.model.path is not None and not task_given(config):
         raise ConfigError(
             "--model needs --prompts FILE.jsonl (or a --task made for that model): the default task is "
             f"made for the default model (give --task {DEFAULT_TASK} to run it on this model anyway)"
         )
-    return task_prompts(rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed)
+    train, task_evaluation = task_prompts(
+        rollout.task, registries.tasks.get_or_raise(rollout.task), seed=config.run.seed
+    )
+    return train, evaluation if evaluation is not None else task_evaluation
 
 
 def task_given(config: MilesConfig) -> bool:
@@ -338,34 +356,6 @@ def task_reward(config: MilesConfig, registries: Registries) -> tuple[Callable[.
     if config.rollout.prompts is not None:
         print(f"miles: --prompts without --reward: scoring with the reward of task {task!r}", flush=True)
     return registries.reward_functions[task].load(), task
-
-
-def check_reward_specs(config: MilesConfig, registries: Registries) -> None:
-    """Every reward the config names (``--reward``, each ``--rollout-reward-by-source`` value) parses, its
-    registered names exist (an unknown one: the closest names) and ``remote`` goes with ``--reward-url``: checked
-    when the config is built, before anything starts. ``module:function`` targets are imported when the run
-    starts."""
-    rollout = config.rollout
-    specs = [("rollout.reward (--reward)", rollout.reward)] if rollout.reward is not None else []
-    specs += [(f"rollout.reward_by_source.{source}", spec) for source, spec in rollout.reward_by_source.items()]
-    named: set[str] = set()
-    for field, spec in specs:
-        for name, _ in parse_reward_spec(spec, field=field):
-            named.add(name)
-            if name != REMOTE and not is_target(name):
-                try:
-                    registries.reward_functions.get_or_raise(name)
-                except RegistryError as exc:
-                    raise ConfigError(f"{field} = {spec!r}: {exc}; or module:function") from None
-    if REMOTE in named and rollout.reward_url is None:
-        raise ConfigError(
-            f"the reward part {REMOTE!r} is the reward server, but rollout.reward_url (--reward-url) is not set"
-        )
-    if rollout.reward_url is not None and specs and REMOTE not in named:
-        raise ConfigError(
-            f"rollout.reward_url (--reward-url) is set but no reward names {REMOTE!r}: add it, e.g. "
-            f"--reward {REMOTE}:1.0,format:0.1"
-        )
 
 
 def resolve_reward(text: str, registries: Registries, *, field: str, remote: BatchReward | None) -> CompositeReward:

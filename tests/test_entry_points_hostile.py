@@ -16,6 +16,7 @@ import resource
 import signal
 import sqlite3
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,10 @@ from miles_core.config.sections import EngineSection, RolloutSection, RunSection
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
 from miles_core.plugin_manager import MilesPluginManager
+from miles_core.rollout.chat_prompts import ChatRenderer
 from miles_core.rollout.executor import RolloutExecutor, checked_reward
-from miles_core.rollout.prompts import Prompt, read_prompts_jsonl
+from miles_core.rollout.prompt_data import open_prompt_source
+from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.rewards import single_reward
 from miles_core.rollout.samples import Sample
 from miles_core.run_setup import check_prompts_encode, latest_checkpoint, load_tokenizer, prepare_run
@@ -134,10 +137,10 @@ MALFORMED_FILES = {
     "blank_lines": (b"\n  \n\t\n", "holds no prompts"),
     "misspelt_key": (b'{"prompt": "1:", "lable": "1"}\n', ":1: unknown key 'lable'; a line has the keys prompt, label"),
     "duplicate_key": (b'{"prompt": "1:", "prompt": "2:"}\n', ":1 gives the key 'prompt' twice"),
-    "empty_prompt": (b'{"prompt": ""}\n', ':1: "prompt" is empty'),
-    "not_an_object": (b'["1:"]\n', ':1: expected an object with a string "prompt"'),
-    "prompt_not_a_string": (b'{"prompt": 12}\n', ':1: expected an object with a string "prompt"'),
-    "metadata_a_list": (b'{"prompt": "1:", "metadata": [1]}\n', ':1: "metadata" must be an object, got list'),
+    "empty_prompt": (b'{"prompt": ""}\n', ":1: key 'prompt' is empty"),
+    "not_an_object": (b'["1:"]\n', ":1: expected an object with a 'prompt'"),
+    "prompt_not_a_string": (b'{"prompt": 12}\n', ":1: key 'prompt' is int; a prompt is a string or a list of chat"),
+    "metadata_a_list": (b'{"prompt": "1:", "metadata": [1]}\n', ":1: key 'metadata' must be an object, got list"),
 }
 
 
@@ -147,7 +150,7 @@ def test_a_malformed_prompt_file_is_an_error_naming_it(tmp_path: Path, name: str
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
     with pytest.raises(MilesError) as error:
-        read_prompts_jsonl(path)
+        read_prompts_jsonl(path, cache_dir=tmp_path / "cache")
     assert expected in str(error.value) and str(path) in str(error.value)
     assert len(str(error.value)) < 400
 
@@ -159,9 +162,14 @@ def test_a_large_prompt_file_with_any_json_labels_is_read(tmp_path: Path) -> Non
         json.dumps({"prompt": f"{i}:", "label": labels[i % len(labels)], "metadata": {"i": i}}) for i in range(100_000)
     ]
     path.write_text("\r\n".join(lines) + "\r\n")  # Windows line ends too
-    prompts = read_prompts_jsonl(path)
+    prompts = read_prompts_jsonl(path, cache_dir=tmp_path / "cache")
     assert len(prompts) == 100_000
     assert prompts[4] == Prompt("4:", label=[1, {"a": True}], metadata={"i": 4})
+
+
+def read_prompts_jsonl(path: Path, *, cache_dir: Path) -> Sequence[Prompt]:
+    """The prompts of a JSONL file, as ``--prompts`` reads them with the built-in tokenizer."""
+    return open_prompt_source(str(path), renderer=ChatRenderer(None), cache_dir=str(cache_dir))
 
 
 # -- model directories ----------------------------------------------------------------------------------------------

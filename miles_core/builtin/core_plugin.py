@@ -13,6 +13,7 @@ from miles_core.fault_injection import check_faults_fit
 from miles_core.hookspecs import hookimpl
 from miles_core.models.selection import DSV4_FAMILY, check_model_implementation
 from miles_core.registry import ANY_FAMILY, Implementation, Registries, model_implementation
+from miles_core.rollout.reward_specs import check_reward_specs
 from miles_core.weight_transfer import WeightTransferProtocol
 from miles_core.weight_transfer.settings import validate_run_settings
 
@@ -48,7 +49,12 @@ def config_flags() -> list[ConfigFlag]:
         ConfigFlag(flag="--seed", path="run.seed", help="seed of the run", metavar="N"),
         ConfigFlag(flag="--model", path="model.path", help="HF checkpoint directory", metavar="PATH"),
         ConfigFlag(flag="--task", path="rollout.task", help="task (`miles plugins` lists them)", metavar="NAME"),
-        ConfigFlag(flag="--prompts", path="rollout.prompts", help="JSONL prompt file", metavar="FILE"),
+        ConfigFlag(
+            flag="--prompts",
+            path="rollout.prompts",
+            help="prompt data: JSONL, JSON, Parquet or Arrow files (comma-separated) or a directory",
+            metavar="FILES",
+        ),
         ConfigFlag(
             flag="--reward",
             path="rollout.reward",
@@ -124,8 +130,6 @@ def validate_config(config: MilesConfig, registries: Registries) -> None:
     )
     if problems:
         raise ConfigError(f"run.fault_injection (--fault-injection): {'; '.join(problems)}")
-    from miles_core.run_setup import check_reward_specs  # deferred: the rollout's modules import numpy and torch
-
     check_reward_specs(config, registries)
 
 

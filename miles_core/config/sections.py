@@ -157,10 +157,40 @@ class RolloutSection(Section):
         description="Task (`miles plugins` lists them): its prompts when no prompt file is given, and the reward "
         "function of the same name when no reward is.",
     )
-    prompts: str | None = pydantic.Field(
-        default=None, description="JSONL prompt file ({prompt, label, metadata} per line); None: the task's prompts."
+    prompts: list[str] | None = pydantic.Field(
+        default=None,
+        description="Prompt data: JSONL, JSON, Parquet or Arrow files (comma-separated on the command line) or a "
+        "directory of them; None: the task's prompts.",
     )
-    eval_prompts: str | None = pydantic.Field(default=None, description="JSONL file of held-out eval prompts.")
+    eval_prompts: list[str] | None = pydantic.Field(
+        default=None, description="Held-out eval prompts, given as --prompts is; None: the first 64 prompts."
+    )
+    prompt_key: str | None = pydantic.Field(
+        default=None,
+        description="Column of the prompt (a string or a list of chat messages); None: 'prompt', and a column "
+        "other than prompt, label, metadata and tools is refused. Naming any key ignores unnamed columns.",
+    )
+    label_key: str | None = pydantic.Field(default=None, description="Column of the label; None: 'label'.")
+    metadata_keys: list[str] = pydantic.Field(
+        default_factory=list,
+        description="Columns collected into each prompt's metadata (comma-separated on the command line), merged "
+        "into a 'metadata' object column if there is one.",
+    )
+    tools_key: str | None = pydantic.Field(
+        default=None, description="Column of the tool definitions given to the chat template; None: 'tools'."
+    )
+    apply_chat_template: bool | None = pydantic.Field(
+        default=None,
+        description="None (auto): chat-message prompts are rendered with the tokenizer's chat template, strings "
+        "are not; true: strings too, each as one user message; false: chat-message prompts are refused.",
+    )
+    chat_template_kwargs: dict[str, Any] = pydantic.Field(
+        default_factory=dict,
+        description="Keyword arguments of the chat template, e.g. {enable_thinking: false}.",
+    )
+    chat_template_file: str | None = pydantic.Field(
+        default=None, description="Jinja file replacing the tokenizer's chat template."
+    )
     eval_samples: int = pydantic.Field(
         default=1,
         ge=1,
@@ -279,7 +309,7 @@ class RolloutSection(Section):
         "'default' for the embedded default model, required with --model.",
     )
 
-    @pydantic.field_validator("filters", mode="before")
+    @pydantic.field_validator("filters", "prompts", "eval_prompts", "metadata_keys", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         """``--rollout-filters a,b`` as well as a YAML list."""
@@ -310,6 +340,12 @@ class RolloutSection(Section):
                 "(--rollout-reward-by-source) go together: give both or neither"
             )
         return self
+
+    @pydantic.field_validator("apply_chat_template", mode="before")
+    @classmethod
+    def _auto_is_none(cls, value: object) -> object:
+        """``--rollout-apply-chat-template auto`` as well as none."""
+        return None if isinstance(value, str) and value.strip().lower() == "auto" else value
 
     @pydantic.model_validator(mode="after")
     def _mask_needs_partial(self) -> RolloutSection:

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import random
 import statistics
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles_core.engines.client import EngineClient, EngineError
@@ -26,6 +27,8 @@ from miles_core.engines.routed_experts import RoutedExperts, RoutingShape
 from miles_core.errors import MilesError
 from miles_core.rollout.agents import Agent, is_session_failure
 from miles_core.rollout.eval_at_k import at_k_stats, eval_seed
+from miles_core.rollout.prompt_encoding import PromptEncoder
+from miles_core.rollout.prompt_order import PromptOrder
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.rewards import RewardPlan, RewardScorer, checked_reward, describe
 from miles_core.rollout.samples import Group, GroupFilter, Rollout, Sample
@@ -55,8 +58,8 @@ class RolloutExecutor:
         train: TrainSection,
         engine: EngineSection,
         tokenizer: Any,
-        train_prompts: list[Prompt],
-        eval_prompts: list[Prompt],
+        train_prompts: Sequence[Prompt],
+        eval_prompts: Sequence[Prompt],
         reward: RewardPlan,
         controller: Any,
         advantages: AdvantageEstimator,
@@ -65,6 +68,7 @@ class RolloutExecutor:
         agent: Agent | None = None,
         sessions: SessionServers | None = None,
         routing: RoutingShape | None = None,
+        encoder: PromptEncoder | None = None,
     ) -> None:
         """``run``, ``rollout``, ``train``, ``engine``: the config's sections it reads (the seed, the rollout's
         settings, how long to wait for engines). ``advantages``: the run's advantage estimator
@@ -73,7 +77,9 @@ class RolloutExecutor:
         are generated single-turn, in batches. ``routing``: the model's routing shape, to ask the engines for every
         token's routed experts and hand them to the trainer (routing replay; not with an agent, whose turns go
         through the session servers). ``reward``: how samples are scored (:func:`~miles_core.run_setup.load_reward`),
-        with ``rollout``'s timeout, workers and failure limit."""
+        with ``rollout``'s timeout, workers and failure limit. ``encoder``: encodes each prompt and checks its ids
+        against the model (:func:`miles_core.run_setup.prompt_encoder`; ``None``: encoded unchecked but for empty
+        ids)."""
         if (agent is None) != (sessions is None):
             raise MilesError("an agent needs session servers, and session servers an agent")
         if routing is not None and agent is not None:
@@ -99,17 +105,18 @@ class RolloutExecutor:
         self.agent, self.sessions = agent, sessions
         self._next_engine = 0
         self._next_session_engine = 0
+        self.encoder = encoder or PromptEncoder(tokenizer)
+        self._order = PromptOrder(len(train_prompts), seed=run.seed, batch_size=rollout.batch_size)
         self._step_prompts: dict[int, list[Prompt]] = {}  # the last rollouts' prompts (fully_async has several)
 
     # -- data order -----------------------------------------------------------------------------------------
 
     def prompts_for(self, rollout_id: int) -> list[Prompt]:
-        """The step's prompts (:func:`step_prompts`), shuffled once per rollout (every group of it asks)."""
+        """The step's prompts (:class:`~miles_core.rollout.prompt_order.PromptOrder`), drawn once per rollout (every
+        group of it asks)."""
         chosen = self._step_prompts.get(rollout_id)
         if chosen is None:
-            chosen = step_prompts(
-                self.train_prompts, rollout_id, seed=self.run.seed, batch_size=self.rollout.batch_size
-            )
+            chosen = [self.train_prompts[i] for i in self._order.indices(rollout_id)]
             if len(self._step_prompts) >= STEP_PROMPTS_KEPT:  # the oldest goes: rollouts move forward
                 del self._step_prompts[min(self._step_prompts)]
             self._step_prompts[rollout_id] = chosen
@@ -160,7 +167,7 @@ class RolloutExecutor:
         groups = []
         for rollout_id, slot in places:
             prompt = self.prompt_of(rollout_id, slot)
-            ids = self.encode(prompt.text)
+            ids = self.encoder.ids(prompt, where=f"train prompt {slot} of rollout {rollout_id}")
             index, seed_base = rollout_id * batch_size + slot, (self.run.seed * 1_000_003 + rollout_id) * 4096
             samples = [
                 Sample(
@@ -258,7 +265,8 @@ class RolloutExecutor:
         ``--rollout-eval-samples K`` above 1, also K samples of each at the rollout temperature, for ``eval/pass@K``
         and ``eval/mean@K`` (:mod:`~miles_core.rollout.eval_at_k`)."""
         greedy = [
-            Sample(index=i, prompt=p, prompt_ids=self.encode(p.text), seed=i) for i, p in enumerate(self.eval_prompts)
+            Sample(index=i, prompt=p, prompt_ids=self.encoder.ids(p, where=f"eval prompt {i}"), seed=i)
+            for i, p in enumerate(self.eval_prompts)
         ]
         greedy = await self._answer(greedy, 0.0, f"eval sample {{index}} at step {rollout_id}")
         stats = self._stats(greedy, "eval")
@@ -278,7 +286,10 @@ class RolloutExecutor:
         :func:`eval_seed`."""
         return [
             Sample(
-                index=i * k + j, prompt=prompt, prompt_ids=self.encode(prompt.text), seed=eval_seed(self.run.seed, i, j)
+                index=i * k + j,
+                prompt=prompt,
+                prompt_ids=self.encoder.ids(prompt, where=f"eval prompt {i}"),
+                seed=eval_seed(self.run.seed, i, j),
             )
             for i, prompt in enumerate(self.eval_prompts)
             for j in range(k)
@@ -291,9 +302,6 @@ class RolloutExecutor:
         await self._generate(samples, self._sampling(temperature=temperature))
         await self.scorer.score(samples, [where] * len(samples))
         return samples
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
 
     def _sampling(self, *, temperature: float) -> SamplingParams:
         rollout = self.rollout
@@ -545,20 +553,6 @@ class RolloutExecutor:
             f"{failures}errors": float(sum(s.reward_errors for s in samples)),
             f"{failures}timeouts": float(sum(s.reward_timeouts for s in samples)),
         }
-
-
-def step_prompts(prompts: list[Prompt], rollout_id: int, *, seed: int, batch_size: int) -> list[Prompt]:
-    """Rollout ``rollout_id``'s ``batch_size`` prompts: consecutive slices of a seeded shuffle per epoch (a function
-    of the prompts, the id and the run's seed alone, so a resumed run, or a peer given the same prompts, sees the same
-    data in the same order)."""
-    per_epoch = max(1, len(prompts) // batch_size)
-    epoch, slot = divmod(rollout_id, per_epoch)
-    order = list(range(len(prompts)))
-    random.Random(seed * 7919 + epoch).shuffle(order)
-    chosen = order[slot * batch_size : (slot + 1) * batch_size]
-    while len(chosen) < batch_size:  # fewer prompts than a batch: wrap around
-        chosen.append(order[len(chosen) % len(order)])
-    return [prompts[i] for i in chosen]
 
 
 def _segments(output: GenerateOutput, engine: str) -> list[tuple[int | None, int]]:

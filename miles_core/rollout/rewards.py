@@ -20,7 +20,6 @@ import decimal
 import math
 import numbers
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,16 +27,11 @@ from typing import Any, Protocol
 
 import numpy
 
-from miles_core.errors import ConfigError, MilesError
+from miles_core.errors import MilesError
 from miles_core.rollout.samples import Sample
-
-REMOTE = "remote"
-"""The part name of the reward server (``--reward-url``)."""
 
 MAX_ABANDONED_THREADS = 32
 """Worker threads stuck in calls that timed out, at most, before the run stops: each holds whatever it holds."""
-
-_WEIGHT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,34 +103,6 @@ class RewardPlan:
             f"a sample's metadata {self.dispatch_key!r} is {source!r:.80}, which --rollout-reward-by-source does not "
             f"map (known: {', '.join(self.by_source)}); add it, or give --reward for the others"
         )
-
-
-def parse_reward_spec(text: str, *, field: str) -> list[tuple[str, float]]:
-    """``"math:1.0,format:0.1"`` as ``[("math", 1.0), ("format", 0.1)]``: comma-separated parts, each a name (or
-    ``module:function``) with an optional trailing ``:WEIGHT`` (1.0 without). A malformed spec is a one-line
-    :class:`ConfigError` naming ``field``."""
-    parts: list[tuple[str, float]] = []
-    for raw in text.split(","):
-        piece = raw.strip()
-        head, sep, tail = piece.rpartition(":")
-        tail = tail.strip()
-        if sep and _WEIGHT.fullmatch(tail):
-            name, weight = head.strip(), float(tail)
-        elif sep and not all(word.isidentifier() for word in tail.split(".")):
-            raise ConfigError(
-                f"{field} = {text!r}: the weight {tail!r} of {head.strip()!r} is not a number; write NAME:WEIGHT, "
-                "e.g. math:1.0,format:0.1"
-            )
-        else:
-            name, weight = piece, 1.0
-        if not name:
-            raise ConfigError(f"{field} = {text!r}: a part names no reward; write NAME[:WEIGHT],NAME[:WEIGHT]...")
-        if not math.isfinite(weight):
-            raise ConfigError(f"{field} = {text!r}: the weight of {name!r} is not finite")
-        if name in (known for known, _ in parts):
-            raise ConfigError(f"{field} = {text!r}: {name!r} appears twice; give it one weight")
-        parts.append((name, weight))
-    return parts
 
 
 def checked_reward(value: Any) -> float:

@@ -12,12 +12,12 @@ from miles_core.config.build import build_config
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.prompts import Prompt
+from miles_core.rollout.reward_specs import parse_reward_spec
 from miles_core.rollout.rewards import (
     CompositeReward,
     RewardPart,
     RewardPlan,
     RewardScorer,
-    parse_reward_spec,
     single_reward,
 )
 from miles_core.rollout.samples import Sample

@@ -474,11 +474,35 @@ def _join_cluster(address: str, source: str, ray_init: dict[str, Any]) -> None:
     if any(os.environ.get(name) for name in TOKEN_ENV_VARS):  # (so that Ray, reloading, finds one)
         reload_token_auth()  # Ray kept the token of an earlier Ray of this process: send the one given now
     loopback = loopback_node_address() if is_loopback_address(address) else contextlib.nullcontext()
+    if not is_loopback_address(address) and "_node_ip_address" not in ray_init:
+        node_ip = local_raylet_address()
+        if node_ip is not None:  # else Ray picks, as it would
+            ray_init = {**ray_init, "_node_ip_address": node_ip}
     try:
         with loopback, keep_signal_handlers(), waiting_for(f"the Ray cluster at {address} to be joined"):
             ray.init(address=address, include_dashboard=False, log_to_driver=False, **ray_init)
     except (ConnectionError, RayAuthenticationError) as exc:
         raise WorkerError(f"cannot join the Ray cluster at {address} ({source}): {_join_failure(exc)}") from None
+
+
+def local_raylet_address() -> str | None:
+    """The node address of the Ray node on this host: of the raylets this process sees, the one whose node address
+    is one of this host's (its network interfaces', not loopback); ``None`` when there is not exactly one.
+
+    Without it Ray attaches a driver to any raylet it finds in the process table, the head's first: where hosts share
+    one process table but not the network (network namespaces, containers that share the host's pids), a driver on
+    another host's node took the head's node and advertised the head's address as its own, which nothing of the
+    driver listens on. Objects it owns were then out of reach: every RDT read of its weights waited without end."""
+    local = {entry.address.split("%", 1)[0] for entries in psutil.net_if_addrs().values() for entry in entries}
+    found = set()
+    for process in psutil.process_iter(["name", "cmdline"]):
+        if process.info["name"] != "raylet":
+            continue
+        for arg in process.info["cmdline"] or []:
+            flag, _, value = arg.partition("=")
+            if flag == "--node_ip_address" and value in local and not ipaddress.ip_address(value).is_loopback:
+                found.add(value)
+    return found.pop() if len(found) == 1 else None
 
 
 JOIN_PROBE_TIMEOUT_S = 10.0

@@ -29,6 +29,9 @@ from miles_plugins_rdt.staging import align_up
 
 LANE_CUT = 4096
 """A holder's share is cut into receive lanes on multiples of this many bytes."""
+ANSWER_GRACE_S = 5.0
+"""How much longer than a read's own deadline a holder waits for the receive lane's answer, so that a lane's error
+(which names its node) comes before the holder's."""
 
 
 @dataclasses.dataclass
@@ -101,11 +104,15 @@ def send_kept(
     refs = [ray.put([kept.buffer[start:end]], _tensor_transport="nixl") for start, end in cuts]
     base = bases[holder]
     calls = [
-        (engine, ray.get_actor(names[lane]).receive_nixl.remote([ref], [[base + start, end - start]], slot))
+        (
+            engine,
+            names[lane],
+            ray.get_actor(names[lane]).receive_nixl.remote([ref], [[base + start, end - start]], slot, timeout_s),
+        )
         for engine, names in lanes.items()
         for lane, (ref, (start, end)) in enumerate(zip(refs, cuts, strict=True))
     ]
-    failures = _wait_all(calls, timeout_s)
+    failures = _wait_all(calls, timeout_s + ANSWER_GRACE_S)
     del refs, calls
     return {"bytes": size, "failures": failures}
 
@@ -116,12 +123,16 @@ def _lane_cuts(size: int, lanes: int) -> list[tuple[int, int]]:
     return [(start, end) for start, end in itertools.pairwise(bounds) if end > start]
 
 
-def _wait_all(calls: list[tuple[str, Any]], timeout_s: float) -> dict[str, str]:
+def _wait_all(calls: list[tuple[str, str, Any]], timeout_s: float) -> dict[str, str]:
+    """Wait for every ``(engine, receive lane's actor name, read call)`` until one deadline, ``timeout_s`` from now;
+    each engine's first failure, by engine."""
     deadline = time.monotonic() + timeout_s
     failures: dict[str, str] = {}
-    for engine, call in calls:
+    for engine, lane, call in calls:
         try:
             ray.get(call, timeout=max(0.0, deadline - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:  # the lane did not even report its own timeout: stuck or unreachable
+            failures.setdefault(engine, f"TimeoutError: receive lane {lane} did not answer within {timeout_s:g} s")
         except Exception as exc:  # the engine's failure, reported by name
             cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
             failures.setdefault(engine, f"{type(cause).__name__}: {cause}")

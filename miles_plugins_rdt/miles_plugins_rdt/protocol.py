@@ -89,6 +89,7 @@ MIN_LANE_SHARE = 16 << 20
 # call per receive lane (about 3 ms of the trainer's CPU, and a read that starts apart from the others), so a 272 MiB
 # version that came as two buckets moved in 49-51 ms as one wave against 62-74 ms as two.
 WAVE_BYTES = 256 << 20
+ANSWER_GRACE_S = holder_side.ANSWER_GRACE_S
 RELEASE_TIMEOUT_S = 10.0  # how long to wait for Ray to free dropped RDT objects before their memory is deregistered
 NOT_IN_RAY = (
     "the rdt weight-transfer protocol needs engines hosted in Ray actors (start the run with --run-worker-provider ray)"
@@ -219,15 +220,18 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         a share of every chunk, so that one engine rank receives with several cores (on one host each read is a
         single-threaded ``process_vm_readv``: 5.3 GB/s alone, 8.8 GB/s for two, measured on 2 cores)."""
         lanes = self.receivers[endpoint.name][1]
-        paths = await lanes[0].staging_paths.remote()
-        self.staging_paths[endpoint.name] = paths
-        lanes.extend(self._start_receiver(endpoint, paths) for _ in range(self.lanes - 1))
         try:
+            paths = await asyncio.wait_for(_awaitable(lanes[0].staging_paths.remote()), timeout=self.settings.timeout_s)
+            self.staging_paths[endpoint.name] = paths
+            lanes.extend(self._start_receiver(endpoint, paths) for _ in range(self.lanes - 1))
             await asyncio.wait_for(
                 asyncio.gather(*(lane.staging_paths.remote() for lane in lanes[1:])), timeout=self.settings.timeout_s
             )
         except (ray.exceptions.RayActorError, TimeoutError) as exc:
-            raise MilesError(f"rdt: a receive lane of engine {endpoint.name} did not start: {exc}") from None
+            raise MilesError(
+                f"rdt: a receive lane of engine {endpoint.name} on node {urlparse(endpoint.url).hostname} did not "
+                f"start within {self.settings.timeout_s:g} s (the timeout_s setting): {type(exc).__name__} {exc}"
+            ) from None
 
     async def _check_receiver(self, endpoint: EngineEndpoint) -> None:
         receiver = self.receivers[endpoint.name][1][0]
@@ -247,7 +251,16 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         self.sender = GlooSender.remote(path=str(path), capacity=self.capacity)
         actors = [self.sender, *(lanes[0] for _, lanes in self.receivers.values())]
         self.group = f"miles-rdt-{id(self)}-{time.monotonic_ns()}"
-        await asyncio.to_thread(create_collective_group, actors, backend="torch_gloo", name=self.group)
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(create_collective_group, actors, backend="torch_gloo", name=self.group),
+                timeout=self.settings.timeout_s,
+            )
+        except TimeoutError:
+            raise MilesError(
+                f"rdt (gloo): the collective group of the trainer's sender and the receivers of engines "
+                f"{', '.join(self.receivers)} did not form within {self.settings.timeout_s:g} s (the timeout_s setting)"
+            ) from None
 
     # -- transfer -------------------------------------------------------------------------------------------
 
@@ -276,7 +289,10 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             sent.extend(tensor for _, tensor in wave)
         try:
             layout = StagingLayout.concat(layouts, alignment=1)  # the whole version, as the engines will serve it
-            read_failures = await self._failures_of(pending)  # no engine is asked to switch before every read is in
+            # no engine is asked to switch before every read is in; a read's lane reports its own timeout first
+            read_failures = await self._failures_of(
+                pending, what="the read into its staging bucket", timeout_s=self.settings.timeout_s + ANSWER_GRACE_S
+            )
             if read_failures:  # then every engine serves the bucket it served, untouched
                 for name in read_failures:  # a lane may have died: connect() starts the engine's receivers anew
                     await self._drop_receiver(name)
@@ -307,8 +323,8 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         (:func:`~miles_plugins_rdt.holders.send_kept`); the driver switches the engines to it as ``version``."""
         self._check_receivers()
         started = time.perf_counter()
-        results = await asyncio.to_thread(
-            holders.run_task, f"{holder_side.__name__}:keep_share", key=self.key, version=version, digests=checksum
+        results = await self._holder_task(
+            holders, "keep_share", "copy their shares into their send buffers", version=version, digests=checksum
         )
         digests = merged_digests(results)
         self._kept = (holders, version, [StagingLayout.from_wire(result["layout"]) for result in results])
@@ -327,10 +343,11 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         holders, version, layouts = self._kept
         bases, layout = self._placed(layouts)
         slot = self._next_slot
-        results = await asyncio.to_thread(
-            holders.run_task,
-            f"{holder_side.__name__}:send_kept",
-            key=self.key,
+        results = await self._holder_task(
+            holders,
+            "send_kept",
+            f"have engines {', '.join(self.receivers)} read their shares",
+            deadline_s=self.settings.timeout_s + 2 * ANSWER_GRACE_S,  # after the holders' own deadline on the reads
             version=version,
             bases=bases,
             slot=slot,
@@ -344,6 +361,22 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             raise self._transfer_error(failures)
         await self._switch(layout, slot, version)
         self._next_slot = 1 - slot
+
+    async def _holder_task(
+        self, holders: WeightHolders, task: str, what: str, *, deadline_s: float | None = None, **kwargs: Any
+    ) -> list[dict[str, Any]]:
+        """Run the holder task ``task`` of :mod:`~miles_plugins_rdt.holders` on every holder; an error naming the
+        holders and ``what`` they were doing when it has not finished within ``deadline_s`` (the timeout_s setting
+        by default). The holders' thread is left to end by itself (a thread cannot be stopped)."""
+        deadline_s = self.settings.timeout_s if deadline_s is None else deadline_s
+        call = asyncio.to_thread(holders.run_task, f"{holder_side.__name__}:{task}", key=self.key, **kwargs)
+        try:
+            return await asyncio.wait_for(call, timeout=deadline_s)
+        except TimeoutError:
+            raise RdtTransferError(
+                f"rdt: the trainer's weight holders ({'; '.join(holders.describe())}) did not {what} within "
+                f"{deadline_s:g} s (the timeout_s setting); the new version was not published"
+            ) from None
 
     def _placed(self, layouts: list[StagingLayout]) -> tuple[list[int], StagingLayout]:
         """Where each holder's share starts in the staging bucket (one after the other, 64-byte aligned) and the
@@ -392,7 +425,9 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             await clients[name].update_weight_version(str(version))
 
         try:
-            failures = await self._failures_of([(name, switch(name)) for name in self.receivers])
+            failures = await self._failures_of(
+                [(name, switch(name)) for name in self.receivers], what="the switch to the new staging bucket"
+            )
         except BaseException:
             await self._drop_all_receivers()
             raise
@@ -439,7 +474,12 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             for pieces in shares
         ]
         return [
-            (name, lanes[lane].receive_nixl.remote([ref], [[p.offset, p.nbytes] for p in pieces], slot))
+            (
+                name,
+                lanes[lane].receive_nixl.remote(
+                    [ref], [[p.offset, p.nbytes] for p in pieces], slot, self.settings.timeout_s
+                ),
+            )
             for lane, (ref, pieces) in enumerate(zip(refs, shares, strict=True))
             for name, (_, lanes) in self.receivers.items()
         ]
@@ -520,11 +560,21 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
             register_nixl_memory(tensor)
         self._on_huge_pages.add(key)
 
-    async def _failures_of(self, calls: list[tuple[str, Any]]) -> dict[str, BaseException]:
-        """Wait for every ``(engine name, Ray call or coroutine)``; the first failure of each engine that had one."""
-        results = await asyncio.gather(
-            *(asyncio.wait_for(_awaitable(call), self.settings.timeout_s) for _, call in calls), return_exceptions=True
-        )
+    async def _failures_of(
+        self, calls: list[tuple[str, Any]], *, what: str, timeout_s: float | None = None
+    ) -> dict[str, BaseException]:
+        """Wait for every ``(engine name, Ray call or coroutine)``, each for ``timeout_s`` (the setting by default);
+        the first failure of each engine that had one (a call that ran out of time: a ``TimeoutError`` saying that
+        ``what`` did not finish)."""
+        timeout_s = self.settings.timeout_s if timeout_s is None else timeout_s
+
+        async def waited(call: Any) -> Any:
+            try:
+                return await asyncio.wait_for(_awaitable(call), timeout_s)
+            except TimeoutError:
+                raise TimeoutError(f"{what} did not finish within {timeout_s:g} s (the timeout_s setting)") from None
+
+        results = await asyncio.gather(*(waited(call) for _, call in calls), return_exceptions=True)
         failures: dict[str, BaseException] = {}
         for (name, _), result in zip(calls, results, strict=True):
             if isinstance(result, BaseException):
@@ -532,7 +582,10 @@ class RdtProtocol(HttpEngineProtocol, SendsFromHolders):
         return failures
 
     def _transfer_error(self, failures: dict[str, BaseException]) -> RdtTransferError:
-        detail = "; ".join(f"engine {name}: {_describe(error)}" for name, error in failures.items())
+        nodes = {engine.name: urlparse(engine.url).hostname for engine in self.engines}
+        detail = "; ".join(
+            f"engine {name}: {_describe(error)} (node {nodes.get(name, '?')})" for name, error in failures.items()
+        )
         return RdtTransferError(
             f"rdt ({self.settings.transport}) transfer failed, the new version was not published: {detail}"
         )
@@ -614,8 +667,6 @@ def _awaitable(call: Any) -> Any:
 def _describe(error: BaseException) -> str:
     if isinstance(error, ray.exceptions.RayTaskError):
         return str(error.cause)
-    if isinstance(error, TimeoutError):
-        return "timed out"
     return f"{type(error).__name__}: {error}"
 
 

@@ -114,15 +114,23 @@ class StagingReceiver:
             f"protocol needs engines started by the Ray worker provider (--run-worker-provider ray)"
         )
 
-    def receive_nixl(self, boxed_ref: list, pieces: list[list[int]], slot: int) -> int:
+    def receive_nixl(self, boxed_ref: list, pieces: list[list[int]], slot: int, timeout_s: float | None = None) -> int:
         """Pull one lane's share of a chunk (an RDT object of byte ranges, wrapped in a list so Ray does not fetch
-        it into fresh memory) straight into staging bucket ``slot`` at the ``[offset, nbytes]`` of ``pieces``."""
+        it into fresh memory) straight into staging bucket ``slot`` at the ``[offset, nbytes]`` of ``pieces``; an
+        error naming the engine and this node when the read has not finished within ``timeout_s``."""
         from ray.experimental import set_target_for_ref  # deferred: RDT internals
 
         bucket = self.buckets[slot]
         targets = [bucket[offset : offset + nbytes] for offset, nbytes in pieces]  # held: Ray keeps weak references
         set_target_for_ref(boxed_ref[0], targets)
-        received = ray.get(boxed_ref[0])
+        try:
+            received = ray.get(boxed_ref[0], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"engine {self.engine_name}: a receive lane on node {ray.util.get_node_ip_address()} read "
+                f"{sum(nbytes for _, nbytes in pieces)} bytes of the trainer's RDT object for {timeout_s:g} s without "
+                f"finishing (the timeout_s setting): is the sender's node address reachable from this node?"
+            ) from None
         if any(got.data_ptr() != want.data_ptr() for got, want in zip(received, targets, strict=True)):
             raise RuntimeError(f"engine {self.engine_name}: Ray received the chunk outside the staging bucket")
         return sum(nbytes for _, nbytes in pieces)

@@ -123,3 +123,30 @@ def test_megatron_ranks_on_host_b_send_to_engines_on_host_c_learn_and_recover_a_
     copies = {line for line in result.stdout.splitlines() if line.startswith("DRIVER_COPY")}
     assert copies == {"DRIVER_COPY 0 True"}  # every version was sent by the ranks, none kept in the driver
     assert_learned_with_checked_updates(tmp_path / "run", mode=mode, engines=2)
+
+
+def test_a_driver_on_a_node_other_than_the_head_sends_over_rdt_to_engines_on_another_host(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    """The driver (the torch trainer, its one holder) runs on B, not the head's host, and two engines on C read its
+    weights over rdt. The hosts share one process table, where Ray would attach the driver to the head's node and
+    advertise the head's address as the driver's: the engines' reads of the objects it owns then waited without end.
+    A few steps, each version on both engines with agreeing checksums."""
+    steps = 3
+    quick = ["--no-progress", "--rollout-batch-size", "4", "--rollout-group-size", "4", "--run-eval-every", "0"]
+    result = hosts.hosts[TRAINER].run(
+        [
+            MILES, "train", "--output-dir", tmp_path / "run", *quick, "--num-steps", str(steps),
+            "--run-worker-provider", "ray", "--run-ray-address", hosts.ray_address, *PINS,
+            "--engine-num-engines", "2", "--weight-transfer-mode", "rdt",
+            "--weight-transfer-settings", '{"timeout_s": 60}', "--weight-transfer-verify-checksum", "true",
+        ],
+        env=hosts.env(),
+        cwd=tmp_path,
+        timeout_s=400,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    assert {where(result.stdout, f"engine-{index}") for index in (0, 1)} == {hosts.hosts[ENGINE].address}
+    updates, cells = weight_updates(tmp_path / "run")
+    assert updates == [(version, 2, 1, "rdt") for version in range(1, steps + 1)]
+    assert cells == [("engine-0", steps), ("engine-1", steps)]

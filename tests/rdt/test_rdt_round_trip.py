@@ -3,6 +3,7 @@ Ray-hosted engines, over NIXL; a dtype change between steps; an engine killed in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -228,3 +229,34 @@ def test_a_trainer_updating_its_weights_in_place_is_sent_without_new_objects(
         assert served(ray_engines, loop, 2) == [(str(version), checksum(fresh))] * 2
         assert len(puts) == 2, "the registered memory changed: objects put before do not stand"
         assert store.get_num_objects() == len(protocol._standing), "Ray keeps objects that no transfer uses"
+
+
+@pytest.mark.parametrize("path", ["driver", "holders"])
+def test_a_receive_lane_that_never_answers_fails_the_transfer_by_name_within_the_timeout(
+    ray_engines, loop, path: str
+) -> None:
+    """A read that never ends (its receive lane frozen with SIGSTOP: as a lane whose sender is out of reach) fails
+    the transfer once the timeout_s setting has passed, naming the engine, its node and what it was waiting for,
+    from the driver's iterator and from the holders alike; no engine switched."""
+    protocol = RdtProtocol(**SETTINGS)
+    trainer = TorchTrainer.from_pretrained(ray_engines.model_dir, TrainSection(), seed=0)
+    loop.run_until_complete(protocol.connect(ray_engines.endpoints()))
+    # the receivers started within the module's timeout (a busy 2-core machine takes seconds); the transfer gets 2 s
+    protocol.settings = protocol.settings.model_copy(update={"timeout_s": 2.0})
+    before = served(ray_engines, loop, 2)
+    victim = ray_engines.endpoints()[0]
+    lane = protocol.receivers[victim.name][1][0]
+    pid = ray.get(lane.__ray_call__.remote(lambda receiver: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    waited = {"driver": "the read into its staging bucket did not finish", "holders": "did not answer"}[path]
+    try:
+        with pytest.raises(RdtTransferError, match=rf"engine {victim.name}: .*{waited} within .* \(node 127.0.0.1\)"):
+            if path == "driver":
+                loop.run_until_complete(protocol.transfer(iter(trainer.weight_iterator(BUCKET)), version=60))
+            else:
+                loop.run_until_complete(protocol.transfer_from_holders(trainer.weight_holders(), version=60))
+        assert served(ray_engines, loop, 2) == before
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        loop.run_until_complete(protocol.close())

@@ -143,33 +143,27 @@ def test_bad_requests_are_refused_with_an_error(server: RewardServerProcess) -> 
     assert httpx.post(f"{server.url}/score", json={"items": []}).status_code == 401
 
 
+REWARD_MODEL_STEPS = 60
+REWARD_MODEL_MARGIN = 0.04
+"""The greedy held-out reward's rise the run must show against the example reward model: measured 0.482 to 0.564 in
+60 steps (rollouts 0.50 to 0.55) on the AMX machine; half of that leaves room for other CPUs' rounding."""
+
+
 @pytest.mark.slow
-def test_a_training_run_scores_with_the_reward_server(server: RewardServerProcess, tmp_path: Path) -> None:
+def test_a_training_run_learns_against_the_reward_server(server: RewardServerProcess, tmp_path: Path) -> None:
+    """The policy learns what the example reward model scores high (its held-out score rises), every sample scored
+    over HTTP with no error, the parts logged apart."""
     result = run_miles(
-        "train",
-        "--output-dir",
-        str(tmp_path / "run"),
-        "--no-progress",
-        "--run-eval-every",
-        "0",
-        "--num-steps",
-        "2",
-        "--rollout-batch-size",
-        "4",
-        "--rollout-group-size",
-        "4",
-        "--reward-url",
-        server.url,
-        "--reward",
-        "remote:1.0,format:0.1",
-        "--rollout-reward-url-batch-size",
-        "8",
-        env={"MILES_REWARD_URL_TOKEN": TOKEN},
-        cwd=tmp_path,
-    )
+        "train", "--output-dir", str(tmp_path / "run"), "--no-progress", "--run-eval-every", "0",
+        "--num-steps", str(REWARD_MODEL_STEPS), "--reward-url", server.url, "--reward", "remote:1.0,format:0.1",
+        "--rollout-reward-url-batch-size", "32",
+        env={"MILES_REWARD_URL_TOKEN": TOKEN}, cwd=tmp_path,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "train/loss" in row]
-    assert [row["step"] for row in steps] == [1, 2]
+    assert [row["step"] for row in steps] == list(range(1, REWARD_MODEL_STEPS + 1))
     assert all(0.0 < row["rollout/reward/remote"] < 1.0 and row["reward/errors"] == 0.0 for row in steps)
     assert all(row["rollout/reward/format"] == 0.0 for row in steps)  # digits, no \boxed{}
+    evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]
+    assert len(evals) == 2 and evals[-1] >= evals[0] + REWARD_MODEL_MARGIN, evals

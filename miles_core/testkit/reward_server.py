@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from miles_core.http import BackgroundServer, HttpError, bearer_token_matches, json_error, parse_json_object, read_body
+from miles_core.workers.node import LOOPBACK
 from miles_core.workers.process import listening_socket
 
 MAX_BODY_BYTES = 16 << 20
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     app = make_app(RewardModelScorer(tiny_reward_model(args.seed)), token=token)
-    sock = listening_socket("127.0.0.1", args.port)
-    print(f"reward server on http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
+    sock = listening_socket(LOOPBACK, args.port)
+    print(f"reward server on http://{LOOPBACK}:{sock.getsockname()[1]}", flush=True)
     BackgroundServer(app, sock, what="the example reward server", thread_name="reward-server").run()
     return 0
 

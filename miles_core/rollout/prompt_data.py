@@ -284,6 +284,13 @@ def check_table(file: PromptFile, *, keys: PromptKeys) -> bool:
     """Check ``file``'s columns with its schema and ``pyarrow.compute``; whether its prompts are chat messages."""
     table = file.dataset.data.table
     names = table.column_names
+    if keys.prompt not in names:  # first: the likeliest cause is a data set whose prompt column has another name
+        raise ConfigError(
+            f"{file.where(0)}: no key {keys.prompt!r} (the columns are {', '.join(names)}); name the prompt column "
+            "with --rollout-prompt-key"
+        )
+    for key in sorted(keys.required() - set(names)):
+        raise ConfigError(f"{file.where(0)}: no key {key!r} (the columns are {', '.join(names)})")
     if keys.strict:
         unknown = [name for name in names if name not in keys.known()]
         if unknown:
@@ -293,10 +300,6 @@ def check_table(file: PromptFile, *, keys: PromptKeys) -> bool:
                 f"{keys.prompt}, {keys.label}, {METADATA}, {keys.tools} (or name the columns with --rollout-prompt-key "
                 "and the other key flags)"
             )
-    for key in sorted(keys.required() - set(names)):
-        raise ConfigError(f"{file.where(0)}: no key {key!r} (the columns are {', '.join(names)})")
-    if keys.prompt not in names:
-        raise ConfigError(f"{file.where(0)}: no key {keys.prompt!r} (the columns are {', '.join(names)})")
     _check_prompt_column(file, table.column(keys.prompt), key=keys.prompt)
     if METADATA in names:
         _check_object_column(file, table.column(METADATA), key=METADATA)
@@ -403,6 +406,10 @@ def _decode_line(raw: bytes, *, path: Path, number: int) -> str:
 
 def check_record(record: dict[str, Any], *, keys: PromptKeys, where: str) -> None:
     """Check one row's values (see the module docstring); a :class:`ConfigError` names ``where`` and the key."""
+    for key in sorted(keys.required()):  # first: the likeliest cause is a key of another name
+        if key not in record:
+            hint = "; name the prompt key with --rollout-prompt-key" if key == keys.prompt else ""
+            raise ConfigError(f"{where}: no key {key!r}{hint}")
     if keys.strict:
         unknown = next((key for key in record if key not in keys.known()), None)
         if unknown is not None:
@@ -410,9 +417,6 @@ def check_record(record: dict[str, Any], *, keys: PromptKeys, where: str) -> Non
                 f"{where}: unknown key {_excerpt(unknown)}; a line has the keys {keys.prompt}, {keys.label}, "
                 f"{METADATA}, {keys.tools}"
             )
-    for key in sorted(keys.required()):
-        if key not in record:
-            raise ConfigError(f"{where}: no key {key!r}")
     value = record[keys.prompt]
     if isinstance(value, str):
         if not value:

@@ -127,9 +127,16 @@ def test_a_corrupt_parquet_file_is_refused_naming_it(tmp_path: Path) -> None:
 def test_key_flags_map_columns_and_ignore_the_others(tmp_path: Path) -> None:
     rows = [{"question": "1:", "answer": 1, "source": "gsm", "extra": [1, 2], "metadata": {"k": "v"}}]
     path = write(tmp_path / "p.parquet", rows)
-    with pytest.raises(ConfigError) as error:  # the default keys: an unknown column is refused, naming it
+    with pytest.raises(ConfigError) as error:  # the default keys: no prompt column, said first, with the flag
         source(str(path), tmp_path)
-    assert str(error.value).startswith(f"{path} row 0: unknown key 'question'; a prompt has the keys prompt, label")
+    assert str(error.value) == (
+        f"{path} row 0: no key 'prompt' (the columns are question, answer, source, extra, metadata); name the prompt "
+        "column with --rollout-prompt-key"
+    )
+    with_prompt = write(tmp_path / "q.parquet", [{"prompt": "1:", **rows[0]}])
+    with pytest.raises(ConfigError) as error:  # a prompt column, and one no key names: refused, naming it
+        source(str(with_prompt), tmp_path)
+    assert str(error.value).startswith(f"{with_prompt} row 0: unknown key 'question'; a prompt has the keys prompt, ")
     keys = PromptKeys.from_config(_Rollout(prompt_key="question", label_key="answer", metadata_keys=["source"]))
     (prompt,) = source(str(path), tmp_path, keys=keys)
     assert prompt == Prompt("1:", label=1, metadata={"k": "v", "source": "gsm"})

@@ -7,45 +7,46 @@ import pytest
 
 from miles_core.builtin import rewards
 
-# (label, response): math-verify's own verdict on the response's final answer is the expected one.
+# (label, response, verdict): the verdict a reader gives the response's final answer; math-verify's own verdict
+# and the math reward must both give it.
 MATH_CASES = [
-    ("\\frac{1}{2}", "The answer is \\boxed{\\frac{1}{2}}."),
-    ("\\frac{1}{2}", "So we get \\boxed{0.5}"),
-    ("\\frac{1}{2}", "\\boxed{\\frac12}"),
-    ("\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}"),
-    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}"),
-    ("0.5", "\\boxed{1/2}"),
-    ("3", "\\boxed{3}"),
-    ("3", "\\boxed{4}"),
-    ("3", "We have $x = 3$, so the answer is $\\boxed{3}$"),
-    ("-7", "\\boxed{-7}"),
-    ("-7", "\\boxed{7}"),
-    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}"),
-    ("2\\sqrt{2}", "\\boxed{2.828}"),
-    ("x^2+1", "\\boxed{1 + x^2}"),
-    ("x^2+1", "\\boxed{x^2 - 1}"),
-    ("\\pi", "\\boxed{\\pi}"),
-    ("\\pi", "\\boxed{3.14}"),
-    ("10\\%", "\\boxed{10\\%}"),
-    ("10", "\\boxed{10\\text{ cm}}"),
-    ("5", "\\boxed{5 \\text{ meters}}"),
-    ("(1, 2)", "\\boxed{(1,2)}"),
-    ("(1, 2)", "\\boxed{(2,1)}"),
-    ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}"),
-    ("[0, 1)", "\\boxed{[0,1)}"),
-    ("[0, 1)", "\\boxed{(0,1]}"),
-    ("\\frac{\\sqrt{3}}{2}", "\\boxed{\\frac{\\sqrt3}{2}}"),
-    ("1000", "\\boxed{1,000}"),
-    ("1000", "\\boxed{1000.0}"),
-    ("12", "First \\boxed{10}, corrected: \\boxed{12}"),
-    ("12", "First \\boxed{12}, corrected: \\boxed{10}"),
-    ("4", "\\boxed{\\boxed{4}}"),
-    ("4", "\\boxed{2+\\boxed{2}}"),
-    ("e", "\\boxed{e}"),
-    ("\\infty", "\\boxed{\\infty}"),
-    ("3", "I think it is 3"),
-    ("3", "no answer here"),
-    ("", "\\boxed{3}"),
+    ("\\frac{1}{2}", "The answer is \\boxed{\\frac{1}{2}}.", True),
+    ("\\frac{1}{2}", "So we get \\boxed{0.5}", True),
+    ("\\frac{1}{2}", "\\boxed{\\frac12}", True),
+    ("\\frac{1}{2}", "\\boxed{\\dfrac{1}{2}}", True),
+    ("\\frac{1}{2}", "\\boxed{\\frac{1}{3}}", False),
+    ("0.5", "\\boxed{1/2}", True),
+    ("3", "\\boxed{3}", True),
+    ("3", "\\boxed{4}", False),
+    ("3", "We have $x = 3$, so the answer is $\\boxed{3}$", True),
+    ("-7", "\\boxed{-7}", True),
+    ("-7", "\\boxed{7}", False),
+    ("2\\sqrt{2}", "\\boxed{\\sqrt{8}}", True),
+    ("2\\sqrt{2}", "\\boxed{2.828}", False),
+    ("x^2+1", "\\boxed{1 + x^2}", True),
+    ("x^2+1", "\\boxed{x^2 - 1}", False),
+    ("\\pi", "\\boxed{\\pi}", True),
+    ("\\pi", "\\boxed{3.14}", False),
+    ("10\\%", "\\boxed{10\\%}", True),
+    ("10", "\\boxed{10\\text{ cm}}", True),
+    ("5", "\\boxed{5 \\text{ meters}}", True),
+    ("(1, 2)", "\\boxed{(1,2)}", True),
+    ("(1, 2)", "\\boxed{(2,1)}", False),
+    ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}", True),
+    ("[0, 1)", "\\boxed{[0,1)}", True),
+    ("[0, 1)", "\\boxed{(0,1]}", False),
+    ("\\frac{\\sqrt{3}}{2}", "\\boxed{\\frac{\\sqrt3}{2}}", True),
+    ("1000", "\\boxed{1,000}", True),
+    ("1000", "\\boxed{1000.0}", True),
+    ("12", "First \\boxed{10}, corrected: \\boxed{12}", True),
+    ("12", "First \\boxed{12}, corrected: \\boxed{10}", False),
+    ("4", "\\boxed{\\boxed{4}}", True),
+    ("4", "\\boxed{2+\\boxed{2}}", False),
+    ("e", "\\boxed{e}", True),
+    ("\\infty", "\\boxed{\\infty}", True),
+    ("3", "I think it is 3", True),
+    ("3", "no answer here", False),
+    ("", "\\boxed{3}", False),
 ]
 
 
@@ -58,15 +59,14 @@ def math_verify_verdict(label: str, response: str) -> bool:
     return bool(gold and answer and math_verify.verify(gold, answer, timeout_seconds=None))
 
 
-@pytest.mark.parametrize(("label", "response"), MATH_CASES)
-def test_math_agrees_with_math_verify(label: str, response: str) -> None:
-    assert rewards.math_reward(prompt="", response=response, label=label, metadata={}) == float(
-        math_verify_verdict(label, response)
-    )
+@pytest.mark.parametrize(("label", "response", "verdict"), MATH_CASES)
+def test_math_agrees_with_math_verify(label: str, response: str, verdict: bool) -> None:
+    assert math_verify_verdict(label, response) is verdict  # math-verify itself, on the final answer
+    assert rewards.math_reward(prompt="", response=response, label=label, metadata={}) == float(verdict)
 
 
 def test_math_table_has_both_verdicts() -> None:
-    verdicts = [math_verify_verdict(label, response) for label, response in MATH_CASES]
+    verdicts = [verdict for _, _, verdict in MATH_CASES]
     assert len(MATH_CASES) >= 30 and sum(verdicts) >= 12 and len(verdicts) - sum(verdicts) >= 8
 
 

@@ -21,7 +21,8 @@ MAX_LONG_SERIAL_TESTS = 14
 
 LONG_SERIAL_TESTS: dict[str, str] = {
     # A test function (every parametrisation) or one parametrisation, by its pytest node id: why it needs the time.
-    # Listed: those that took over 35 s on a 2-core Xeon (a slower CI machine may take 1.5x).
+    # Listed: those that took over 35 s on a 2-core Xeon with AMX (a slower CI machine may take 1.5x), and those over
+    # 45 s on a 2-core Xeon without AMX, where the default run over rdt went over the minute (46 s, then 61 s).
     "tests/cluster/test_sglang_across_hosts.py::"
     "test_the_default_run_learns_with_a_real_sglang_engine_on_another_host_through_rdt_chosen_by_auto": (
         "learning with a real SGLang engine across hosts: 110 steps (0.0 to 0.37 on one host; 0.2 asked)"
@@ -32,6 +33,18 @@ LONG_SERIAL_TESTS: dict[str, str] = {
     ),
     "tests/sglang/test_real_router.py::test_real_sglang_behind_the_router_spreads_and_survives_an_engine_death": (
         "three real SGLang starts (two engines, then the killed one again) behind the real router"
+    ),
+    "tests/test_train_rdt.py::test_default_run_learns_over_rdt": (
+        "the default run's 110 learning steps with every update over NIXL (46 to 61 s on a 2-core Xeon without AMX)"
+    ),
+    "tests/megatron/test_megatron_train.py::test_the_megatron_trainer_learns_on_a_tiny_deepseek_v4_at_tp2": (
+        "two Megatron ranks learn a tiny DeepSeek-V4 (49 to 51 s on a 2-core Xeon without AMX)"
+    ),
+    "tests/megatron/test_megatron_train.py::test_default_run_learns_with_megatron": (
+        "two Megatron ranks learn the default task in its shortened run (45 to 48 s on a 2-core Xeon without AMX)"
+    ),
+    "tests/megatron/test_megatron_train.py::test_megatron_run_resumes_from_its_checkpoint": (
+        "a Megatron run stopped, then resumed from its checkpoint to the end (44 to 48 s on a 2-core Xeon without AMX)"
     ),
     "tests/test_train_agent.py::test_the_tool_task_learns_through_session_servers": (
         "the tool task learns in 70 steps; 45 steps learned with one seed and not with another"

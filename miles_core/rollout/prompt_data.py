@@ -289,8 +289,9 @@ def check_table(file: PromptFile, *, keys: PromptKeys) -> bool:
             f"{file.where(0)}: no key {keys.prompt!r} (the columns are {', '.join(names)}); name the prompt column "
             "with --rollout-prompt-key"
         )
-    for key in sorted(keys.required() - set(names)):
-        raise ConfigError(f"{file.where(0)}: no key {key!r} (the columns are {', '.join(names)})")
+    missing = sorted(keys.required() - set(names))
+    if missing:
+        raise ConfigError(f"{file.where(0)}: no key {missing[0]!r} (the columns are {', '.join(names)})")
     if keys.strict:
         unknown = [name for name in names if name not in keys.known()]
         if unknown:

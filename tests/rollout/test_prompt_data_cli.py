@@ -4,7 +4,6 @@ names the file, the row or the key (or the flag), a failing exit status, and no 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,16 +11,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from miles_core.workers.node import LOOPBACK
+from miles_core.workers.process import free_ports
 from tests.conftest import run_miles
 
 QUICK = ["--no-progress", "--rollout-batch-size", "2", "--rollout-group-size", "2", "--run-eval-every", "0"]
-
-
-def closed_port() -> int:
-    """A port nothing listens on (bound, then released): connecting to it is refused."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def parquet(path: Path, columns: dict[str, list]) -> Path:
@@ -68,7 +62,8 @@ def a_bad_weight(work: Path) -> tuple[list[str], str]:
 
 
 def an_unreachable_reward_url(work: Path) -> tuple[list[str], str]:
-    url = f"http://127.0.0.1:{closed_port()}"
+    (port,) = free_ports(1, LOOPBACK)  # nothing listens on it: connecting is refused
+    url = f"http://{LOOPBACK}:{port}"
     flags = ["--reward-url", url, "--reward", "remote", "--rollout-reward-url-timeout-s", "2"]
     return flags, f"the reward server --reward-url {url} cannot be reached ("
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.remote_reward import RemoteReward
 from miles_core.rollout.rewards import CompositeReward, RewardPart, RewardPlan, RewardScorer
 from miles_core.rollout.samples import Sample
+from miles_core.workers.node import LOOPBACK
+from miles_core.workers.process import free_ports
 from tests.conftest import MILES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +32,6 @@ HELD_LAUNCH = (
 under a second once asked, so a test decides how long an outage lasts."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class RewardServerProcess:
     """The example server, started and stopped by pid on one port (so it can come back where it was)."""
 
@@ -45,7 +40,7 @@ class RewardServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{LOOPBACK}:{self.port}"
 
     def start(self) -> RewardServerProcess:
         return self.prepare().go()
@@ -91,7 +86,7 @@ class RewardServerProcess:
 
 @pytest.fixture
 def server(tmp_path: Path):
-    process = RewardServerProcess(free_port(), tmp_path / "server.log").start()
+    process = RewardServerProcess(free_ports(1, LOOPBACK)[0], tmp_path / "server.log").start()
     yield process
     process.kill()
 

@@ -275,7 +275,8 @@ def test_hostile_requests_answer_4xx_in_openai_shape_and_the_server_keeps_servin
     assert assert_openai_error(chat(url, sid, {**good, "temprature": 1}), 400, code="unknown_field")["param"] == (
         "temprature"
     )
-    assert_openai_error(chat(url, sid, {**good, "stream": True}), 400, says="stream")
+    no_stream = {**good, "stream_options": {"include_usage": True}}
+    assert_openai_error(chat(url, sid, no_stream), 400, says="stream_options is only allowed with stream=true")
     assert_openai_error(chat(url, sid, {**good, "n": 2}), 400, says="n")
     bad_json = httpx.post(f"{url}/sessions/{sid}/v1/chat/completions", content=b'{"model": NaN}', timeout=60)
     assert_openai_error(bad_json, 400, says="not valid JSON")

@@ -77,10 +77,15 @@ class ToolSpec(_Body):
     function: FunctionSpec
 
 
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
 class SessionChatRequest(_Body):
     """``POST /sessions/<id>/v1/chat/completions``. The session's sampling settings are the run's: the request's
     ``temperature``, ``top_p`` and ``seed`` are accepted (agents send them) and ignored, and ``max_tokens`` (or
-    ``max_completion_tokens``) can only lower the session's limit for this turn."""
+    ``max_completion_tokens``) can only lower the session's limit for this turn. ``stream: true`` answers in
+    OpenAI's chunk events (``stream_options.include_usage`` adds the usage chunk)."""
 
     model: str = pydantic.Field(max_length=1024)
     messages: list[MessageBody] = pydantic.Field(min_length=1, max_length=MAX_MESSAGES)
@@ -93,7 +98,8 @@ class SessionChatRequest(_Body):
     max_tokens: int | None = pydantic.Field(default=None, ge=1)
     max_completion_tokens: int | None = pydantic.Field(default=None, ge=1)
     n: Literal[1] | None = None
-    stream: Literal[False] = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = pydantic.Field(default=None, max_length=1024)
 
     def turn_limit(self) -> int | None:

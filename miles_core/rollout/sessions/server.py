@@ -16,6 +16,9 @@ Routes (every one answers only loopback ``Host`` names and no web page's ``Origi
   one batched request: :class:`~miles_core.rollout.sessions.batching.TurnBatcher`), and the turn's ids and logprobs
   are recorded (mask 1).
   The answer is OpenAI's: the content and the ``tool_calls`` parsed from the output ids.
+- ``POST /sessions/<id>/v1/responses`` (OpenAI's Responses API) and ``POST /sessions/<id>/v1/messages``
+  (Anthropic's Messages API): the same turn asked and answered in those clients' dialects, streamed or not
+  (:mod:`~miles_core.rollout.sessions.dialects`); a session may be spoken to in any of them, turn by turn.
 - ``GET /sessions/<id>/trajectory`` (bearer) answers the :class:`~miles_core.rollout.sessions.session.Trajectory`;
   ``DELETE /sessions/<id>`` (bearer) ends the session and answers its final trajectory (and, as ``branches``,
   those of the forks made from it). ``POST /sessions/<id>/v1/fork`` (no bearer) branches a session: a new session
@@ -72,14 +75,13 @@ from miles_core.http import (
     read_body,
     url_name,
 )
-from miles_core.rollout.sessions.api import (
-    CreateSessionRequest,
-    SessionChatRequest,
-    first_mismatch,
-    validated,
-)
+from miles_core.rollout.sessions.anthropic_messages import MessagesDialect
+from miles_core.rollout.sessions.api import CreateSessionRequest, first_mismatch, validated
 from miles_core.rollout.sessions.batching import TurnBatcher
-from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, ToolCall
+from miles_core.rollout.sessions.chat_completions import ChatCompletionsDialect
+from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, check_new_messages
+from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage
+from miles_core.rollout.sessions.responses_api import ResponsesDialect
 from miles_core.rollout.sessions.session import Session
 from miles_core.targets import import_target
 from miles_core.workers.node import node_address
@@ -91,6 +93,14 @@ log = logging.getLogger(__name__)
 
 SERVED_MODEL = "policy"
 """The model name ``/v1/models`` lists (a chat request may name any model: the session serves the run's policy)."""
+
+CHAT_COMPLETIONS = ChatCompletionsDialect()
+DIALECTS: dict[str, Dialect] = {
+    "chat/completions": CHAT_COMPLETIONS,
+    "responses": ResponsesDialect(),
+    "messages": MessagesDialect(),
+}
+"""The dialects by their route under a session's ``base_url`` (:mod:`~miles_core.rollout.sessions.dialects`)."""
 
 EXPIRED_IDS_KEPT = 4096
 """How many expired session ids are remembered, so that their 404 can say they expired."""
@@ -145,7 +155,14 @@ class SessionServer:
             Route("/sessions", self._endpoint(self.create, auth=True), methods=["POST"]),
             Route("/sessions/{sid}", self._endpoint(self.delete, auth=True), methods=["DELETE"]),
             Route("/sessions/{sid}/trajectory", self._endpoint(self.trajectory, auth=True), methods=["GET"]),
-            Route("/sessions/{sid}/v1/chat/completions", self._endpoint(self.chat, auth=False), methods=["POST"]),
+            *(
+                Route(
+                    f"/sessions/{{sid}}/v1/{path}",
+                    self._endpoint(self._turn_route(d), auth=False, dialect=d),
+                    methods=["POST"],
+                )
+                for path, d in DIALECTS.items()
+            ),
             Route("/sessions/{sid}/v1/models", self._endpoint(self.models, auth=False), methods=["GET"]),
             Route("/sessions/{sid}/v1/fork", self._endpoint(self.fork, auth=False), methods=["POST"]),
         ]
@@ -182,8 +199,10 @@ class SessionServer:
         host = socket.gethostname() if self.host in WILDCARD_HOSTS else self.host
         return f"http://{url_name(host)}:{self.port}"
 
-    def _endpoint(self, handler: Callable[[Request], Awaitable[Any]], *, auth: bool) -> Callable:
-        """``handler`` behind the browser check, the bearer check (``auth``) and the error shape."""
+    def _endpoint(
+        self, handler: Callable[[Request], Awaitable[Any]], *, auth: bool, dialect: Dialect = CHAT_COMPLETIONS
+    ) -> Callable:
+        """``handler`` behind the browser check, the bearer check (``auth``) and the error shape (``dialect``'s)."""
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -193,12 +212,14 @@ class SessionServer:
                 self._expire_idle()
                 result = await handler(request)
             except OpenAIError as exc:
-                return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
+                return dialect.error(exc)
             except HttpError as exc:
-                return error_response(exc.status, str(exc))
+                return dialect.error(OpenAIError(exc.status, str(exc)))
             except Exception as exc:  # a defect, not the caller's fault: say so, keep serving
                 log.exception("session server: %s failed", request.url.path)
-                return error_response(500, f"internal error in {request.url.path}: {type(exc).__name__}: {exc}")
+                return dialect.error(
+                    OpenAIError(500, f"internal error in {request.url.path}: {type(exc).__name__}: {exc}")
+                )
             return result if isinstance(result, Response) else JSONResponse(result)
 
         return endpoint
@@ -288,22 +309,29 @@ class SessionServer:
     async def trajectory(self, request: Request) -> dict:
         return self._session(request.path_params["sid"]).trajectory().to_json()
 
-    async def chat(self, request: Request) -> dict:
-        session = self._session(request.path_params["sid"])
-        body: SessionChatRequest = validated(SessionChatRequest, await self._body(request))
-        if session.busy:
-            raise OpenAIError(409, "a request of this session is still running: send one turn at a time")
-        session.busy = True
-        try:
-            return await self._turn(session, body)
-        finally:
-            session.busy = False
-            session.last_used = time.monotonic()
+    def _turn_route(self, dialect: Dialect) -> Callable[[Request], Awaitable[Response]]:
+        """The route of one assistant turn asked in ``dialect``."""
 
-    async def _turn(self, session: Session, body: SessionChatRequest) -> dict:
-        """One assistant turn: check the history, append the new messages, generate, record, answer."""
-        new_messages = self._new_messages(session, [m.to_message() for m in body.messages])
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+        async def turn(request: Request) -> Response:
+            session = self._session(request.path_params["sid"])
+            body = await self._body(request)
+            if session.busy:
+                raise OpenAIError(409, "a request of this session is still running: send one turn at a time")
+            session.busy = True
+            try:
+                asked = dialect.parse(body, session)
+                return dialect.response(asked, await self._turn(session, asked, dialect))
+            finally:
+                session.busy = False
+                session.last_used = time.monotonic()
+
+        return turn
+
+    async def _turn(self, session: Session, asked: TurnRequest, dialect: Dialect) -> TurnAnswer:
+        """One assistant turn: check the history, append the new messages, generate, record."""
+        new_messages = self._new_messages(session, asked.messages)
+        check_new_messages(asked.messages, first_new=len(session.messages))
+        tools = list(asked.tools)
         if session.tools is not None and tools != session.tools:
             raise OpenAIError(
                 400, "tools differ from the session's first turn: give the same tools every turn", param="tools"
@@ -312,7 +340,7 @@ class SessionServer:
             input_ids = session.input_ids(self.fmt, new_messages, tools=tools)
         except ChatFormatError as exc:
             raise OpenAIError(400, str(exc), param="messages", code="chat_format") from None
-        params = self._sampling(session, body, len(input_ids))
+        params = self._sampling(session, asked.turn_limit, len(input_ids))
         try:
             output = await self._engine_of(session).generate(input_ids, params)
         except EngineError as exc:
@@ -324,7 +352,8 @@ class SessionServer:
                 503, "the engine aborted the generation (a weight update); the session is unchanged: send it again"
             )
         content, calls = self.fmt.parse_tool_calls(output.output_ids, tools=tools)
-        calls = [dataclasses.replace(call, id=f"call_{uuid.uuid4().hex[:24]}") for call in calls]
+        calls = [dataclasses.replace(call, id=f"{dialect.call_id_prefix}{uuid.uuid4().hex[:24]}") for call in calls]
+        answer_id = f"{dialect.id_prefix}{uuid.uuid4().hex}"
         session.record_turn(
             input_ids=input_ids,
             tools=tools,
@@ -334,9 +363,17 @@ class SessionServer:
             assistant=ChatMessage(role="assistant", content=content, tool_calls=tuple(calls)),
             finish_reason=output.finish_reason,
             weight_version=output.weight_version,
+            answer_id=answer_id,
         )
-        usage = {"prompt": len(input_ids), "completion": len(output.output_ids)}
-        return _answer(body, content, calls, output.finish_reason, **usage)
+        return TurnAnswer(
+            answer_id=answer_id,
+            content=content,
+            calls=calls,
+            finish_reason=output.finish_reason,
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(output.output_ids),
+            created=int(time.time()),
+        )
 
     def _new_messages(self, session: Session, messages: list[ChatMessage]) -> list[ChatMessage]:
         """The request's messages after the session's, which it must resend unchanged."""
@@ -363,16 +400,17 @@ class SessionServer:
             )
         return messages[len(held) :]
 
-    def _sampling(self, session: Session, body: SessionChatRequest, context: int) -> SamplingParams:
-        """The session's sampling settings for a turn that starts from ``context`` ids."""
+    def _sampling(self, session: Session, turn_limit: int | None, context: int) -> SamplingParams:
+        """The session's sampling settings for a turn that starts from ``context`` ids, at most ``turn_limit`` new
+        tokens when the request gives a limit (it can only lower the session's)."""
         limit, room = session.sampling["max_tokens"], self.limits.max_session_tokens - context
-        if body.turn_limit() is not None:
-            limit = min(limit, body.turn_limit())
-        if room < 1 or (body.turn_limit() is not None and body.turn_limit() > room):
+        if turn_limit is not None:
+            limit = min(limit, turn_limit)
+        if room < 1 or (turn_limit is not None and turn_limit > room):
             raise OpenAIError(
                 400,
                 f"the session's context would overflow: {context} tokens with this request's messages, "
-                f"{body.turn_limit() or limit} more asked, at most {self.limits.max_session_tokens} a session",
+                f"{turn_limit or limit} more asked, at most {self.limits.max_session_tokens} a session",
                 param="messages",
                 code="context_length_exceeded",
             )
@@ -404,26 +442,6 @@ async def _openai_route_error(request: Request, exc: Exception) -> Response:
     if "allow" in plain.headers:
         answer.headers["allow"] = plain.headers["allow"]
     return answer
-
-
-def _answer(
-    body: SessionChatRequest, content: str, calls: list[ToolCall], finish: str, *, prompt: int, completion: int
-) -> dict:
-    """The OpenAI ``chat.completion`` of one turn."""
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
-        ]
-    reason = "tool_calls" if calls else ("stop" if finish == "stop" else "length")
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": body.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": None}],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
-    }
 
 
 def session_server_spec(

@@ -70,6 +70,7 @@ class Session:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.turns: list[Turn] = []
+        self.answer_ids: list[str] = []  # the id of each turn's answer (a Responses request continues the latest)
         self.prompt_length: int | None = None  # set when the first token is generated
         self.busy = False
         self.last_used = time.monotonic()
@@ -98,6 +99,7 @@ class Session:
             list(self.logprobs),
             list(self.turns),
         )
+        branch.answer_ids = list(self.answer_ids)
         return branch
 
     def input_ids(self, fmt: ChatFormat, new_messages: Sequence[ChatMessage], *, tools: Sequence[Tool]) -> list[int]:
@@ -118,6 +120,7 @@ class Session:
         assistant: ChatMessage,
         finish_reason: str,
         weight_version: int | None,
+        answer_id: str = "",
     ) -> None:
         """Take a generated turn: the appended tokens (``input_ids`` beyond the ids so far) with loss mask 0, the
         output ids with mask 1 and their logprobs, the new messages and the assistant's reply."""
@@ -134,6 +137,7 @@ class Session:
         offset = self.prompt_length
         self.turns.append(Turn(start - offset, start - offset + len(output_ids), finish_reason, weight_version))
         self.messages += [*new_messages, assistant]
+        self.answer_ids.append(answer_id)
 
     def trajectory(self) -> Trajectory:
         """The session so far as a :class:`Trajectory` (empty response before the first turn)."""

@@ -239,8 +239,8 @@ def _block(raw: Any, index: int, number: int) -> _Body:
             f"{where}: unknown content block type {kind!r:.80}: the session server takes {', '.join(BLOCK_TYPES)}",
             param=f"{where}.type",
         )
-    try:
-        return model.model_validate(raw)
+    try:  # null fields are what a client resends of a block it received (its model's fields this server left out)
+        return model.model_validate({key: value for key, value in raw.items() if value is not None})
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"])

@@ -32,12 +32,14 @@ class TextPart(_Body):
 class FunctionCall(_Body):
     name: str = pydantic.Field(min_length=1, max_length=256)
     arguments: str
+    parsed_arguments: Any = None  # what the openai client's stream helper adds to a call it read (ignored)
 
 
 class ToolCallBody(_Body):
     id: str = pydantic.Field(max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = None  # what the openai client's stream helper keeps of a streamed call (ignored)
 
 
 class MessageBody(_Body):

@@ -269,8 +269,8 @@ def _item(raw: Any, index: int) -> _Body:
                     param=f"input.{index}.content.{number}.type",
                     code="unsupported_content_type",
                 )
-    try:
-        return model.model_validate(body)
+    try:  # null fields are what a client resends of an item it received (its model's fields this server left out)
+        return model.model_validate({key: value for key, value in body.items() if value is not None})
     except pydantic.ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"])

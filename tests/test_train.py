@@ -22,8 +22,10 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train(run_dir: Path, *args: str, env: dict | None = None, ok: bool = True, cwd: Path | None = None):
-    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env, cwd=cwd)
+def train(
+    run_dir: Path, *args: str, env: dict | None = None, ok: bool = True, cwd: Path | None = None, timeout_s: float = 300
+):
+    result = run_miles("train", "--output-dir", str(run_dir), *args, env=env, cwd=cwd, timeout_s=timeout_s)
     if ok:
         assert result.returncode == 0, result.stderr[-3000:]
     return result

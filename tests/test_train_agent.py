@@ -116,6 +116,7 @@ def test_the_tool_task_learns_through_session_servers(tmp_path: Path) -> None:
         "0",
         "--plugin",
         str(plugin),
+        timeout_s=900,  # 91 to 104 s on a 2-core Xeon; over 300 s on one that ran the serial pass 2.2x slower
     )
     rows = metrics(tmp_path / "run")
     evals = [row["eval/reward_mean"] for row in rows if "eval/reward_mean" in row]

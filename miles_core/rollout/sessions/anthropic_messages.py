@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from miles_core.engines.openai_errors import OpenAIError
 from miles_core.rollout.sessions.api import MAX_MESSAGES, validated
-from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse
+from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse, validated_part
 from miles_core.rollout.sessions.formats import ChatMessage, ToolCall
 
 if TYPE_CHECKING:
@@ -239,12 +239,7 @@ def _block(raw: Any, index: int, number: int) -> _Body:
             f"{where}: unknown content block type {kind!r:.80}: the session server takes {', '.join(BLOCK_TYPES)}",
             param=f"{where}.type",
         )
-    try:  # null fields are what a client resends of a block it received (its model's fields this server left out)
-        return model.model_validate({key: value for key, value in raw.items() if value is not None})
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(part) for part in error["loc"])
-        raise OpenAIError(400, f"{where} ({kind}).{field}: {error['msg']}", param=f"{where}.{field}") from None
+    return validated_part(model, raw, where=where, kind=kind)
 
 
 def _arguments(value: dict[str, Any]) -> str:

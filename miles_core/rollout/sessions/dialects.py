@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import pydantic
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from miles_core.engines.openai_errors import OpenAIError, error_response
@@ -109,6 +110,18 @@ def sse(data: Any, *, event: str | None = None) -> str:
     """One server-sent event: ``event: NAME`` (when given) and ``data: JSON``."""
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return (f"event: {event}\n" if event else "") + f"data: {text}\n\n"
+
+
+def validated_part(model: type[pydantic.BaseModel], raw: dict, *, where: str, kind: str) -> Any:
+    """One item or content block of a request as ``model``, or a 400 naming it (``where``: ``input.3``) and its
+    field. Null fields are left out first: a client resends an item it received with its own model's fields, null
+    where this server's answer had none."""
+    try:
+        return model.model_validate({key: value for key, value in raw.items() if value is not None})
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        raise OpenAIError(400, f"{where} ({kind}).{field}: {error['msg']}", param=f"{where}.{field}") from None
 
 
 def arguments_object(arguments: str, *, param: str) -> dict:

@@ -24,7 +24,7 @@ import pydantic
 
 from miles_core.engines.openai_errors import OpenAIError
 from miles_core.rollout.sessions.api import MAX_MESSAGES, canonical_arguments, validated
-from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse
+from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse, validated_part
 from miles_core.rollout.sessions.formats import ChatMessage, ToolCall
 
 if TYPE_CHECKING:
@@ -269,14 +269,7 @@ def _item(raw: Any, index: int) -> _Body:
                     param=f"input.{index}.content.{number}.type",
                     code="unsupported_content_type",
                 )
-    try:  # null fields are what a client resends of an item it received (its model's fields this server left out)
-        return model.model_validate({key: value for key, value in body.items() if value is not None})
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise OpenAIError(
-            400, f"input[{index}] ({kind}).{where}: {error['msg']}", param=f"input.{index}.{where}"
-        ) from None
+    return validated_part(model, body, where=f"input.{index}", kind=kind)
 
 
 def _instructions(instructions: str | None) -> list[ChatMessage]:

@@ -23,7 +23,7 @@ import pydantic
 from starlette.responses import JSONResponse, Response
 
 from miles_core.engines.openai_errors import OpenAIError
-from miles_core.rollout.sessions.api import MAX_MESSAGES, validated
+from miles_core.rollout.sessions.api import MAX_MESSAGES, StrictBody, validated
 from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse, validated_part
 from miles_core.rollout.sessions.formats import ChatMessage, ToolCall
 
@@ -45,18 +45,14 @@ ERROR_TYPES = {
 """Anthropic's error ``type`` per status."""
 
 
-class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class TextBlock(_Body):
+class TextBlock(StrictBody):
     type: Literal["text"]
     text: str
     citations: list[Any] | None = pydantic.Field(default=None, max_length=0)
     cache_control: dict[str, Any] | None = None
 
 
-class ToolUseBlock(_Body):
+class ToolUseBlock(StrictBody):
     type: Literal["tool_use"]
     id: str = pydantic.Field(min_length=1, max_length=256)
     name: str = pydantic.Field(min_length=1, max_length=256)
@@ -64,7 +60,7 @@ class ToolUseBlock(_Body):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolResultBlock(_Body):
+class ToolResultBlock(StrictBody):
     type: Literal["tool_result"]
     tool_use_id: str = pydantic.Field(min_length=1, max_length=256)
     content: str | list[TextBlock] = ""
@@ -72,14 +68,14 @@ class ToolResultBlock(_Body):
     cache_control: dict[str, Any] | None = None
 
 
-class ThinkingBlock(_Body):
+class ThinkingBlock(StrictBody):
     type: Literal["thinking", "redacted_thinking"]
     thinking: str | None = None
     signature: str | None = None
     data: str | None = None
 
 
-BLOCK_MODELS: dict[str, type[_Body]] = {
+BLOCK_MODELS: dict[str, type[StrictBody]] = {
     "text": TextBlock,
     "tool_use": ToolUseBlock,
     "tool_result": ToolResultBlock,
@@ -88,12 +84,12 @@ BLOCK_MODELS: dict[str, type[_Body]] = {
 }
 
 
-class MessageParam(_Body):
+class MessageParam(StrictBody):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class ToolParam(_Body):
+class ToolParam(StrictBody):
     name: str = pydantic.Field(min_length=1, max_length=256)
     description: str | None = None
     input_schema: dict[str, Any]
@@ -101,12 +97,12 @@ class ToolParam(_Body):
     cache_control: dict[str, Any] | None = None
 
 
-class ToolChoice(_Body):
+class ToolChoice(StrictBody):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(StrictBody):
     """``POST /sessions/<id>/v1/messages`` (see the module docstring); the blocks are read one by one."""
 
     model: str = pydantic.Field(max_length=1024)
@@ -229,7 +225,7 @@ def _messages_of(message: MessageParam, index: int) -> list[ChatMessage]:
     return messages
 
 
-def _block(raw: Any, index: int, number: int) -> _Body:
+def _block(raw: Any, index: int, number: int) -> StrictBody:
     where = f"messages.{index}.content.{number}"
     kind = raw.get("type") if isinstance(raw, dict) else None
     model = BLOCK_MODELS.get(kind) if isinstance(kind, str) else None

@@ -20,29 +20,31 @@ MAX_MESSAGES = 4096
 """The most messages one request (or a session's prompt) may hold."""
 
 
-class _Body(pydantic.BaseModel):
+class StrictBody(pydantic.BaseModel):
+    """A request body or part of one: unknown fields refused by name, no coercion, no NaN, immutable."""
+
     model_config = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(StrictBody):
     name: str = pydantic.Field(min_length=1, max_length=256)
     arguments: str
     parsed_arguments: Any = None  # what the openai client's stream helper adds to a call it read (ignored)
 
 
-class ToolCallBody(_Body):
+class ToolCallBody(StrictBody):
     id: str = pydantic.Field(max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
     index: int | None = None  # what the openai client's stream helper keeps of a streamed call (ignored)
 
 
-class MessageBody(_Body):
+class MessageBody(StrictBody):
     """One message of OpenAI's chat schema (``developer`` is read as ``system``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -67,23 +69,23 @@ class MessageBody(_Body):
         return ChatMessage(role=role, content=content, tool_calls=calls, tool_call_id=self.tool_call_id, name=self.name)
 
 
-class FunctionSpec(_Body):
+class FunctionSpec(StrictBody):
     name: str = pydantic.Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolSpec(_Body):
+class ToolSpec(StrictBody):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class SessionChatRequest(_Body):
+class SessionChatRequest(StrictBody):
     """``POST /sessions/<id>/v1/chat/completions``. The session's sampling settings are the run's: the request's
     ``temperature``, ``top_p`` and ``seed`` are accepted (agents send them) and ignored, and ``max_tokens`` (or
     ``max_completion_tokens``) can only lower the session's limit for this turn. ``stream: true`` answers in
@@ -110,7 +112,7 @@ class SessionChatRequest(_Body):
         return min(limits) if limits else None
 
 
-class SamplingSettings(_Body):
+class SamplingSettings(StrictBody):
     """A session's sampling settings (the run's): every turn is sampled with them; turn 0 with ``seed``, later ones
     with seeds mixed from it and the turn (:func:`~miles_core.rollout.sessions.server.turn_seed`)."""
 
@@ -121,7 +123,7 @@ class SamplingSettings(_Body):
     seed: int | None = pydantic.Field(default=None, ge=0, le=2**62)
 
 
-class CreateSessionRequest(_Body):
+class CreateSessionRequest(StrictBody):
     """``POST /sessions``: the prompt's messages (the conversation every chat request must start with), the
     sampling settings, metadata (kept with the trajectory) and the engine to generate with."""
 
@@ -145,7 +147,7 @@ def canonical_arguments(arguments: str) -> str:
         return arguments
 
 
-def validated(model: type[_Body], body: dict) -> Any:
+def validated(model: type[StrictBody], body: dict) -> Any:
     """``body`` as ``model``, or an OpenAI 400 naming the field at fault (:func:`validated_body`)."""
     return validated_body(model, body, server="the session server does not take it")
 

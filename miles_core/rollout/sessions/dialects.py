@@ -99,7 +99,7 @@ class Dialect(ABC):
         """The HTTP answer of ``turn``: the JSON body, or the event stream when the request asked for one."""
         if request.stream:
             return StreamingResponse(
-                iter(list(self.events(request, turn))),
+                list(self.events(request, turn)),  # made whole first: a defect is a 500, not a stream cut short
                 media_type="text/event-stream",
                 headers={"cache-control": "no-cache"},
             )

@@ -17,13 +17,14 @@ taken and not compared (the session keeps the exact ids of every turn).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
 
 from miles_core.engines.openai_errors import OpenAIError
-from miles_core.rollout.sessions.api import MAX_MESSAGES, canonical_arguments, validated
+from miles_core.rollout.sessions.api import MAX_MESSAGES, StrictBody, canonical_arguments, validated
 from miles_core.rollout.sessions.dialects import Dialect, TurnAnswer, TurnRequest, openai_tools, sse, validated_part
 from miles_core.rollout.sessions.formats import ChatMessage, ToolCall
 
@@ -35,11 +36,7 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 PART_TYPES = ("input_text", "output_text")
 
 
-class _Body(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
-
-
-class FunctionTool(_Body):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: str = pydantic.Field(min_length=1, max_length=256)
     description: str | None = None
@@ -47,7 +44,7 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(StrictBody):
     """``POST /sessions/<id>/v1/responses`` (see the module docstring); ``input`` is read item by item."""
 
     model: str = pydantic.Field(max_length=1024)
@@ -73,14 +70,14 @@ class ResponsesRequest(_Body):
     service_tier: str | None = pydantic.Field(default=None, max_length=64)
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = pydantic.Field(default=None, max_length=0)
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Body):
+class MessageItem(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
@@ -89,7 +86,7 @@ class MessageItem(_Body):
     phase: str | None = None
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
     call_id: str = pydantic.Field(min_length=1, max_length=256)
     name: str = pydantic.Field(min_length=1, max_length=256)
@@ -98,7 +95,7 @@ class FunctionCallItem(_Body):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(StrictBody):
     type: Literal["function_call_output"]
     call_id: str = pydantic.Field(min_length=1, max_length=256)
     output: str | list[TextPart]
@@ -106,7 +103,7 @@ class FunctionCallOutputItem(_Body):
     status: str | None = None
 
 
-class ReasoningItem(_Body):
+class ReasoningItem(StrictBody):
     type: Literal["reasoning"]
     id: str | None = pydantic.Field(default=None, max_length=256)
     summary: list[dict[str, Any]] = pydantic.Field(default_factory=list)
@@ -115,7 +112,7 @@ class ReasoningItem(_Body):
     status: str | None = None
 
 
-ITEM_MODELS: dict[str, type[_Body]] = {
+ITEM_MODELS: dict[str, type[StrictBody]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
@@ -155,7 +152,7 @@ class ResponsesDialect(Dialect):
         return self._response(request, turn, _output_items(turn), _status(turn))
 
     def events(self, request: TurnRequest, turn: TurnAnswer) -> Iterator[str]:
-        sequence = iter(range(1 << 30))
+        sequence = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             return sse({"type": kind, "sequence_number": next(sequence), **fields}, event=kind)
@@ -245,7 +242,7 @@ def messages_of_items(items: list[dict[str, Any]]) -> list[ChatMessage]:
     return messages
 
 
-def _item(raw: Any, index: int) -> _Body:
+def _item(raw: Any, index: int) -> StrictBody:
     if not isinstance(raw, dict):
         raise OpenAIError(400, f"input[{index}] is {type(raw).__name__}, not an item object", param=f"input.{index}")
     kind = raw.get("type", "message" if "role" in raw else None)

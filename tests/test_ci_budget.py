@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from tests.ci_budget import LONG_SERIAL_TESTS, LONG_TEST_S, MAX_LONG_SERIAL_TESTS, unlisted_long_tests
+from tests.ci_budget import (
+    LONG_SERIAL_TESTS,
+    LONG_TEST_S,
+    MAX_LONG_SERIAL_TESTS,
+    machine_slowness,
+    unlisted_long_tests,
+)
 from tests.conftest import REPO, SERIAL_TESTS, with_pythonpath
 
 
@@ -63,6 +69,18 @@ def test_the_guard_flags_the_long_tests_no_entry_covers_slowest_first() -> None:
     ]
 
 
+def test_the_limit_follows_the_machines_measured_slowness() -> None:
+    """On a machine twice as slow a test of 1.5 limits is within its limit; on the reference machine it is not."""
+    durations = {"tests/test_train.py::test_new": LONG_TEST_S * 1.5}
+    assert list(unlisted_long_tests(durations, slowness=1.0)) == ["tests/test_train.py::test_new"]
+    assert unlisted_long_tests(durations, slowness=2.0) == {}
+
+
+def test_the_machines_slowness_is_measured_never_below_one() -> None:
+    slowness = machine_slowness(samples=3)
+    assert 1.0 <= slowness < 100.0, slowness
+
+
 def test_the_serial_pass_fails_at_its_end_naming_an_unlisted_long_test(tmp_path) -> None:
     """A real pytest session (the limit lowered to 0.2 s for it): a serial test that sleeps 0.5 s fails the session,
     though the test itself passed, and the summary names it; the same sleep outside the serial pass does not."""
@@ -70,6 +88,7 @@ def test_the_serial_pass_fails_at_its_end_naming_an_unlisted_long_test(tmp_path)
         "import pytest\n"
         "import tests.ci_budget as budget\n"
         "budget.LONG_TEST_S = 0.2\n"
+        "budget.machine_slowness = lambda: 1.0\n"
         'pytest_plugins = ["tests.ci_budget"]\n'
         "def pytest_collection_modifyitems(items):\n"
         "    for item in items:\n"

@@ -191,26 +191,12 @@ def test_the_one_process_implementation_loads_and_exports_the_checkpoint(megatro
     assert all(torch.equal(exported[name], tensor) for name, tensor in on_disk.items())
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
-    ids=["dp2-ep2", "tp2"],
-)
-def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
-    checkpoint: Path, tmp_path: Path, layout: dict
-) -> None:
-    """DP=2 x EP=2: each rank holds two of the four experts; TP=2: each rank holds half of every latent projection,
-    head and expert. The logits are transformers', and the export names every tensor (each expert, the shared expert,
-    the selection bias) once, bitwise equal to the checkpoint."""
+@pytest.fixture(scope="module")
+def transformers_logits(checkpoint: Path) -> torch.Tensor:
+    """transformers' logits of the checkpoint on :func:`input_ids` (eager attention)."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
-        expected = reference(input_ids()).logits
-    on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
-        logits = trainer.logits(input_ids())
-        exported = exported_names_and_tensors(trainer)
-    assert (logits - expected).abs().max().item() < TOLERANCE
-    assert_exported_once_as_on_disk(exported, on_disk)
+        return reference(input_ids()).logits
 
 
 @pytest.fixture(scope="module")
@@ -230,14 +216,23 @@ def torch_step(checkpoint: Path):
     [{}, {"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
     ids=["tp1-ep1", "dp2-ep2", "tp2-sequence-parallel"],
 )
-def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_path: Path, layout: dict) -> None:
-    """Loss, KL, entropy and the clipped global gradient norm as the torch trainer's; every updated weight within
-    float32 rounding of its SGD step (the selection bias, a buffer, unchanged on both sides)."""
+def test_logits_export_and_one_step_equal_transformers_and_the_torch_trainer(
+    checkpoint: Path, transformers_logits: torch.Tensor, torch_step, tmp_path: Path, layout: dict
+) -> None:
+    """One launch per layout. Before training (DP=2 x EP=2: each rank holds two of the four experts; TP=2: half of
+    every latent projection, head and expert): the logits are transformers', and the export names every tensor (each
+    expert, the shared expert, the selection bias) once, bitwise the checkpoint's. Then one step: loss, KL, entropy
+    and the clipped global gradient norm as the torch trainer's; every updated weight within float32 rounding of its
+    SGD step (the selection bias, a buffer, unchanged on both sides)."""
     metrics, weights = torch_step
     initial = load_file(str(checkpoint / "model.safetensors"))
     with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
+        logits = trainer.logits(input_ids())
+        before = [(name, tensor.clone()) for name, tensor in exported_names_and_tensors(trainer)]
         step_metrics = trainer.train_step(training_batch())
         exported = dict(exported_names_and_tensors(trainer))
+    assert (logits - transformers_logits).abs().max().item() < TOLERANCE
+    assert_exported_once_as_on_disk(before, initial)
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):
         assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
     bias = {name for name in initial if name.endswith("e_score_correction_bias")}

@@ -124,32 +124,11 @@ def test_every_component_moves_the_logits(one_rank, checkpoint: Path, name: str)
         assert (ours(input_ids()) - before).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        {"tensor_parallel": 2},
-        {"data_parallel": 2, "expert_parallel": 2},
-        {"tensor_parallel": 2, "data_parallel": 2, "expert_parallel": 2},
-    ],
-    ids=["tp2", "dp2-ep2", "tp2-dp2-ep2"],
-)
-def test_parallel_logits_equal_transformers_and_every_tensor_is_exported_once(
-    checkpoint: Path, tmp_path: Path, layout: dict
-) -> None:
-    """TP=2: each rank holds half of the heads, output groups, indexer heads, expert columns and vocabulary; DP=2 x
-    EP=2: each rank two of the four experts; TP=2 x DP=2 x EP=2 (four ranks): both. The logits are transformers', and
-    the export names every tensor once, bitwise the checkpoint's (gathered shards, every expert under its global
-    index)."""
-    reference = TransformersCausalLM.from_pretrained(checkpoint)
+@pytest.fixture(scope="module")
+def transformers_logits(checkpoint: Path) -> torch.Tensor:
+    """transformers' logits of the checkpoint on :func:`input_ids`."""
     with torch.no_grad():
-        expected = reference(input_ids())
-    on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
-        assert trainer.implementation == "deepseek_v4/miles"
-        logits = trainer.logits(input_ids())
-        exported = exported_names_and_tensors(trainer)
-    assert (logits - expected).abs().max().item() < TOLERANCE
-    assert_exported_once_as_on_disk(exported, on_disk)
+        return TransformersCausalLM.from_pretrained(checkpoint)(input_ids())
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +173,25 @@ def assert_same_step(initial: dict, reference: dict, actual: dict) -> None:
     ],
     ids=["tp1", "tp2", "dp2-ep2", "tp2-dp2-ep2"],
 )
-def test_one_megatron_step_equals_the_torch_trainers(checkpoint: Path, torch_step, tmp_path: Path, layout) -> None:
-    """Loss, KL, entropy and the clipped global gradient norm as the torch trainer's with transformers' model; every
-    trained weight within float32 rounding of its SGD step, the untrained ones unchanged."""
+def test_logits_export_and_one_megatron_step_equal_transformers_and_the_torch_trainers(
+    checkpoint: Path, transformers_logits: torch.Tensor, torch_step, tmp_path: Path, layout
+) -> None:
+    """One launch per layout. Before training (TP=2: each rank holds half of the heads, output groups, indexer heads,
+    expert columns and vocabulary; DP=2 x EP=2: two of the four experts; TP=2 x DP=2 x EP=2, four ranks: both): the
+    logits are transformers', and the export names every tensor once, bitwise the checkpoint's (gathered shards,
+    every expert under its global index). Then one step: loss, KL, entropy and the clipped global gradient norm as
+    the torch trainer's with transformers' model; every trained weight within float32 rounding of its SGD step, the
+    untrained ones unchanged."""
     metrics, weights = torch_step
     initial = load_file(str(checkpoint / "model.safetensors"))
     with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
+        assert trainer.implementation == "deepseek_v4/miles"
+        logits = trainer.logits(input_ids())
+        before = [(name, tensor.clone()) for name, tensor in exported_names_and_tensors(trainer)]
         step_metrics = trainer.train_step(training_batch())
         exported = dict(exported_names_and_tensors(trainer))
+    assert (logits - transformers_logits).abs().max().item() < TOLERANCE
+    assert_exported_once_as_on_disk(before, initial)
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):
         assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
     assert_same_step(initial, weights, exported)

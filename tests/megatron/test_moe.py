@@ -152,23 +152,12 @@ def assert_exported_once_as_on_disk(exported: list[tuple[str, torch.Tensor]], on
     assert all(torch.equal(tensor, on_disk[name]) for name, tensor in exported)
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [{"data_parallel": 2, "expert_parallel": 2}, {"tensor_parallel": 2}],
-    ids=["ep2", "tp2"],
-)
-def test_parallel_logits_equal_transformers_and_every_expert_is_exported_once(
-    checkpoint: Path, tmp_path: Path, layout: dict
-) -> None:
+@pytest.fixture(scope="module")
+def transformers_logits(checkpoint: Path) -> torch.Tensor:
+    """transformers' logits of the checkpoint on :func:`input_ids` (eager attention)."""
     reference = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
     with torch.no_grad():
-        expected = reference(input_ids()).logits
-    on_disk = load_file(str(checkpoint / "model.safetensors"))
-    with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
-        logits = trainer.logits(input_ids())
-        exported = exported_names_and_tensors(trainer)
-    assert (logits - expected).abs().max().item() < TOLERANCE
-    assert_exported_once_as_on_disk(exported, on_disk)
+        return reference(input_ids()).logits
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +183,22 @@ def torch_step(checkpoint: Path):
     ],
     ids=["tp1-ep1", "dp2-ep2", "tp2-sequence-parallel", "tp2-dp2-ep2"],
 )
-def test_one_step_equals_the_torch_trainer(checkpoint: Path, torch_step, tmp_path: Path, layout: dict) -> None:
-    """Loss, KL, entropy and the clipped global gradient norm (each expert counted once) as the torch trainer's;
-    every updated weight, each expert under its HF name, within float32 rounding of its SGD step."""
+def test_logits_export_and_one_step_equal_transformers_and_the_torch_trainer(
+    checkpoint: Path, transformers_logits: torch.Tensor, torch_step, tmp_path: Path, layout: dict
+) -> None:
+    """One launch per layout. Before training: the logits are transformers', and the export names every expert
+    once, bitwise the checkpoint's (DP=2 x EP=2: each rank holds two of the four experts; TP=2: half of every
+    expert). Then one step: loss, KL, entropy and the clipped global gradient norm (each expert counted once) as the
+    torch trainer's; every updated weight, each expert under its HF name, within float32 rounding of its SGD step."""
     metrics, weights = torch_step
     initial = load_file(str(checkpoint / "model.safetensors"))
     with launch(checkpoint, tmp_path, train=SETTINGS, **layout) as trainer:
+        logits = trainer.logits(input_ids())
+        before = [(name, tensor.clone()) for name, tensor in exported_names_and_tensors(trainer)]
         step_metrics = trainer.train_step(training_batch())
         exported = dict(exported_names_and_tensors(trainer))
+    assert (logits - transformers_logits).abs().max().item() < TOLERANCE
+    assert_exported_once_as_on_disk(before, initial)
     for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "clip_fraction"):
         assert step_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
     assert_same_sgd_step(initial, weights, exported)

@@ -20,7 +20,8 @@ LONG_TEST_S = 60.0
 one: :func:`machine_slowness`) must be listed in :data:`LONG_SERIAL_TESTS`."""
 
 REFERENCE_WORKLOAD_S = 0.26
-""":func:`time_workload` on a 2-core Xeon without AMX, the machine quiet: the median of seven timings (0.21 to 0.29 s)."""
+""":func:`time_workload` on a 2-core Xeon without AMX, the machine quiet: the median of seven timings (0.21 to
+0.29 s)."""
 
 MAX_LONG_SERIAL_TESTS = 14
 """How many tests may be listed: together they are about half of the serial pass."""

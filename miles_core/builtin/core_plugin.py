@@ -404,4 +404,9 @@ def provide_chat_formats() -> list[Implementation]:
             "miles_core.builtin.chat_formats:Qwen3ChatFormat",
             "Qwen3: <|im_start|>role ... <|im_end|>, <tool_call> JSON tool calls",
         ),
+        Implementation(
+            "inkling",
+            "miles_core.builtin.inkling_format:InklingChatFormat",
+            "Inkling: special-token blocks per role and content kind, parsed on token ids",
+        ),
     ]

@@ -54,13 +54,16 @@ class ToolCall:
 @dataclasses.dataclass(frozen=True)
 class ChatMessage:
     """One chat message as the formats see it: ``role`` one of :data:`ROLES`, ``content`` text, the assistant's
-    ``tool_calls``, a tool result's ``tool_call_id``, an optional author ``name``."""
+    ``tool_calls``, a tool result's ``tool_call_id``, an optional author ``name``, and the assistant's
+    ``reasoning`` for a format that writes it apart from the content (Inkling's thinking blocks; the others keep
+    reasoning inside ``content`` as the model wrote it)."""
 
     role: str
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -56,17 +56,3 @@ def qwen3_like_tokenizer(
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>"
     )
-
-
-def inkling_like_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII and newlines with Inkling's special tokens
-    (:data:`miles_core.builtin.inkling_format.SPECIAL_TOKENS`), ``<|content_model_end_sampling|>`` its end of
-    sequence. Built offline: no model hub."""
-    from miles_core.builtin.inkling_format import END_SAMPLING, SPECIAL_TOKENS
-
-    alphabet = [chr(code) for code in range(32, 127)] + ["\n"]
-    vocab = {"<unk>": 0, **{char: index + 1 for index, char in enumerate(alphabet)}}
-    core = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = tokenizers.decoders.Fuse()
-    core.add_special_tokens(list(SPECIAL_TOKENS))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END_SAMPLING, unk_token="<unk>")

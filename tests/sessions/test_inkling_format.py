@@ -9,12 +9,26 @@ import json
 import re
 
 import pytest
+import tokenizers
+import transformers
 
 from miles_core.builtin.core_plugin import provide_chat_formats
 from miles_core.builtin.inkling_format import END_SAMPLING, SPECIAL_TOKENS, InklingChatFormat
 from miles_core.rollout.sessions.formats import ChatFormatError, ChatMessage, ToolCall, check_append_only
 from miles_core.targets import import_target
-from miles_core.testkit.tokenizers import inkling_like_tokenizer, qwen3_like_tokenizer
+from miles_core.testkit.tokenizers import qwen3_like_tokenizer
+
+
+def inkling_like_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A character-level tokenizer over printable ASCII and newlines with Inkling's special tokens,
+    ``<|content_model_end_sampling|>`` its end of sequence. Built offline: no model hub."""
+    alphabet = [chr(code) for code in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, **{char: index + 1 for index, char in enumerate(alphabet)}}
+    core = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = tokenizers.decoders.Fuse()
+    core.add_special_tokens(list(SPECIAL_TOKENS))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token=END_SAMPLING, unk_token="<unk>")
+
 
 TOKENIZER = inkling_like_tokenizer()
 FORMAT = InklingChatFormat(TOKENIZER)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.builtin.dashboard.store import DB_NAME, open_for_reading
 from miles_core.engines.staging import weight_staging_dir
+from tests.cluster.test_learning_across_hosts import weight_updates
 from tests.test_train import metrics, train
 
 pytestmark = pytest.mark.slow
@@ -39,8 +39,7 @@ def test_the_default_run_over_rdt_delivers_every_version_and_leaves_nothing_behi
     rows = [row for row in metrics(tmp_path) if "train/loss" in row]
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     assert all(row["weight_transfer/gb_per_s"] > 0 for row in rows)
-    with open_for_reading(tmp_path / DB_NAME) as db:
-        updates = db.execute("SELECT version, num_engines, checksum_ok, protocol FROM weight_updates").fetchall()
-    assert [tuple(row) for row in updates] == [(version, 1, 1, "rdt") for version in range(1, steps + 1)]
+    updates, _ = weight_updates(tmp_path)
+    assert updates == [(version, 1, 1, "rdt") for version in range(1, steps + 1)]
     assert not list(Path("/dev/shm").glob("miles-rdt-*")), "send buffers left in /dev/shm"
     assert not list(weight_staging_dir().glob("miles-rdt-*")), "staging buckets left in the staging directory"

@@ -161,15 +161,8 @@ class Qwen3ChatFormat(ChatFormat):
     def __init__(self, tokenizer: Any, *, enable_thinking: bool = True) -> None:
         self.tokenizer = tokenizer
         self.enable_thinking = enable_thinking
-        ids = {}
-        for token in self.TOKENS:
-            encoded = list(tokenizer.encode(token, add_special_tokens=False))
-            if len(encoded) != 1:
-                raise ChatFormatError(
-                    f"chat format 'qwen3' needs {token!r} as one token; this tokenizer encodes it as {encoded[:8]}: "
-                    "use the tokenizer of a Qwen3 checkpoint, or another chat format"
-                )
-            ids[token] = encoded[0]
+        advice = "use the tokenizer of a Qwen3 checkpoint, or another chat format"
+        ids = {token: single_token_id(tokenizer, token, chat_format="qwen3", advice=advice) for token in self.TOKENS}
         self.im_start, self.im_end = ids["<|im_start|>"], ids["<|im_end|>"]
         self.call_start, self.call_end = ids["<tool_call>"], ids["</tool_call>"]
         self.newline = list(tokenizer.encode("\n", add_special_tokens=False))
@@ -261,6 +254,18 @@ class Qwen3ChatFormat(ChatFormat):
         if not isinstance(arguments, dict):
             return None
         return ToolCall(name=body["name"], arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+def single_token_id(tokenizer: Any, token: str, *, chat_format: str, advice: str) -> int:
+    """``token``'s id in ``tokenizer``; a :class:`ChatFormatError` (naming the format, the ids, and ``advice``) when
+    the tokenizer does not hold it as one token."""
+    encoded = list(tokenizer.encode(token, add_special_tokens=False))
+    if len(encoded) != 1:
+        raise ChatFormatError(
+            f"chat format {chat_format!r} needs {token!r} as one token; this tokenizer encodes it as {encoded[:8]}: "
+            + advice
+        )
+    return encoded[0]
 
 
 def _token_ids(tokenizer: Any, token: str) -> list[int]:

@@ -19,6 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from miles_core.builtin.chat_formats import single_token_id
 from miles_core.rollout.sessions.formats import ChatFormat, ChatFormatError, ChatMessage, Tool, ToolCall
 
 MESSAGE_STARTS = {
@@ -94,18 +95,13 @@ class InklingChatFormat(ChatFormat):
     def __init__(self, tokenizer: Any, *, thinking_effort: float | str = DEFAULT_THINKING_EFFORT) -> None:
         self.tokenizer = tokenizer
         self.effort = thinking_effort_text(thinking_effort)
-        self.ids = {token: self._special_id(token) for token in SPECIAL_TOKENS}
+        advice = "use an Inkling checkpoint's tokenizer, or another chat format"
+        self.ids = {
+            token: single_token_id(tokenizer, token, chat_format="inkling", advice=advice) for token in SPECIAL_TOKENS
+        }
         self.starts = {role: self.ids[token] for role, token in MESSAGE_STARTS.items()}
         self.end_message, self.end_sampling = self.ids[END_MESSAGE], self.ids[END_SAMPLING]
-
-    def _special_id(self, token: str) -> int:
-        encoded = list(self.tokenizer.encode(token, add_special_tokens=False))
-        if len(encoded) != 1:
-            raise ChatFormatError(
-                f"chat format 'inkling' needs {token!r} as one token; this tokenizer encodes it as {encoded[:8]}: "
-                "use an Inkling checkpoint's tokenizer, or another chat format"
-            )
-        return encoded[0]
+        self.kinds = {self.ids[kind] for kind in (TEXT, THINKING, TOOL_JSON, XML)}
 
     def text_ids(self, text: str) -> list[int]:
         """``text`` as ordinary tokens: a marker spelled in it is not the marker's id."""
@@ -174,7 +170,7 @@ class InklingChatFormat(ChatFormat):
         text: list[str] = []
         calls: list[ToolCall] = []
         for block in self._model_blocks(list(output_ids)):
-            kind = next((index for index, token in enumerate(block) if token in self._kinds), None)
+            kind = next((index for index, token in enumerate(block) if token in self.kinds), None)
             if kind is None:
                 text.append(self._decode(block))
                 continue
@@ -188,10 +184,6 @@ class InklingChatFormat(ChatFormat):
             else:
                 text.append(self._decode(body))
         return InklingTurn("".join(thinking), "".join(text), tuple(calls))
-
-    @property
-    def _kinds(self) -> set[int]:
-        return {self.ids[TEXT], self.ids[THINKING], self.ids[TOOL_JSON], self.ids[XML]}
 
     def _model_blocks(self, ids: list[int]) -> list[list[int]]:
         """The turn's blocks: split at ``<|message_model|>``, each up to its ``<|end_message|>``; the turn ends at

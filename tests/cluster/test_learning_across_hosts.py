@@ -1,9 +1,9 @@
 """``miles train`` across three hosts (network namespaces, each its own network stack): the driver on A, the trainer
 ranks on B, the engines on C. Over each protocol (from the Megatron ranks; from the torch trainer in the driver over
 ``rdt``) every update's checksum agrees on every engine; over ``rdt`` (what ``auto`` chooses between hosts) the run
-learns the echo-last task, over the others it runs a few steps (what the
-weights do to learning does not depend on the protocol that carried them, once every checksum agrees, and CI's
-minutes are few). The Megatron runs also lose an engine mid-run and bring it back from the ranks.
+learns the echo-last task, over the others it runs a few steps (what the weights do to learning does not depend on the
+protocol that carried them, once every checksum agrees, and CI's minutes are few). The Megatron runs also lose an
+engine mid-run and bring it back from the ranks.
 
 ``tensor`` between hosts sends each bucket as safetensors bytes over HTTP (shared memory only between processes of
 one node); ``rdt`` reads the senders' memory over NIXL with UCX held to TCP; ``broadcast``'s groups meet at each

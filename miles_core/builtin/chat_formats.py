@@ -166,7 +166,8 @@ class Qwen3ChatFormat(ChatFormat):
         self.im_start, self.im_end = ids["<|im_start|>"], ids["<|im_end|>"]
         self.call_start, self.call_end = ids["<tool_call>"], ids["</tool_call>"]
         self.newline = list(tokenizer.encode("\n", add_special_tokens=False))
-        self.end_ids = {self.im_end, *_token_ids(tokenizer, "<|endoftext|>")}
+        end_ids = {self.im_end, *token_ids_if_single(tokenizer, "<|endoftext|>")}
+        self.hermes = HermesToolCalls(tokenizer, call_start=self.call_start, call_end=self.call_end, end_ids=end_ids)
 
     def render_text(
         self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] = (), add_generation_prompt: bool
@@ -221,6 +222,20 @@ class Qwen3ChatFormat(ChatFormat):
         return [*([] if ended else [self.im_end]), *self.newline]
 
     def parse_tool_calls(self, output_ids: Sequence[int], *, tools: Sequence[Tool] = ()) -> tuple[str, list[ToolCall]]:
+        return self.hermes.parse(output_ids)
+
+
+class HermesToolCalls:
+    """Tool calls as Hermes-style templates write them (Qwen2.5, Qwen3, Hermes): ``<tool_call>`` JSON
+    ``{"name": ..., "arguments": {...}}`` ``</tool_call>``, found on token ids (the tokenizer must hold both tags as
+    single tokens), so that the tags spelled out in ordinary text are not a call."""
+
+    def __init__(self, tokenizer: Any, *, call_start: int, call_end: int, end_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.call_start, self.call_end, self.end_ids = call_start, call_end, end_ids
+
+    def parse(self, output_ids: Sequence[int]) -> tuple[str, list[ToolCall]]:
+        """The content text and the tool calls of a generated turn; an unreadable call stays in the content."""
         ids = list(output_ids)
         while ids and ids[-1] in self.end_ids:
             ids.pop()
@@ -268,7 +283,7 @@ def single_token_id(tokenizer: Any, token: str, *, chat_format: str, advice: str
     return encoded[0]
 
 
-def _token_ids(tokenizer: Any, token: str) -> list[int]:
+def token_ids_if_single(tokenizer: Any, token: str) -> list[int]:
     """``token``'s id if the tokenizer has it as one token (else none)."""
     encoded = list(tokenizer.encode(token, add_special_tokens=False))
     return encoded if len(encoded) == 1 else []

@@ -409,4 +409,9 @@ def provide_chat_formats() -> list[Implementation]:
             "miles_core.builtin.inkling_format:InklingChatFormat",
             "Inkling: special-token blocks per role and content kind, parsed on token ids",
         ),
+        Implementation(
+            "hf",
+            "miles_core.builtin.hf_format:HfChatFormat",
+            "the checkpoint's own chat template, checked every turn to extend the tokens sampled",
+        ),
     ]

@@ -18,6 +18,7 @@ import dataclasses
 import math
 import random
 import statistics
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,7 @@ class RolloutExecutor:
         self.routing = routing
         self.run, self.rollout, self.train, self.engine = run, rollout, train, engine
         self.tokenizer = tokenizer
+        self.reported_notes: set[str] = set()  # the chat format's warnings already shown, by summary
         self.train_prompts = train_prompts
         self.eval_prompts = eval_prompts
         self.scorer = RewardScorer(
@@ -510,9 +512,17 @@ class RolloutExecutor:
         sample.turns = list(trajectory.turns)
         sample.segments = _turn_segments(trajectory)
         sample.transcript = _transcript(self.tokenizer, trajectory)
+        self._report_notes(trajectory)
         last = trajectory.turns[-1]
         sample.weight_version, sample.finish_reason, sample.engine = last.weight_version, last.finish_reason, "session"
         sample.response = decode_response(self.tokenizer, trajectory.response_ids[last.start : last.end])
+
+    def _report_notes(self, trajectory: Trajectory) -> None:
+        """Each chat-format warning of the run shown once, on the driver's stderr (the session keeps its tokens)."""
+        for note in trajectory.notes:
+            if note["summary"] not in self.reported_notes:
+                self.reported_notes.add(note["summary"])
+                print(f"miles: warning: {note['summary']}: {note['detail']}", file=sys.stderr, flush=True)
 
     async def _agent_reward(self, sample: Sample, result: Any, where: str) -> None:
         """The agent's reward, checked; ``None``: the run's reward scores the last turn."""

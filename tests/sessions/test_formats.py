@@ -261,8 +261,8 @@ def test_digit_format_reads_the_default_models_hf_tokenizer(tmp_path) -> None:
 def test_the_core_registers_its_formats_through_the_hook() -> None:
     manager = MilesPluginManager.load(environ={"MILES_DISABLE_PLUGIN_AUTOLOAD": "1"})
     registry = manager.registries.chat_formats
-    assert {"default", "qwen3", "inkling"} <= set(registry)
-    assert manager.registries.provided_by("core")["chat_formats"] == ["default", "inkling", "qwen3"]
+    assert {"default", "qwen3", "inkling", "hf"} <= set(registry)
+    assert manager.registries.provided_by("core")["chat_formats"] == ["default", "hf", "inkling", "qwen3"]
     assert registry["qwen3"].load() is Qwen3ChatFormat
     assert isinstance(registry["default"].load()(DigitTokenizer()), DigitChatFormat)
     assert "provide_chat_formats" in manager.hooks_of("core")

@@ -41,6 +41,17 @@ class ChatFormatError(MilesError):
     differing token position)."""
 
 
+class ChatFormatWarning(UserWarning):
+    """A conversation the format renders, but not as the session holds it: a chat template that re-renders earlier
+    turns differently once later messages follow (their reasoning dropped, whitespace changed). ``summary`` names the
+    format and the turn (the same for every session it happens in), ``detail`` shows the two texts. The session keeps
+    its tokens as sampled and records the warning in its trajectory's ``notes``; the run reports each summary once."""
+
+    def __init__(self, summary: str, detail: str) -> None:
+        super().__init__(f"{summary}: {detail}")
+        self.summary, self.detail = summary, detail
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
     """One tool call: the function's ``name`` and its ``arguments`` as a JSON text (OpenAI's

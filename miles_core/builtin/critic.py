@@ -16,7 +16,7 @@ import transformers
 from miles_core.errors import ConfigError, MilesError
 from miles_core.models.hf_checkpoint import require_checkpoint_dir
 from miles_core.training.batch import TrainBatch
-from miles_core.training.losses import masked_mean
+from miles_core.training.critic_targets import clipped_value_loss, response_values
 
 CRITIC_DIR = "critic"
 """The critic's folder in a checkpoint."""
@@ -80,10 +80,7 @@ class Critic:
         self.model.eval()
         found = []
         for micro in batch.micro_batches(self.train.micro_batch_size):
-            values = self.values(micro.tensors(pad_token_id=pad_token_id)["input_ids"])
-            for row, sample in enumerate(micro.samples):
-                start = len(sample.prompt_ids) - 1
-                found.append(values[row, start : start + len(sample.response_ids)].clone())
+            found += response_values(self.values(micro.tensors(pad_token_id=pad_token_id)["input_ids"]), micro)
         return found
 
     def step(self, micros: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, float]:
@@ -92,12 +89,9 @@ class Critic:
         share of the step."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        clip, total = self.settings.value_clip, 0.0
+        total = 0.0
         for tensors, weight in zip(micros, weights, strict=True):
-            mask, returns, old = tensors["response_mask"], tensors["returns"], tensors["old_values"]
-            values = self.values(tensors["input_ids"])
-            clipped = old + (values - old).clamp(-clip, clip)
-            loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+            loss = clipped_value_loss(self.values(tensors["input_ids"]), tensors, clip=self.settings.value_clip)
             (loss * weight).backward()
             total += float(loss.detach()) * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train.max_grad_norm)
@@ -116,21 +110,3 @@ class Critic:
         loaded = transformers.AutoModelForTokenClassification.from_pretrained(folder, local_files_only=True)
         self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, weights_only=True))
-
-
-def aligned(per_sample: list[torch.Tensor], batch: TrainBatch, length: int) -> torch.Tensor:
-    """Per-sample response values as ``[B, length - 1]``, aligned with :meth:`TrainBatch.tensors`' mask."""
-    out = torch.zeros(len(batch), length - 1)
-    for row, (sample, values) in enumerate(zip(batch.samples, per_sample, strict=True)):
-        start = len(sample.prompt_ids) - 1
-        out[row, start : start + len(sample.response_ids)] = values
-    return out
-
-
-def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
-    """``1 - Var(R - V) / Var(R)`` over the batch's response tokens: 1 when the values predict the returns, 0 when
-    they explain nothing, negative when they are worse than a constant."""
-    variance = returns.var(unbiased=False)
-    if float(variance) == 0.0:
-        return 0.0
-    return float(1 - (returns - values).var(unbiased=False) / variance)

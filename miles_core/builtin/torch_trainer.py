@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch
 import transformers
 
 from miles_core.builtin.algorithms import PpoClip
-from miles_core.builtin.critic import Critic, aligned, explained_variance, load_value_model
+from miles_core.builtin.critic import Critic, load_value_model
 from miles_core.default.threads import trainer_threads
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
@@ -35,6 +34,7 @@ from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.algorithms import choose_algorithm, trainer_side
 from miles_core.training.batch import TrainBatch
+from miles_core.training.critic_targets import with_trainer_advantages
 from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
 from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
 from miles_core.training.optimizer import build_optimizer
@@ -169,19 +169,15 @@ class TorchTrainer:
         ``reset_optimizer_states``, the optimizer's moments are reset right after each optimizer step (and a
         checkpoint written after this update holds the reset state)."""
         StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
-        critic_targets, critic_metrics = {}, {}
+        critic_metrics: dict[str, float] = {}
         if trainer_side(self.objective.estimator, self.settings):
-            batch, critic_targets, critic_metrics = self._with_trainer_advantages(batch)
+            batch, critic_metrics = self._with_trainer_advantages(batch)
         plan = []
         for mini in mini_batches(batch, self.settings.mini_batches_per_rollout):
-            micros = []
-            for micro in mini.micro_batches(self.settings.micro_batch_size):
-                tensors = micro.tensors(pad_token_id=self.pad_token_id)
-                if critic_targets:
-                    length = tensors["input_ids"].shape[1]
-                    for key in ("returns", "old_values"):
-                        tensors[key] = aligned([critic_targets[id(s)][key] for s in micro.samples], micro, length)
-                micros.append(tensors)
+            micros = [
+                micro.tensors(pad_token_id=self.pad_token_id)
+                for micro in mini.micro_batches(self.settings.micro_batch_size)
+            ]
             old = [self._old_logprobs(t) if self.settings.tis_clip is not None else None for t in micros]
             plan.append((StepShape.of(mini), micros, old))
         steps = [self._optimizer_step(*step) for _ in range(self.settings.epochs_per_rollout) for step in plan]
@@ -189,38 +185,15 @@ class TorchTrainer:
         metrics = {**averaged(steps), **critic_metrics}
         return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
 
-    def _with_trainer_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[int, dict], dict[str, float]]:
-        """The estimator's advantages per token, computed here: from each token's reward (the sample's at its last
-        token, less ``kl_coef`` x the KL to the reference with ``kl_placement = reward``) and the critic's values of
-        the batch before the update; the returns and old values each sample's critic loss needs (by the sample's
-        id), and the metrics."""
-        token_rewards = [torch.zeros(len(s.response_ids)) for s in batch.samples]
-        for rewards, sample in zip(token_rewards, batch.samples, strict=True):
-            rewards[-1] = sample.reward
-        metrics: dict[str, float] = {}
-        if self.settings.kl_placement == "reward":
-            penalties = self._reward_kl(batch)
-            token_rewards = [r - self.settings.kl_coef * kl for r, kl in zip(token_rewards, penalties, strict=True)]
-            metrics["kl_in_reward"] = float(torch.cat(penalties).mean())
+    def _with_trainer_advantages(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """The estimator's advantages per token, computed here (:func:`with_trainer_advantages`): from each token's
+        reward (less ``kl_coef`` x the KL to the reference with ``kl_placement = reward``) and the critic's values
+        of the batch before the update, which also give each sample's returns and old values; and the metrics."""
+        penalties = self._reward_kl(batch) if self.settings.kl_placement == "reward" else None
         values = self.critic.response_values(batch, self.pad_token_id) if self.critic is not None else None
-        advantages, returns = self.objective.estimator.token_advantages(token_rewards, values)
-        samples = [
-            dataclasses.replace(sample, advantage=tuple(advantage.tolist()))
-            for sample, advantage in zip(batch.samples, advantages, strict=True)
-        ]
-        if values is None:
-            return TrainBatch(samples), {}, metrics
-        targets = {
-            id(sample): {"returns": sample_returns, "old_values": sample_values}
-            for sample, sample_returns, sample_values in zip(samples, returns, values, strict=True)
-        }
-        all_returns, all_values = torch.cat(returns), torch.cat(values)
-        metrics |= {
-            "critic/explained_variance": explained_variance(all_returns, all_values),
-            "critic/value_mean": float(all_values.mean()),
-            "critic/return_mean": float(all_returns.mean()),
-        }
-        return TrainBatch(samples), targets, metrics
+        return with_trainer_advantages(
+            batch, self.objective.estimator, values, kl_penalties=penalties, kl_coef=self.settings.kl_coef
+        )
 
     @torch.no_grad()
     def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor]:

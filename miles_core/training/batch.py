@@ -23,7 +23,10 @@ class TrainSample:
 
     ``routed_experts`` (routing replay): the experts the engine routed each token to, ``[tokens][layers][top_k]``
     for the ``len(prompt_ids) + len(response_ids) - 1`` tokens it ran (all but the last response token, as SGLang
-    reports them); ``None``: the trainer routes this sample's tokens itself."""
+    reports them); ``None``: the trainer routes this sample's tokens itself.
+
+    ``returns`` and ``old_values`` (an estimator with a critic, set by the trainer): the critic's regression target
+    and its value before the update, one per response token."""
 
     prompt_ids: list[int]
     response_ids: list[int]
@@ -32,6 +35,8 @@ class TrainSample:
     reward: float
     loss_mask: tuple[float, ...] | None = None
     routed_experts: RoutedExperts | None = None
+    returns: tuple[float, ...] | None = None
+    old_values: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.advantage, int | float):
@@ -49,6 +54,15 @@ class TrainSample:
             except RoutedExpertsError as exc:
                 raise ValueError(f"{self.describe()}: routed_experts: {exc}") from None
             object.__setattr__(self, "routed_experts", routed)
+        for field in ("returns", "old_values"):
+            values = getattr(self, field)
+            if values is not None:
+                if len(values) != len(self.response_ids):
+                    raise ValueError(
+                        f"{self.describe()}: {len(values)} {field}; the critic needs one per response token "
+                        f"({len(self.response_ids)})"
+                    )
+                object.__setattr__(self, field, tuple(float(value) for value in values))
         if self.loss_mask is None:
             return
         mask = tuple(self.loss_mask)
@@ -95,7 +109,8 @@ class TrainBatch:
         """Right-padded ``input_ids [B, L]`` and, aligned with the next-token targets ``input_ids[:, 1:]``:
         ``response_mask`` (1 on response tokens, times each sample's ``loss_mask``), ``rollout_logprobs`` (both
         ``[B, L-1]``), plus ``advantages``: ``[B]``, or ``[B, L-1]`` aligned as the mask when a sample has one per
-        token; ``rewards [B]``; when a sample carries routed experts, ``routed_experts [B, L,
+        token; ``rewards [B]``; ``returns`` and ``old_values`` ``[B, L-1]`` when every sample has them (a critic's
+        targets); when a sample carries routed experts, ``routed_experts [B, L,
         layers, top_k]`` (:data:`NOT_ROUTED` where nothing was recorded: padding, the last token, samples without
         them)."""
         length = max(len(s.prompt_ids) + len(s.response_ids) for s in self.samples)
@@ -120,10 +135,22 @@ class TrainBatch:
             "advantages": advantages,
             "rewards": rewards,
         }
+        for field in ("returns", "old_values"):
+            if all(getattr(sample, field) is not None for sample in self.samples):
+                tensors[field] = self._per_token(field, length)
         routed = self.routed_experts(length)
         if routed is not None:
             tensors["routed_experts"] = routed
         return tensors
+
+    def _per_token(self, field: str, length: int) -> torch.Tensor:
+        """A per-response-token field of every sample as ``[B, L-1]``, aligned as the response mask."""
+        rows = []
+        for sample in self.samples:
+            before = [0.0] * (len(sample.prompt_ids) - 1)
+            after = [0.0] * (length - len(sample.prompt_ids) - len(sample.response_ids))
+            rows.append(before + list(getattr(sample, field)) + after)
+        return torch.tensor(rows, dtype=torch.float32)
 
     def _advantages(self, length: int) -> torch.Tensor:
         if all(isinstance(s.advantage, int | float) for s in self.samples):

@@ -72,9 +72,11 @@ if TYPE_CHECKING:
         PolicyLoss,
         ScoredSample,
         choose_algorithm,
+        trainer_side,
     )
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch, trained_tokens
+    from miles_core.training.critic_targets import clipped_value_loss, response_values, with_trainer_advantages
     from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
     from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
     from miles_core.training.optimizer import build_optimizer
@@ -142,6 +144,10 @@ _LAZY = {
     "ScoredSample": "miles_core.training.algorithms",
     "objective_from_spec": "miles_core.training.objective",
     "choose_algorithm": "miles_core.training.algorithms",
+    "trainer_side": "miles_core.training.algorithms",
+    "with_trainer_advantages": "miles_core.training.critic_targets",
+    "response_values": "miles_core.training.critic_targets",
+    "clipped_value_loss": "miles_core.training.critic_targets",
     "Objective": "miles_core.training.objective",
     "StepShape": "miles_core.training.objective",
     "averaged": "miles_core.training.objective",
@@ -347,6 +353,7 @@ __all__ = [
     "checkpoint_named_tensors",
     "checksum",
     "choose_algorithm",
+    "clipped_value_loss",
     "combine_digests",
     "copy_tokenizer_files",
     "hookimpl",
@@ -368,6 +375,7 @@ __all__ = [
     "require_checkpoint_dir",
     "reserve_rendezvous",
     "reset_optimizer_states",
+    "response_values",
     "round_robin_share",
     "route_for",
     "rpc_method",
@@ -377,9 +385,11 @@ __all__ = [
     "tcp_store",
     "tensor_digest",
     "trained_tokens",
+    "trainer_side",
     "verify_sampled",
     "weight_staging_dir",
     "weight_update_sessions",
+    "with_trainer_advantages",
     "write_index",
     "write_shard",
 ]

@@ -28,7 +28,7 @@ def config_sections() -> dict[str, type]:
 def validate_config(config: Any, registries: Any) -> None:
     if config.train.backend != "megatron":
         return
-    check_no_critic(config, registries)
+    check_algorithm(config, registries)
     for family, impl in config.model.implementations.items():
         if family in FAMILIES and impl != "megatron":
             raise ConfigError(
@@ -38,20 +38,46 @@ def validate_config(config: Any, registries: Any) -> None:
     check_deepseek_v4_settings(config)
 
 
-def check_no_critic(config: Any, registries: Any) -> None:
-    """The Megatron ranks train the policy only: an estimator with a critic (ppo) is refused, saying where it runs."""
+def check_algorithm(config: Any, registries: Any) -> None:
+    """What the Megatron ranks train: an estimator with a critic (ppo) on GPTModel families, its ``critic_model``
+    of the policy's architecture; the KL in the loss only."""
     name = config.train.advantage_estimator
     entry = registries.advantage_estimators.get(name)
     if entry is not None and getattr(entry.load(), "needs_critic", False):
-        raise ConfigError(
-            f"train.advantage_estimator (--train-advantage-estimator) = {name!r} trains a critic, which the megatron "
-            "trainer does not have yet; use --trainer torch for it, or an estimator without a critic (grpo, rloo, "
-            "reinforce_plus_plus, ...)"
-        )
+        check_critic(config, name)
     if config.train.kl_placement == "reward":
         raise ConfigError(
             "train.kl_placement (--train-kl-placement) = 'reward': the megatron trainer puts the KL in the loss only "
             "for now; use --train-kl-placement loss, or --trainer torch"
+        )
+
+
+def check_critic(config: Any, estimator: str) -> None:
+    """The Megatron critic is the policy's GPTModel with a value head: refused for DeepSeek-V4 (not a GPTModel) and
+    for a ``critic_model`` whose architecture differs from the policy's."""
+    from miles_plugins_megatron.critic import architecture_difference
+
+    if _is_deepseek_v4(config.model.path):
+        raise ConfigError(
+            f"train.advantage_estimator (--train-advantage-estimator) = {estimator!r} trains a critic, which the "
+            f"megatron trainer builds as a GPTModel with a value head; {DSV4_FAMILY} is not one: use --trainer torch"
+        )
+    critic_model = (config.train.advantage_estimator_settings or {}).get("critic_model")
+    if critic_model is None or config.model.path is None:
+        return
+    from types import SimpleNamespace
+
+    from miles_core import read_model_config  # deferred: transformers
+
+    try:
+        policy, critic = (SimpleNamespace(**read_model_config(path)) for path in (config.model.path, critic_model))
+    except MilesError:
+        return  # the checkpoint checks report a bad directory
+    difference = architecture_difference(policy, critic)
+    if difference is not None:
+        raise ConfigError(
+            f"train.advantage_estimator_settings.critic_model = {critic_model!r}: its {difference}; the megatron "
+            "critic is built from the policy's architecture: give a checkpoint of it, or --trainer torch"
         )
 
 

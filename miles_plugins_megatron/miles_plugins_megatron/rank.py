@@ -27,15 +27,19 @@ from miles_core import (
     averaged,
     bind_collectives_to,
     build_optimizer,
+    clipped_value_loss,
     logits_dtype,
     mini_batches,
     node_address,
     objective_from_spec,
     reserve_rendezvous,
     reset_optimizer_states,
+    response_values,
     rpc_method,
     tcp_init_method_address,
     tcp_store,
+    trainer_side,
+    with_trainer_advantages,
 )
 
 EXPORT_FILE = "weights.safetensors"
@@ -43,7 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class MegatronRank:
-    """Holds one rank's model shard, its optimizer and (with a KL term) a frozen reference shard."""
+    """Holds one rank's model shard, its optimizer, (with a KL term) a frozen reference shard and (with an estimator
+    that needs one) a critic shard and its optimizer."""
 
     def __init__(
         self,
@@ -75,6 +80,8 @@ class MegatronRank:
         self.threads = threads
         self.reference_path = reference_path
         self.model: torch.nn.Module | None = None
+        self.critic: torch.nn.Module | None = None
+        self.critic_optimizer: torch.optim.Optimizer | None = None
         self._rendezvous: socket.socket | None = None  # rank 0: the group's store socket, open ahead of setup
 
     # -- setup ------------------------------------------------------------------------------------------------
@@ -120,6 +127,12 @@ class MegatronRank:
         self.load_weights(str(self.model_path))
         self.optimizer = build_optimizer(self.model.parameters(), self.train)
         self.reference = self._frozen_reference() if self.train.kl_coef > 0 else None
+        estimator = self.objective.estimator
+        if estimator is not None and estimator.needs_critic:
+            self.critic = self._build_critic()
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(), lr=estimator.settings.critic_lr, weight_decay=0.0
+            )
         self.step = 0
         return {
             "rank": self.rank,
@@ -156,6 +169,21 @@ class MegatronRank:
         for parameter in reference.parameters():
             parameter.requires_grad_(False)
         return reference.to(self.device).eval()
+
+    def _build_critic(self) -> torch.nn.Module:
+        """The critic shard: the policy's architecture loaded from ``critic_model`` (else the run's initial
+        checkpoint), its output layer a zeroed value head (:mod:`miles_plugins_megatron.critic`)."""
+        from miles_plugins_megatron.checkpoint import read_hf_config
+        from miles_plugins_megatron.critic import architecture_difference, as_value_model
+
+        critic = self._build_model()
+        critic_model = self.objective.estimator.settings.critic_model
+        if critic_model is not None:
+            difference = architecture_difference(self.hf_config, read_hf_config(critic_model))
+            if difference is not None:
+                raise MilesError(f"critic_model {critic_model!r}: its {difference}; the critic has the policy's")
+        self._load_into(critic, str(critic_model or self.reference_path or self.model_path))
+        return as_value_model(critic, dtype=self.dtype).to(self.device)
 
     @rpc_method(group="train")
     def load_weights(self, path: str) -> int:
@@ -212,6 +240,10 @@ class MegatronRank:
         from megatron.core import parallel_state
 
         StepShape.of(batch)  # a batch with nothing to train on is an error, before any step
+        critic_metrics: dict[str, float] = {}
+        if trainer_side(self.objective.estimator, self.train):  # every rank, on the whole batch: the same numbers
+            values = self._critic_values(batch) if self.critic is not None else None
+            batch, critic_metrics = with_trainer_advantages(batch, self.objective.estimator, values)
         rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         plan = []
         for mini in mini_batches(batch, self.train.mini_batches_per_rollout):
@@ -227,8 +259,46 @@ class MegatronRank:
             plan.append((StepShape.of(mini), micros, old))
         steps = [self._optimizer_step(*step) for _ in range(self.train.epochs_per_rollout) for step in plan]
         self.step += 1
-        metrics = averaged(steps)
+        metrics = {**averaged(steps), **critic_metrics}
         return {**metrics, "optimizer_steps": float(len(steps))} if len(steps) > 1 else metrics
+
+    def _critic_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The critic's value of each response token of every sample (1-D each), before the update, in eval mode."""
+        self.critic.eval()
+        found = []
+        with torch.no_grad():
+            for micro in batch.micro_batches(self.train.micro_batch_size):
+                input_ids = micro.tensors(pad_token_id=self._pad_id)["input_ids"].to(self.device)
+                found += response_values(self._values(input_ids).cpu(), micro)
+        return found
+
+    def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The critic's value of each position's next token ``[B, L-1]`` (aligned with the targets)."""
+        return self._forward(self.critic, input_ids)[:, :-1, 0].float()
+
+    def _critic_step(self, shape: StepShape, micros: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step of the critic's clipped value loss over this rank's micro-batches, each weighted by its
+        share of the (mini-)batch's tokens; gradients summed over data-parallel ranks and clipped as the policy's."""
+        from megatron.core import parallel_state
+
+        self.critic.train()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        clip = self.objective.estimator.settings.value_clip
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for tensors in micros:
+            weight = float(tensors["response_mask"].sum()) / shape.tokens
+            loss = clipped_value_loss(self._values(tensors["input_ids"]), tensors, clip=clip)
+            (loss * weight).backward()
+            total += float(loss.detach()) * weight
+        if parallel_state.get_data_parallel_world_size() > 1:
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        grad_norm = self._finish_gradients(self.critic)
+        self.critic_optimizer.step()
+        return {"critic/value_loss": float(total), "critic/grad_norm": grad_norm}
+
+    def _critic_warming_up(self) -> bool:
+        """Whether this step trains the critic only (``critic_warmup_steps``: the policy waits for useful values)."""
+        return self.critic is not None and self.step < self.objective.estimator.settings.critic_warmup_steps
 
     def _optimizer_step(
         self, shape: StepShape, micros: list[dict[str, torch.Tensor]], old: list[torch.Tensor | None]
@@ -242,11 +312,15 @@ class MegatronRank:
             for key, value in self._accumulate(tensors, weight, old_logprobs).items():
                 sums[key] = sums.get(key, 0.0) + value * weight
         metrics = self._reduce_metrics(sums)
-        grad_norm = self._finish_gradients()
-        self.optimizer.step()
+        grad_norm = self._finish_gradients(self.model)
+        if not self._critic_warming_up():
+            self.optimizer.step()
         if self.train.reset_optimizer_states:
             reset_optimizer_states(self.optimizer)
-        return {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": self.train.lr}
+        if self.critic is not None:
+            metrics.update(self._critic_step(shape, micros))
+        return metrics
 
     @property
     def _pad_id(self) -> int:
@@ -274,6 +348,9 @@ class MegatronRank:
                     device=self.device,
                 ),
             }
+            for key in ("returns", "old_values"):
+                if self.critic is not None:
+                    padded[key] = torch.zeros((rows, length - 1), device=self.device)
             if micro is not None and "routed_experts" in micro:
                 routed = micro["routed_experts"]
                 padded["routed_experts"] = torch.full(
@@ -362,13 +439,13 @@ class MegatronRank:
             dist.all_reduce(values, group=parallel_state.get_data_parallel_group())
         return dict(zip(keys, values.tolist(), strict=True))
 
-    def _finish_gradients(self) -> float:
+    def _finish_gradients(self, model: torch.nn.Module) -> float:
         """Sum gradients over data-parallel ranks (an expert's over the ranks holding a copy of it), then clip by
         the global norm (each tensor-parallel shard counted once, each expert once, each replicated tensor once);
         returns the norm before clipping."""
         from megatron.core import parallel_state
 
-        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         expert = [_is_expert(name, p) for name, p in named]
@@ -378,7 +455,7 @@ class MegatronRank:
             _all_reduce_in_place(dense_grads, parallel_state.get_data_parallel_group())
         if expert_grads and parallel_state.get_expert_data_parallel_world_size() > 1:
             _all_reduce_in_place(expert_grads, parallel_state.get_expert_data_parallel_group())
-        self._sum_replicated_partial_grads(params, grads)
+        self._sum_replicated_partial_grads(model, params, grads)
         sharded, replicated, experts = (torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(3))
         for param, grad, is_expert in zip(params, grads, expert, strict=True):
             square = grad.double().pow(2).sum()
@@ -412,7 +489,9 @@ class MegatronRank:
             local = self._forward(self.model, torch.tensor(input_ids, dtype=torch.long, device=self.device), routes)
             return gather_from_tensor_model_parallel_region(local).float().cpu().tolist()
 
-    def _sum_replicated_partial_grads(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+    def _sum_replicated_partial_grads(
+        self, model: torch.nn.Module, params: list[torch.nn.Parameter], grads: list[torch.Tensor]
+    ) -> None:
         """Weights replicated on every tensor-parallel rank whose gradient each rank holds only part of: sum the parts
         (as megatron-core's finalize_model_grads does). They are the per-head qk-layernorms (each rank normalises
         only its own heads) and, under sequence parallelism, every weight marked ``sequence_parallel`` (norms and
@@ -421,8 +500,8 @@ class MegatronRank:
 
         if parallel_state.get_tensor_model_parallel_world_size() == 1:
             return
-        per_head_norms = not getattr(self.model.config, "multi_latent_attention", False)
-        names = {id(param): name for name, param in self.model.named_parameters()}
+        per_head_norms = not getattr(model.config, "multi_latent_attention", False)
+        names = {id(param): name for name, param in model.named_parameters()}
         partial = [
             grad
             for param, grad in zip(params, grads, strict=True)
@@ -485,6 +564,11 @@ class MegatronRank:
                 "world_size": self.world_size,
                 "tensor_parallel": self.tensor_parallel,
                 "expert_parallel": self.expert_parallel,
+                **(
+                    {"critic": self.critic.state_dict(), "critic_optimizer": self.critic_optimizer.state_dict()}
+                    if self.critic is not None
+                    else {}
+                ),
             },
             path,
         )
@@ -506,6 +590,11 @@ class MegatronRank:
             )
         self.load_weights(directory)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise MilesError(f"checkpoint {directory} holds no critic: it was not a ppo run's")
+            self.critic.load_state_dict(state["critic"])
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.step = state["step"]
         return self.step
 

@@ -348,3 +348,52 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path: Path, case: str) 
         expected = r"tensor parallel size 4 must divide .* key/value heads \(2\)"
     with pytest.raises(MilesError, match=expected):
         MegatronTrainer.launch(path, train=SETTINGS, layout=layout, seed=0, provider_factory=_NeverCalled())
+
+
+PPO_SPEC = {
+    **objective_spec("PpoClip", "token-mean", "k3"),
+    "estimator_target": "miles_core.builtin.algorithms:Ppo",
+    "estimator_settings": {"critic_warmup_steps": 1, "critic_lr": 3e-3},
+}
+
+
+def rewarded_batch() -> TrainBatch:
+    """The training batch with rewards of both signs (a critic's estimator computes the advantages from them)."""
+    return TrainBatch(
+        [dataclasses.replace(s, reward=float(i % 3) - 0.75) for i, s in enumerate(training_batch().samples)]
+    )
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel": 2}, {"data_parallel": 2}], ids=["tp2", "dp2"])
+def test_ppo_trains_its_critic_as_the_torch_trainer(reference_step, tmp_path: Path, layout: dict) -> None:
+    """ppo on the ranks: a critic of the policy's architecture with a zeroed value head, GAE from its values, the
+    clipped value loss over the data-parallel shares. Step 1 warms the critic up (the policy stays as it was),
+    step 2 trains both; the critic's loss, gradient norm and metrics, and the policy's step, are the torch
+    trainer's."""
+    from miles_core.builtin.critic import Critic, load_value_model
+    from miles_core.builtin.torch_trainer import load_causal_lm
+    from miles_core.training.objective import objective_from_spec
+
+    path, _, _ = reference_step
+    objective = objective_from_spec(SGD_SETTINGS, PPO_SPEC)
+    value_model = load_value_model(path, vocab_size=VOCAB, what="the policy")
+    critic = Critic(value_model, objective.estimator.settings, SGD_SETTINGS)
+    torch_trainer = TorchTrainer(load_causal_lm(path), SGD_SETTINGS, objective=objective, critic=critic)
+    initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    torch_steps = [torch_trainer.train_step(rewarded_batch()) for _ in range(2)]
+    with launch(path, tmp_path, train=SGD_SETTINGS, objective=PPO_SPEC, **layout) as trainer:
+        warm = trainer.train_step(rewarded_batch())
+        assert all(torch.equal(tensor, initial[name]) for name, tensor in hf_weights(trainer).items())
+        checkpoint = trainer.save_checkpoint(tmp_path / "checkpoint")
+        steps = [warm, trainer.train_step(rewarded_batch())]
+        weights = hf_weights(trainer)
+        trainer.load_checkpoint(checkpoint)  # back to after step 1: the critic and its optimizer too
+        again = trainer.train_step(rewarded_batch())
+    for megatron_metrics, metrics in zip(steps, torch_steps, strict=True):
+        for key in ("critic/value_loss", "critic/grad_norm", "critic/return_mean", "critic/explained_variance"):
+            assert megatron_metrics[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), key
+        assert megatron_metrics["critic/value_mean"] == pytest.approx(metrics["critic/value_mean"], rel=1e-4)
+    assert steps[0]["critic/value_mean"] == torch_steps[0]["critic/value_mean"] == 0.0  # the zeroed head
+    assert steps[1]["critic/explained_variance"] > 0  # the critic learned in step 1
+    assert_same_step(steps[1], weights, torch_steps[1], hf_weights(torch_trainer), initial)
+    assert {key: again[key] for key in steps[1]} == pytest.approx(steps[1], rel=1e-9, abs=1e-12)

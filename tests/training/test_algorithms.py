@@ -473,10 +473,22 @@ def test_bad_ppo_settings_are_refused_when_the_config_is_built(
     assert message in text
 
 
-def test_megatron_refuses_an_estimator_with_a_critic() -> None:
+def test_megatron_trains_a_critic_of_the_policys_architecture_only(tmp_path) -> None:
+    """ppo builds under the megatron trainer; a ``critic_model`` of another architecture is refused when the config
+    is built, naming the setting that differs; the KL in the reward is still the torch trainer's."""
     manager = MilesPluginManager.load()  # with miles-plugins-megatron's entry point
-    text = refused(manager, **{"train.backend": "megatron", "train.advantage_estimator": "ppo"})
-    assert "= 'ppo' trains a critic, which the megatron trainer does not have yet; use --trainer torch" in text
+    policy, other = tmp_path / "policy", tmp_path / "other"
+    transformers.AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(policy)
+    transformers.AutoModelForCausalLM.from_config(tiny_llama_config(hidden_size=96)).save_pretrained(other)
+    megatron_ppo = {"train.backend": "megatron", "train.advantage_estimator": "ppo", "model.path": str(policy)}
+    assert build_config(manager, overrides=megatron_ppo).train.advantage_estimator == "ppo"
+    same = {"train.advantage_estimator_settings": {"critic_model": str(policy)}}
+    assert build_config(manager, overrides={**megatron_ppo, **same}).train.advantage_estimator == "ppo"
+    text = refused(manager, **megatron_ppo, **{"train.advantage_estimator_settings": {"critic_model": str(other)}})
+    assert f"critic_model = {str(other)!r}: its hidden_size 96 (the policy's: " in text
+    assert "the megatron critic is built from the policy's architecture" in text
+    text = refused(manager, **megatron_ppo, **{"train.kl_placement": "reward"})
+    assert "the megatron trainer puts the KL in the loss only" in text
 
 
 def test_a_critic_checkpoint_of_another_vocabulary_is_refused(tmp_path) -> None:

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from miles_core.training.backend import TrainingBackend
     from miles_core.training.batch import TrainBatch, trained_tokens
     from miles_core.training.critic_targets import clipped_value_loss, response_values, with_trainer_advantages
-    from miles_core.training.losses import kl_k3, logits_dtype, masked_mean, policy_loss
+    from miles_core.training.losses import kl_k3, kl_per_token, logits_dtype, masked_mean, policy_loss
     from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
     from miles_core.training.optimizer import build_optimizer
     from miles_core.training.optimizer_reset import reset_optimizer_states
@@ -154,6 +154,7 @@ _LAZY = {
     "mini_batches": "miles_core.training.objective",
     "trained_tokens": "miles_core.training.batch",
     "policy_loss": "miles_core.training.losses",
+    "kl_per_token": "miles_core.training.losses",
     "kl_k3": "miles_core.training.losses",
     "masked_mean": "miles_core.training.losses",
     "logits_dtype": "miles_core.training.losses",
@@ -359,6 +360,7 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "kl_k3",
+    "kl_per_token",
     "load_staged",
     "logits_dtype",
     "map_staging_file",

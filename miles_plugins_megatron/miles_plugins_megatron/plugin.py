@@ -40,16 +40,11 @@ def validate_config(config: Any, registries: Any) -> None:
 
 def check_algorithm(config: Any, registries: Any) -> None:
     """What the Megatron ranks train: an estimator with a critic (ppo) on GPTModel families, its ``critic_model``
-    of the policy's architecture; the KL in the loss only."""
+    of the policy's architecture."""
     name = config.train.advantage_estimator
     entry = registries.advantage_estimators.get(name)
     if entry is not None and getattr(entry.load(), "needs_critic", False):
         check_critic(config, name)
-    if config.train.kl_placement == "reward":
-        raise ConfigError(
-            "train.kl_placement (--train-kl-placement) = 'reward': the megatron trainer puts the KL in the loss only "
-            "for now; use --train-kl-placement loss, or --trainer torch"
-        )
 
 
 def check_critic(config: Any, estimator: str) -> None:

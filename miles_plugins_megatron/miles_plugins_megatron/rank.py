@@ -28,6 +28,7 @@ from miles_core import (
     bind_collectives_to,
     build_optimizer,
     clipped_value_loss,
+    kl_per_token,
     logits_dtype,
     mini_batches,
     node_address,
@@ -243,7 +244,11 @@ class MegatronRank:
         critic_metrics: dict[str, float] = {}
         if trainer_side(self.objective.estimator, self.train):  # every rank, on the whole batch: the same numbers
             values = self._critic_values(batch) if self.critic is not None else None
-            batch, critic_metrics = with_trainer_advantages(batch, self.objective.estimator, values)
+            in_reward = self.train.kl_placement == "reward" and self.reference is not None
+            penalties = self._reward_kl(batch) if in_reward else None
+            batch, critic_metrics = with_trainer_advantages(
+                batch, self.objective.estimator, values, kl_penalties=penalties, kl_coef=self.train.kl_coef
+            )
         rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         plan = []
         for mini in mini_batches(batch, self.train.mini_batches_per_rollout):
@@ -270,6 +275,25 @@ class MegatronRank:
             for micro in batch.micro_batches(self.train.micro_batch_size):
                 input_ids = micro.tensors(pad_token_id=self._pad_id)["input_ids"].to(self.device)
                 found += response_values(self._values(input_ids).cpu(), micro)
+        return found
+
+    def _reward_kl(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Each sample's KL to the reference per response token (``kl_placement = reward``: subtracted from its
+        token rewards), of the rollout's logprobs against the reference shard's, as the torch trainer takes it."""
+        from miles_plugins_megatron.parallel_losses import vocab_parallel_logprobs_and_entropy
+
+        found = []
+        with torch.no_grad():
+            for micro in batch.micro_batches(self.train.micro_batch_size):
+                tensors = {k: v.to(self.device) for k, v in micro.tensors(pad_token_id=self._pad_id).items()}
+                input_ids = tensors["input_ids"]
+                ref, _ = vocab_parallel_logprobs_and_entropy(
+                    self._forward(self.reference, input_ids, self._replayed(tensors))[:, :-1],
+                    input_ids[:, 1:],
+                    dtype=self.logits_dtype,
+                )
+                kl = kl_per_token(tensors["rollout_logprobs"], ref, self.objective.kl_estimator)
+                found += response_values(kl.cpu(), micro)
         return found
 
     def _values(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -414,7 +438,7 @@ class MegatronRank:
             dtype=self.logits_dtype,
         )
         ref_logprobs = None
-        if self.reference is not None:
+        if self.reference is not None and self.train.kl_placement == "loss":
             with torch.no_grad():
                 ref_logprobs, _ = vocab_parallel_logprobs_and_entropy(
                     self._forward(self.reference, input_ids, self._replayed(tensors))[:, :-1],

@@ -397,3 +397,26 @@ def test_ppo_trains_its_critic_as_the_torch_trainer(reference_step, tmp_path: Pa
     assert steps[1]["critic/explained_variance"] > 0  # the critic learned in step 1
     assert_same_step(steps[1], weights, torch_steps[1], hf_weights(torch_trainer), initial)
     assert {key: again[key] for key in steps[1]} == pytest.approx(steps[1], rel=1e-9, abs=1e-12)
+
+
+def test_the_kl_in_the_reward_steps_as_the_torch_trainer_at_tp2(reference_step, tmp_path: Path) -> None:
+    """``kl_placement = reward`` with reinforce_plus_plus: the ranks take the reference's KL of every response token,
+    subtract ``kl_coef`` x it from the token rewards before the advantages, and leave it out of the loss, as the
+    torch trainer does: the same step and the same ``kl_in_reward``."""
+    from miles_core.training.objective import objective_from_spec
+
+    path, _, _ = reference_step
+    settings = TrainSection(**{**SGD_SETTINGS.model_dump(), "kl_placement": "reward", "kl_coef": 0.5})
+    spec = {
+        **objective_spec("PpoClip", "token-mean", "k3"),
+        "estimator_target": "miles_core.builtin.algorithms:ReinforcePlusPlus",
+        "estimator_settings": {},
+    }
+    torch_trainer = TorchTrainer.from_pretrained(path, settings, objective=objective_from_spec(settings, spec))
+    metrics = torch_trainer.train_step(rewarded_batch())
+    initial = transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
+    with launch(path, tmp_path, train=settings, objective=spec, tensor_parallel=2) as trainer:
+        step_metrics = trainer.train_step(rewarded_batch())
+        assert_same_step(step_metrics, hf_weights(trainer), metrics, hf_weights(torch_trainer), initial)
+    assert step_metrics["kl_in_reward"] == pytest.approx(metrics["kl_in_reward"], rel=1e-5, abs=1e-7)
+    assert metrics["kl_in_reward"] > 0 and step_metrics["kl"] == metrics["kl"] == 0.0  # the KL left the loss

@@ -474,8 +474,8 @@ def test_bad_ppo_settings_are_refused_when_the_config_is_built(
 
 
 def test_megatron_trains_a_critic_of_the_policys_architecture_only(tmp_path) -> None:
-    """ppo builds under the megatron trainer; a ``critic_model`` of another architecture is refused when the config
-    is built, naming the setting that differs; the KL in the reward is still the torch trainer's."""
+    """ppo builds under the megatron trainer, with the KL in the loss or in the reward; a ``critic_model`` of another
+    architecture is refused when the config is built, naming the setting that differs."""
     manager = MilesPluginManager.load()  # with miles-plugins-megatron's entry point
     policy, other = tmp_path / "policy", tmp_path / "other"
     transformers.AutoModelForCausalLM.from_config(tiny_llama_config()).save_pretrained(policy)
@@ -487,8 +487,8 @@ def test_megatron_trains_a_critic_of_the_policys_architecture_only(tmp_path) -> 
     text = refused(manager, **megatron_ppo, **{"train.advantage_estimator_settings": {"critic_model": str(other)}})
     assert f"critic_model = {str(other)!r}: its hidden_size 96 (the policy's: " in text
     assert "the megatron critic is built from the policy's architecture" in text
-    text = refused(manager, **megatron_ppo, **{"train.kl_placement": "reward"})
-    assert "the megatron trainer puts the KL in the loss only" in text
+    in_reward = build_config(manager, overrides={**megatron_ppo, "train.kl_placement": "reward", "train.kl_coef": 0.1})
+    assert in_reward.train.kl_placement == "reward"
 
 
 def test_a_critic_checkpoint_of_another_vocabulary_is_refused(tmp_path) -> None:

@@ -73,6 +73,7 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
         max_new_tokens=config.rollout.max_new_tokens,
     )
     reward = load_reward(config, registries)
+    check_chat_format(config, registries, tokenizer)
     routing = routing_replay_shape(config, model_path)
     try:
         if not config.run.resume:
@@ -146,6 +147,22 @@ def moved_with_run(path: Path, *, run_dir: Path, archive: Path) -> Path:
     moved = archive / inside
     print(f"miles: --model {path} moved with the earlier run; loading it from {moved}", flush=True)
     return moved
+
+
+def check_chat_format(config: MilesConfig, registries: Registries, tokenizer: Any) -> None:
+    """An agent run's chat format, made for the run's tokenizer here as each session server will make it: a
+    format that cannot serve this tokenizer (its special tokens missing, no chat template for ``hf``) is a
+    :class:`ConfigError` before any worker starts."""
+    from miles_core.rollout.agents import agent_for_task, session_chat_format
+    from miles_core.rollout.sessions.formats import ChatFormatError
+
+    if agent_for_task(config.rollout.task, config.rollout.agent, registries.agents) is None:
+        return
+    name = session_chat_format(config)
+    try:
+        registries.chat_formats.get_or_raise(name).load()(tokenizer)
+    except ChatFormatError as exc:
+        raise ConfigError(f"rollout.chat_format (--rollout-chat-format) = {name!r}: {exc}") from None
 
 
 def routing_replay_shape(config: MilesConfig, model_path: Path | None) -> RoutingShape | None:

@@ -283,3 +283,42 @@ def test_a_run_with_the_checkpoints_template(tmp_path: Path, template: str, head
     warning = "miles: warning: chat format 'hf': the checkpoint's chat template renders turn 1 differently"
     assert result.stderr.count(warning) == (1 if warns else 0), result.stderr[-2000:]
     assert ("miles: warning:" in result.stderr) == warns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("chat_format", "says"),
+    [
+        ("hf", "'hf': chat format 'hf' renders with the checkpoint's chat template, and this tokenizer has none"),
+        ("inkling", "'inkling': chat format 'inkling' needs '<|message_system|>' as one token"),
+    ],
+)
+def test_a_chat_format_that_cannot_serve_the_tokenizer_is_refused_before_any_worker(
+    tmp_path: Path, chat_format: str, says: str
+) -> None:
+    tokenizer = qwen3_like_tokenizer()  # Qwen3's special tokens, no chat template
+    model = save_tiny_llama(tmp_path / "model", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(model)
+    (tmp_path / "agent_checks.py").write_text(AGENT)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say 1"}) + "\n")
+    result = train(
+        tmp_path / "run",
+        "--no-progress",
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--reward",
+        "agent_checks:unused_reward",
+        "--rollout-agent",
+        "agent_checks:two_turns",
+        "--rollout-chat-format",
+        chat_format,
+        env={"PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
+        ok=False,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"miles: error: rollout.chat_format (--rollout-chat-format) = {says}" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()  # no worker was started

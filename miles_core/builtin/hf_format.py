@@ -59,6 +59,11 @@ class HfChatFormat(ChatFormat):
         """The ids of ``text``, with no special tokens added (the template writes its own)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` as written: special tokens kept, no clean-up of spaces (which would make the held text
+        differ from the template's where nothing differs)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def render_text(
         self, messages: Sequence[ChatMessage], *, tools: Sequence[Tool] = (), add_generation_prompt: bool
     ) -> str:
@@ -95,7 +100,7 @@ class HfChatFormat(ChatFormat):
         ids = list(output_ids)
         while ids and ids[-1] in self._turn_end_ids():
             ids.pop()
-        return self.tokenizer.decode(ids, skip_special_tokens=False), []
+        return self.decode(ids), []
 
     # -- growing a session -------------------------------------------------------------------------------------
 
@@ -112,7 +117,7 @@ class HfChatFormat(ChatFormat):
         and the held tokens are kept (see the module docstring)."""
         bridge = self.close_turn(ids_so_far) if history and history[-1].role == "assistant" else []
         held = [*ids_so_far, *bridge]
-        held_text = self.tokenizer.decode(held, skip_special_tokens=False)
+        held_text = self.decode(held)
         after_text = self.render_text([*history, *new_messages], tools=tools, add_generation_prompt=True)
         if after_text.startswith(held_text):
             return [*held, *self.encode(after_text[len(held_text) :])]

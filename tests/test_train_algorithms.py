@@ -30,10 +30,9 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("estimator", list(CHOSEN))
-def test_each_estimator_trains_end_to_end(tmp_path: Path, estimator: str) -> None:
-    run_dir = tmp_path / "run"
-    result = run_miles(
+def three_checkpointed_steps(run_dir: Path, estimator: str, *args: str, timeout_s: float = 300):
+    """``miles train`` of 3 steps with ``estimator``, a checkpoint at step 3."""
+    return run_miles(
         "train",
         "--output-dir",
         str(run_dir),
@@ -43,6 +42,17 @@ def test_each_estimator_trains_end_to_end(tmp_path: Path, estimator: str) -> Non
         "--run-checkpoint-every",
         "3",
         "--train-advantage-estimator",
+        estimator,
+        *args,
+        timeout_s=timeout_s,
+    )
+
+
+@pytest.mark.parametrize("estimator", list(CHOSEN))
+def test_each_estimator_trains_end_to_end(tmp_path: Path, estimator: str) -> None:
+    run_dir = tmp_path / "run"
+    result = three_checkpointed_steps(
+        run_dir,
         estimator,
         "--train-kl-coef",
         "0.01",
@@ -133,21 +143,13 @@ def test_ppo_trains_its_critic_on_megatron_ranks_end_to_end(tmp_path: Path) -> N
     import torch
 
     run_dir = tmp_path / "run"
-    result = run_miles(
-        "train",
-        "--output-dir",
-        str(run_dir),
-        *QUICK,
-        "--num-steps",
-        "3",
-        "--run-checkpoint-every",
-        "3",
+    result = three_checkpointed_steps(
+        run_dir,
+        "ppo",
         "--trainer",
         "megatron",
         "--megatron-tensor-parallel",
         "2",
-        "--train-advantage-estimator",
-        "ppo",
         "--weight-transfer-verify-checksum",
         "true",
         timeout_s=600,

@@ -44,12 +44,13 @@ LOOKUP_TOOL = {
 }
 """The tool in Chat Completions' shape; the Responses API's and Anthropic's below carry the same fields."""
 RESPONSES_LOOKUP_TOOL = {"type": "function", **LOOKUP_TOOL["function"]}
-TERMINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete")
 ANTHROPIC_LOOKUP_TOOL = {
     "name": LOOKUP_TOOL["function"]["name"],
     "description": LOOKUP_TOOL["function"]["description"],
     "input_schema": LOOKUP_TOOL["function"]["parameters"],
 }
+TERMINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete")
+"""The Responses events that end a stream with the whole response: done, or cut at ``max_output_tokens``."""
 
 
 def answer_score(answer: str, secret: str) -> float:

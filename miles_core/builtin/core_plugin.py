@@ -361,7 +361,18 @@ def provide_agents() -> list[Implementation]:
         Implementation(
             "tool_lookup",
             "miles_core.default.tool_task:tool_lookup_agent",
-            "the tool_lookup task's agent: offers the lookup tool, answers its calls, scores the answer",
+            "the tool_lookup task's agent: offers the lookup tool, answers its calls, scores the answer "
+            "(openai Chat Completions, streamed)",
+        ),
+        Implementation(
+            "tool_lookup_responses",
+            "miles_core.default.tool_task:tool_lookup_responses_agent",
+            "the tool_lookup agent through openai's Responses API (streamed)",
+        ),
+        Implementation(
+            "tool_lookup_anthropic",
+            "miles_core.default.tool_task:tool_lookup_anthropic_agent",
+            "the tool_lookup agent through anthropic's Messages API (streamed)",
         ),
     ]
 

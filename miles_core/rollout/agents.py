@@ -3,16 +3,17 @@ rollout sample as a conversation with the policy.
 
 An agent is ``async def agent(*, base_url: str, prompt: str, metadata: dict) -> float | list[float] | None``.
 ``base_url`` is its session's OpenAI-compatible endpoint on a session server (``openai.AsyncOpenAI(base_url=...,
-api_key=...)``, any key: the session id in the URL is the secret; :func:`session_client` makes one cheaply);
+api_key=...)``, any key: the session id in the URL is the secret; :func:`session_client` makes one cheaply), which
+also answers Anthropic's Messages (:func:`session_anthropic_client`);
 ``prompt`` and ``metadata`` are the prompt's (a copy). It talks to the policy as many turns as it likes, playing the
 tools and the environment itself, and returns the sample's reward, or ``None`` to have the run's reward function
 score the last assistant turn. An agent that branches (:func:`fork_session`) returns one reward per session (or one
 for all). What is trained on is what the session server recorded: the exact ids of every turn, the policy's tokens
 with loss mask 1, everything the agent added with 0.
 
-A failure to reach the policy (an OpenAI API error, an HTTP error: an engine died mid-session) makes the rollout play
-the sample again in a new session once the engines are back; any other exception is the agent's defect and stops
-the run, naming the agent and the sample. A sample is trained on only when its agent returned.
+A failure to reach the policy (an OpenAI or Anthropic API error, an HTTP error: an engine died mid-session) makes the
+rollout play the sample again in a new session once the engines are back; any other exception is the agent's defect
+and stops the run, naming the agent and the sample. A sample is trained on only when its agent returned.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import sys
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -97,50 +99,71 @@ def is_session_failure(exc: BaseException) -> bool:
     from miles_core.rollout.sessions.pool import SessionError
 
     kinds: tuple[type[BaseException], ...] = (httpx.HTTPError, EngineError, SessionError, OSError, TimeoutError)
-    try:
-        import openai
-
-        kinds += (openai.APIError,)
-    except ImportError:
-        pass
+    for sdk in ("openai", "anthropic"):  # each client's request errors; a client never imported raised none
+        module = sys.modules.get(sdk)
+        if module is not None:
+            kinds += (module.APIError,)
     return isinstance(exc, kinds)
 
 
-_shared_http: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = weakref.WeakKeyDictionary()
+_shared_http: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _loop_http(sdk: str, make: Callable[[], Any]) -> Any:
+    """This event loop's HTTP client for ``sdk`` (``"httpx"`` for openai and the session routes, ``"anthropic"``),
+    made by ``make`` when there is none or it was closed: one per SDK, since anthropic's may be of another HTTP
+    package (anthropic 2 takes only ``httpx2`` clients; openai takes either)."""
+    clients = _shared_http.setdefault(asyncio.get_running_loop(), {})
+    http = clients.get(sdk)
+    if http is None or http.is_closed:
+        http = clients[sdk] = make()
+    return http
+
+
+def _httpx_client() -> Any:
+    import httpx  # deferred, as openai: only agent runs import them
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    return _loop_http("httpx", lambda: httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False))
 
 
 def session_client(base_url: str) -> Any:
     """An ``openai.AsyncOpenAI`` client of a session at ``base_url``, over one HTTP client shared by every agent of
     this event loop (making an HTTP client costs about 45 ms of CPU on these machines, its TLS context: a client per
     sample cost more than the generation). Not to be closed by the agent; :func:`close_session_clients` closes them."""
-    import httpx  # deferred, as openai: only agent runs import them
-    import openai
+    import openai  # deferred: only agent runs import it
 
-    loop = asyncio.get_running_loop()
-    http = _shared_http.get(loop)
-    if http is None or http.is_closed:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        http = _shared_http[loop] = httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False)
-    return openai.AsyncOpenAI(base_url=base_url, api_key=SESSION_API_KEY, http_client=http)
+    return openai.AsyncOpenAI(base_url=base_url, api_key=SESSION_API_KEY, http_client=_httpx_client())
+
+
+def anthropic_base_url(base_url: str) -> str:
+    """What ``anthropic.AsyncAnthropic(base_url=...)`` is given for the session at ``base_url``: the URL without its
+    ``/v1``, since the anthropic client posts to ``{base_url}/v1/messages``."""
+    return base_url.removesuffix("/v1")
+
+
+def session_anthropic_client(base_url: str) -> Any:
+    """An ``anthropic.AsyncAnthropic`` client of the session at ``base_url`` (its OpenAI-style URL, as agents are
+    given it), over one HTTP client shared by every agent of this event loop, as :func:`session_client`."""
+    import anthropic  # deferred: only the agents that speak Anthropic's Messages import it
+
+    http = _loop_http("anthropic", lambda: anthropic.DefaultAsyncHttpxClient(timeout=600.0, trust_env=False))
+    return anthropic.AsyncAnthropic(base_url=anthropic_base_url(base_url), api_key=SESSION_API_KEY, http_client=http)
 
 
 async def fork_session(base_url: str) -> str:
     """Branch the session at ``base_url`` as it is now; the branch's ``base_url``. Each branch becomes a sample of
     its own (sharing the sample's index, told apart by ``occurrence``); the agent then returns one reward per session,
     the first session's first and then its branches' in the order they were made (or one reward for all)."""
-    import httpx  # deferred, as in session_client
-
-    session_client(base_url)  # makes the shared HTTP client of this loop if there is none yet
-    http: httpx.AsyncClient = _shared_http[asyncio.get_running_loop()]
-    answer = await http.post(f"{base_url}/fork")
+    answer = await _httpx_client().post(f"{base_url}/fork")
     answer.raise_for_status()
     return answer.json()["base_url"]
 
 
 async def close_session_clients() -> None:
-    """Close this event loop's shared HTTP client of :func:`session_client` (the run calls it when it ends)."""
-    http = _shared_http.pop(asyncio.get_running_loop(), None)
-    if http is not None:
+    """Close this event loop's shared HTTP clients of :func:`session_client` and :func:`session_anthropic_client`
+    (the run calls it when it ends)."""
+    for http in _shared_http.pop(asyncio.get_running_loop(), {}).values():
         await http.aclose()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,16 @@ from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.generate_types import GenerateOutput, SamplingParams
 from miles_core.errors import ConfigError, MilesError
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.rollout.agents import Agent, agent_for_task, load_agent, session_chat_format
+from miles_core.rollout.agents import (
+    Agent,
+    agent_for_task,
+    close_session_clients,
+    is_session_failure,
+    load_agent,
+    session_anthropic_client,
+    session_chat_format,
+    session_client,
+)
 from miles_core.rollout.executor import RolloutExecutor, _turn_segments
 from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.rewards import single_reward
@@ -42,7 +52,7 @@ async def wrong_arguments(*, url, prompt):
 
 
 def test_the_core_registers_its_agents_and_a_task_names_its_own(agents) -> None:
-    assert {"single_turn", "tool_lookup"} <= set(agents)
+    assert {"single_turn", "tool_lookup", "tool_lookup_responses", "tool_lookup_anthropic"} <= set(agents)
     assert agent_for_task("tool_lookup", None, agents).name.startswith("tool_lookup (")
     assert agent_for_task("echo_last", None, agents) is None  # batched single-turn generation
     assert agent_for_task("echo_last", "single_turn", agents).name.startswith("single_turn (")
@@ -71,6 +81,39 @@ def test_a_model_needs_a_chat_format() -> None:
         session_chat_format(config)
     config.rollout.chat_format = "qwen3"
     assert session_chat_format(config) == "qwen3"
+
+
+def test_session_clients_share_an_http_client_per_sdk_and_an_unreachable_session_is_a_session_failure() -> None:
+    """Both SDKs' clients of the sessions of one event loop share an HTTP client per SDK (a new one costs ~45 ms of
+    CPU); a request that cannot reach its session server is a failure to replay the sample on, in either SDK."""
+    with socket.socket() as probe:  # a port nothing listens on once the probe is closed
+        probe.bind(("127.0.0.1", 0))
+        base_url = f"http://127.0.0.1:{probe.getsockname()[1]}/sessions/s/v1"
+
+    async def main() -> tuple[list, list[BaseException], list]:
+        openai_clients = [session_client(base_url) for _ in range(2)]
+        anthropic_clients = [session_anthropic_client(base_url) for _ in range(2)]
+        assert str(anthropic_clients[0].base_url).rstrip("/") == base_url.removesuffix("/v1")
+        failures = []
+        for ask in (
+            lambda: openai_clients[0].with_options(max_retries=0).chat.completions.create(model="p", messages=[]),
+            lambda: (
+                anthropic_clients[0].with_options(max_retries=0).messages.create(model="p", max_tokens=1, messages=[])
+            ),
+        ):
+            try:
+                await ask()
+            except Exception as exc:
+                failures.append(exc)
+        https = [client._client for client in (*openai_clients, *anthropic_clients)]
+        await close_session_clients()
+        return https, failures, [http.is_closed for http in https]
+
+    https, failures, closed = asyncio.run(main())
+    assert https[0] is https[1] and https[2] is https[3] and https[0] is not https[2]
+    assert closed == [True] * 4  # the run's end closes them all
+    assert [type(exc).__name__ for exc in failures] == ["APIConnectionError"] * 2
+    assert all(is_session_failure(exc) for exc in failures) and not is_session_failure(ValueError("agent defect"))
 
 
 def trajectory() -> Trajectory:

@@ -50,9 +50,6 @@ LONG_SERIAL_TESTS: dict[str, str] = {
     "tests/megatron/test_megatron_train.py::test_megatron_run_resumes_from_its_checkpoint": (
         "a Megatron run stopped, then resumed from its checkpoint to the end (44 to 48 s on a 2-core Xeon without AMX)"
     ),
-    "tests/test_train_agent.py::test_the_tool_task_learns_through_session_servers": (
-        "the tool task learns in 70 steps; 45 steps learned with one seed and not with another"
-    ),
     "tests/sglang/test_real_fully_async.py::test_fully_async_partial_rollouts_through_the_router": (
         "real SGLang servers behind the router, generations aborted and resumed across weight versions"
     ),

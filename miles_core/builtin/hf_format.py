@@ -50,6 +50,7 @@ class HfChatFormat(ChatFormat):
         self.tool_calls: HermesToolCalls | None = None  # the probes below render without tools
         self.end_text = self._assistant_end_text()
         self.end_ids = self.encode(self.end_text)
+        self.turn_end_ids = self._turn_end_ids()  # what a generated turn may end with, stripped from its content
         self.generation_text = self._generation_prompt_text()
         self.tool_calls = self._tool_call_reader()
 
@@ -98,7 +99,7 @@ class HfChatFormat(ChatFormat):
         if self.tool_calls is not None:
             return self.tool_calls.parse(output_ids)
         ids = list(output_ids)
-        while ids and ids[-1] in self._turn_end_ids():
+        while ids and ids[-1] in self.turn_end_ids:
             ids.pop()
         return self.decode(ids), []
 
@@ -190,7 +191,7 @@ class HfChatFormat(ChatFormat):
         end = token_ids_if_single(self.tokenizer, "</tool_call>")
         if not start or not end:
             return None
-        return HermesToolCalls(self.tokenizer, call_start=start[0], call_end=end[0], end_ids=self._turn_end_ids())
+        return HermesToolCalls(self.tokenizer, call_start=start[0], call_end=end[0], end_ids=self.turn_end_ids)
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

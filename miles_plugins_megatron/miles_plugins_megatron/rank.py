@@ -372,8 +372,8 @@ class MegatronRank:
                     device=self.device,
                 ),
             }
-            for key in ("returns", "old_values"):
-                if self.critic is not None:
+            if self.critic is not None:  # the critic's targets, aligned as the mask
+                for key in ("returns", "old_values"):
                     padded[key] = torch.zeros((rows, length - 1), device=self.device)
             if micro is not None and "routed_experts" in micro:
                 routed = micro["routed_experts"]

@@ -154,7 +154,6 @@ def test_a_session_records_the_formats_warning_once_in_its_trajectory() -> None:
     tokenizer = tokenizer_with(R1_STYLE_TEMPLATE)
     fmt = HfChatFormat(tokenizer)
     session = Session("s", messages=[ChatMessage("user", "hi")], sampling={"seed": 1}, metadata={})
-    history_messages: list[ChatMessage] = []
     for turn, new in enumerate(([], [ChatMessage("user", "a")], [ChatMessage("user", "b")])):
         input_ids = session.input_ids(fmt, new, tools=[])
         output = encode(tokenizer, f"r{turn}</think>x{turn}<|im_end|>")
@@ -169,7 +168,6 @@ def test_a_session_records_the_formats_warning_once_in_its_trajectory() -> None:
             finish_reason="stop",
             weight_version=0,
         )
-        history_messages += [*new, assistant]
     trajectory = session.trajectory()
     assert [note["summary"] for note in trajectory.notes] == [
         "chat format 'hf': the checkpoint's chat template renders turn 1 differently once later messages follow"

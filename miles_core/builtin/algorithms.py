@@ -58,11 +58,18 @@ class Grpo(AdvantageEstimator):
         return found
 
 
+CENTRED_KL_COEF = 0.05
+"""The KL weight of the estimators without GRPO's division by the group's std (dr_grpo, rloo, reinforce_plus_plus,
+reinforce_plus_plus_baseline): without a KL they collapse onto one answer on the default task before they learn it
+(measured: docs/concepts/algorithms.md); RLOO's and REINFORCE++'s papers train with a KL to the reference too."""
+
+
 class DrGrpo(AdvantageEstimator):
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): ``r - mean(group)``, no division by the
     group's std, with the constant-normaliser aggregation (``seq-mean-token-sum-norm``): no length bias."""
 
     name = "dr_grpo"
+    default_kl_coef = CENTRED_KL_COEF
     default_loss_aggregation = "seq-mean-token-sum-norm"
     min_group_size = 2
 
@@ -80,6 +87,7 @@ class Rloo(AdvantageEstimator):
     ``G / (G - 1) * (r_i - mean(group))``."""
 
     name = "rloo"
+    default_kl_coef = CENTRED_KL_COEF
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
@@ -115,6 +123,7 @@ class ReinforcePlusPlus(AdvantageEstimator):
     reference is a loss term (``--train-kl-coef``)."""
 
     name = "reinforce_plus_plus"
+    default_kl_coef = CENTRED_KL_COEF
     settings_model = ReinforcePlusPlusSettings
     takes_token_rewards = True
 
@@ -153,6 +162,7 @@ class ReinforcePlusPlusBaseline(AdvantageEstimator):
     token of the batch."""
 
     name = "reinforce_plus_plus_baseline"
+    default_kl_coef = CENTRED_KL_COEF
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:

@@ -32,7 +32,7 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.algorithms import choose_algorithm, trainer_side
+from miles_core.training.algorithms import choose_algorithm, resolve_kl_coef, trainer_side, with_kl_coef
 from miles_core.training.batch import TrainBatch
 from miles_core.training.critic_targets import with_trainer_advantages
 from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
@@ -79,8 +79,8 @@ class TorchTrainer:
         self.hf_config = hf_config
         self.tokenizer_from = tokenizer_from
         self.pad_token_id = hf_config.pad_token_id or 0
-        self.settings = settings
         self.objective = objective or Objective(train=settings, policy_loss=PpoClip())
+        self.settings = settings = with_kl_coef(settings, resolve_kl_coef(settings, self.objective.estimator))
         self.critic = critic
         estimator = self.objective.estimator
         if (critic is not None) != (estimator is not None and estimator.needs_critic):
@@ -125,25 +125,24 @@ class TorchTrainer:
             default=DEFAULT_IMPLEMENTATION,
         )
         load = _loader(entry)
-        reference = load(initial_model_path) if config.train.kl_coef > 0 else None
         algorithm = choose_algorithm(
             config.train,
             registries,
             group_size=config.rollout.group_size,
             max_new_tokens=config.rollout.max_new_tokens,
         )
-        objective = objective_from_spec(config.train, algorithm.trainer_spec())
+        train = with_kl_coef(config.train, algorithm.kl_coef)
+        reference = load(initial_model_path) if algorithm.kl_coef > 0 else None
+        objective = objective_from_spec(train, algorithm.trainer_spec())
         critic = None
         if algorithm.estimator.needs_critic:
             settings = algorithm.estimator.settings
             source = settings.critic_model or initial_model_path
             what = "train.advantage_estimator_settings.critic_model" if settings.critic_model else "the policy"
-            critic = Critic(
-                load_value_model(source, vocab_size=hf_config.vocab_size, what=what), settings, config.train
-            )
+            critic = Critic(load_value_model(source, vocab_size=hf_config.vocab_size, what=what), settings, train)
         trainer = cls(
             load(model_path),
-            config.train,
+            train,
             seed=config.run.seed,
             reference=reference,
             hf_config=hf_config,

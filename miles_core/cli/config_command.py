@@ -16,9 +16,11 @@ from miles_core.cli.config_args import ConfigArguments
 from miles_core.cli.stop_signals import StopSignals
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
+from miles_core.training.algorithms import resolve_kl_coef
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
+    from miles_core.registry import Registries
 
 
 def prepare(
@@ -33,7 +35,7 @@ def prepare(
         config = build_config(manager, config_file=args.config, overrides=arguments.overrides(args))
         data = config.model_dump(mode="json")
         print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False).rstrip("\n"))
-        notes = resolved_notes(config)
+        notes = resolved_notes(config) + estimator_default_notes(config, manager.registries)
         if notes:  # comments after the YAML (it stays a config file); with --json on stderr, leaving stdout JSON
             print("\n".join(f"# {line}" for line in notes), file=sys.stderr if args.json else sys.stdout)
         return 0
@@ -63,6 +65,15 @@ def resolved_notes(config: MilesConfig) -> list[str]:
         for section_name in type(config).model_fields
         for field, note in getattr(config, section_name).resolved_notes().items()
     ]
+
+
+def estimator_default_notes(config: MilesConfig, registries: Registries) -> list[str]:
+    """``train.kl_coef: ...`` where it is unset: the value the run takes, the estimator's default."""
+    if config.train.kl_coef is not None:
+        return []
+    estimator = registries.advantage_estimators.get_or_raise(config.train.advantage_estimator).load()
+    value = resolve_kl_coef(config.train, estimator)
+    return [f"train.kl_coef: unset, so {config.train.advantage_estimator}'s default, {value:g}"]
 
 
 def _where_the_run_is(output_dir: str) -> str:

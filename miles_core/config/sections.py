@@ -382,7 +382,13 @@ class TrainSection(Section):
         description="Truncated importance sampling: each token's loss weighted by min(exp(trainer logprob - "
         "rollout logprob), TIS_CLIP), the PPO ratio against the trainer's pre-step logprobs (default: off).",
     )
-    kl_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the KL to the initial (reference) model.")
+    kl_coef: float | None = pydantic.Field(
+        default=None,
+        ge=0,
+        description="Weight of the KL to the initial (reference) model; 0 turns it off (None: the estimator's "
+        "default, 0 for grpo, gspo and ppo, 0.05 for dr_grpo, rloo, reinforce_plus_plus and "
+        "reinforce_plus_plus_baseline).",
+    )
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
     advantage_estimator: str = pydantic.Field(
         default="grpo",

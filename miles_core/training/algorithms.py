@@ -44,7 +44,8 @@ class ScoredSample:
 class AdvantageEstimator:
     """Base class of advantage estimators. Subclasses set :attr:`name` and :attr:`settings_model`, may change the
     defaults the run takes when the user names none (:attr:`default_policy_loss`,
-    :attr:`default_loss_aggregation`) and :attr:`min_group_size`, and implement :meth:`advantages`."""
+    :attr:`default_loss_aggregation`, :attr:`default_kl_coef`) and :attr:`min_group_size`, and implement
+    :meth:`advantages`."""
 
     name: ClassVar[str] = ""
     settings_model: ClassVar[type[AlgorithmSettings]] = AlgorithmSettings
@@ -52,6 +53,9 @@ class AdvantageEstimator:
     """The policy loss a run with this estimator uses unless ``train.policy_loss`` names one."""
     default_loss_aggregation: ClassVar[str] = "token-mean"
     """The loss aggregation a run with this estimator uses unless ``train.loss_aggregation`` names one."""
+    default_kl_coef: ClassVar[float] = 0.0
+    """The weight of the KL to the reference a run with this estimator uses unless ``train.kl_coef`` sets one (a
+    non-zero weight loads a reference model and costs its forward pass each step)."""
     min_group_size: ClassVar[int] = 1
     """The smallest ``rollout.group_size`` it can work with (a group baseline needs two samples)."""
     needs_critic: ClassVar[bool] = False
@@ -133,7 +137,8 @@ negative), ``k2 = r^2 / 2`` (biased, low variance), ``k3 = exp(r) - r - 1`` (unb
 @dataclasses.dataclass(frozen=True)
 class AlgorithmChoice:
     """A run's algorithm, every name resolved once: the estimator (built with its settings), the policy loss (its
-    import target and validated settings, which a trainer in another process builds again) and the aggregation."""
+    import target and validated settings, which a trainer in another process builds again), the aggregation and the
+    KL weight (``train.kl_coef``, or the estimator's default where it is unset)."""
 
     estimator_name: str
     estimator: AdvantageEstimator
@@ -144,6 +149,7 @@ class AlgorithmChoice:
     aggregation: str
     kl_estimator: str
     norm_constant: float
+    kl_coef: float
 
     def trainer_spec(self) -> dict[str, Any]:
         """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
@@ -156,11 +162,14 @@ class AlgorithmChoice:
             "aggregation": self.aggregation,
             "kl_estimator": self.kl_estimator,
             "norm_constant": self.norm_constant,
+            "kl_coef": self.kl_coef,
         }
 
     def describe(self) -> str:
-        """``grpo advantages, ppo_clip loss, token-mean``: the run says so at start."""
-        return f"{self.estimator_name} advantages, {self.policy_loss_name} loss, {self.aggregation}"
+        """``grpo advantages, ppo_clip loss, token-mean`` (and ``, KL 0.05 (k3)`` with a KL weight): the run says so
+        at start."""
+        kl = f", KL {self.kl_coef:g} ({self.kl_estimator})" if self.kl_coef > 0 else ""
+        return f"{self.estimator_name} advantages, {self.policy_loss_name} loss, {self.aggregation}{kl}"
 
 
 def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_tokens: int) -> AlgorithmChoice:
@@ -183,7 +192,8 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
             f"at least {estimator.min_group_size} samples (its baseline comes from the other samples of a prompt); "
             f"rollout.group_size (--rollout-group-size) is {group_size}"
         )
-    check_kl_placement(train, estimator)
+    kl_coef = resolve_kl_coef(train, estimator)
+    check_kl_placement(train, estimator, kl_coef=kl_coef)
     loss_name = train.policy_loss or estimator.default_policy_loss
     loss_entry = entry(registries.policy_losses, loss_name, "policy_loss")
     loss_class = loss_entry.load()
@@ -199,16 +209,34 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
         aggregation=train.loss_aggregation or estimator.default_loss_aggregation,
         kl_estimator=train.kl_estimator,
         norm_constant=float(max_new_tokens),
+        kl_coef=kl_coef,
     )
 
 
-def check_kl_placement(train: Any, estimator: AdvantageEstimator) -> None:
-    """``kl_placement = reward`` needs a KL weight and an estimator that takes rewards per token."""
+def resolve_kl_coef(train: Any, estimator: AdvantageEstimator | None) -> float:
+    """The run's KL weight: ``train.kl_coef`` where it is set (0 included), else the estimator's
+    :attr:`~AdvantageEstimator.default_kl_coef` (0 without an estimator)."""
+    if train.kl_coef is not None:
+        return float(train.kl_coef)
+    return float(estimator.default_kl_coef) if estimator is not None else 0.0
+
+
+def with_kl_coef(train: Any, kl_coef: float) -> Any:
+    """``train`` (a frozen section) with its ``kl_coef`` resolved to ``kl_coef``: what a trainer reads."""
+    return train if train.kl_coef == kl_coef else train.model_copy(update={"kl_coef": kl_coef})
+
+
+def check_kl_placement(train: Any, estimator: AdvantageEstimator, *, kl_coef: float) -> None:
+    """``kl_placement = reward`` needs a KL weight (``kl_coef``, resolved) and an estimator that takes rewards per
+    token."""
     if train.kl_placement != "reward":
         return
     flag = "train.kl_placement (--train-kl-placement) = 'reward'"
-    if train.kl_coef == 0:
-        raise ConfigError(f"{flag} subtracts kl_coef x KL from each token's reward, and train.kl_coef is 0: set it")
+    if kl_coef == 0:
+        raise ConfigError(
+            f"{flag} subtracts kl_coef x KL from each token's reward, and train.kl_coef is 0: set it "
+            f"(--train-kl-coef; unset, it is the estimator {estimator.name!r}'s default)"
+        )
     if not (estimator.takes_token_rewards or estimator.needs_critic):
         raise ConfigError(
             f"{flag} needs an estimator that takes a reward per token (ppo, reinforce_plus_plus); "

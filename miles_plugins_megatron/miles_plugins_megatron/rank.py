@@ -77,6 +77,7 @@ class MegatronRank:
         if objective is None:
             raise MilesError("a Megatron rank needs the run's objective (the driver's AlgorithmChoice.trainer_spec())")
         self.objective = objective_from_spec(self.train, objective)
+        self.train = self.objective.train  # its kl_coef resolved by the driver (the estimator's default where unset)
         self.logits_dtype = logits_dtype(self.train.logits_dtype)
         self.threads = threads
         self.reference_path = reference_path

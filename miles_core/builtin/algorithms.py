@@ -58,10 +58,10 @@ class Grpo(AdvantageEstimator):
         return found
 
 
-CENTRED_KL_COEF = 0.05
-"""The KL weight of the estimators without GRPO's division by the group's std (dr_grpo, rloo, reinforce_plus_plus,
-reinforce_plus_plus_baseline): without a KL they collapse onto one answer on the default task before they learn it
-(measured: docs/concepts/algorithms.md); RLOO's and REINFORCE++'s papers train with a KL to the reference too."""
+KL_COEF_AGAINST_COLLAPSE = 0.05
+"""The default KL weight of dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline and ppo: without a KL
+they collapse onto one answer on the default task before they learn it, and with it they learn (measured:
+docs/concepts/algorithms.md). RLOO's and REINFORCE++'s papers and InstructGPT's PPO train with a KL too."""
 
 
 class DrGrpo(AdvantageEstimator):
@@ -69,7 +69,7 @@ class DrGrpo(AdvantageEstimator):
     group's std, with the constant-normaliser aggregation (``seq-mean-token-sum-norm``): no length bias."""
 
     name = "dr_grpo"
-    default_kl_coef = CENTRED_KL_COEF
+    default_kl_coef = KL_COEF_AGAINST_COLLAPSE
     default_loss_aggregation = "seq-mean-token-sum-norm"
     min_group_size = 2
 
@@ -87,7 +87,7 @@ class Rloo(AdvantageEstimator):
     ``G / (G - 1) * (r_i - mean(group))``."""
 
     name = "rloo"
-    default_kl_coef = CENTRED_KL_COEF
+    default_kl_coef = KL_COEF_AGAINST_COLLAPSE
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
@@ -123,7 +123,7 @@ class ReinforcePlusPlus(AdvantageEstimator):
     reference is a loss term (``--train-kl-coef``)."""
 
     name = "reinforce_plus_plus"
-    default_kl_coef = CENTRED_KL_COEF
+    default_kl_coef = KL_COEF_AGAINST_COLLAPSE
     settings_model = ReinforcePlusPlusSettings
     takes_token_rewards = True
 
@@ -162,7 +162,7 @@ class ReinforcePlusPlusBaseline(AdvantageEstimator):
     token of the batch."""
 
     name = "reinforce_plus_plus_baseline"
-    default_kl_coef = CENTRED_KL_COEF
+    default_kl_coef = KL_COEF_AGAINST_COLLAPSE
     min_group_size = 2
 
     def advantages(self, groups: Sequence[Sequence[ScoredSample]]) -> list[Advantage]:
@@ -317,6 +317,7 @@ class Ppo(AdvantageEstimator):
     the torch trainer computes them from the critic's values before each update."""
 
     name = "ppo"
+    default_kl_coef = KL_COEF_AGAINST_COLLAPSE  # measured: ppo too ends far lower without a KL
     settings_model = PpoSettings
     needs_critic = True
 

@@ -386,8 +386,8 @@ class TrainSection(Section):
         default=None,
         ge=0,
         description="Weight of the KL to the initial (reference) model; 0 turns it off (None: the estimator's "
-        "default, 0 for grpo, gspo and ppo, 0.05 for dr_grpo, rloo, reinforce_plus_plus and "
-        "reinforce_plus_plus_baseline).",
+        "default, 0 for grpo and gspo, 0.05 for dr_grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline and ppo).",
     )
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
     advantage_estimator: str = pydantic.Field(

@@ -387,7 +387,7 @@ def test_the_registries_hold_the_built_ins(manager: MilesPluginManager) -> None:
             "(ppo, reinforce_plus_plus); 'grpo' takes one reward per sample",
         ),
         (
-            {"train.kl_placement": "reward", "train.advantage_estimator": "ppo"},
+            {"train.kl_placement": "reward", "train.advantage_estimator": "ppo", "train.kl_coef": 0},
             "subtracts kl_coef x KL from each token's reward, and train.kl_coef is 0: set it",
         ),
         (

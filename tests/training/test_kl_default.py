@@ -38,7 +38,7 @@ def chosen(manager: MilesPluginManager, **overrides) -> AlgorithmChoice:
     [
         ("grpo", 0.0),
         ("gspo", 0.0),
-        ("ppo", 0.0),
+        ("ppo", 0.05),
         ("dr_grpo", 0.05),
         ("rloo", 0.05),
         ("reinforce_plus_plus", 0.05),
@@ -95,8 +95,9 @@ def test_the_torch_trainer_loads_a_reference_for_the_resolved_weight(kl_coef, ha
     assert trainer.settings.kl_coef == objective.train.kl_coef == expected
 
 
-def test_the_kl_in_the_reward_needs_a_weight_where_the_default_is_0(manager: MilesPluginManager) -> None:
+def test_the_kl_in_the_reward_needs_a_weight(manager: MilesPluginManager) -> None:
+    overrides = {"train.advantage_estimator": "ppo", "train.kl_placement": "reward", "train.kl_coef": 0}
     with pytest.raises(ConfigError, match=r"train\.kl_coef is 0: set it .*'ppo''s default"):
-        build_config(manager, overrides={"train.advantage_estimator": "ppo", "train.kl_placement": "reward"})
+        build_config(manager, overrides=overrides)
     on_default = chosen(manager, **{"train.advantage_estimator": "reinforce_plus_plus", "train.kl_placement": "reward"})
     assert on_default.kl_coef == 0.05

@@ -30,7 +30,12 @@ from miles_plugins_sglang.standalone import cpu_unavailable_reason
 
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.testkit.sglang_bench import SGLANG_PYTHON_ENV, run_bench_serving, sglang_python
+from miles_core.testkit.sglang_bench import (
+    SGLANG_PYTHON_ENV,
+    bench_client_unavailable_reason,
+    run_bench_serving,
+    sglang_python,
+)
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import ROLE_TAG_CHAT_TEMPLATE, save_char_tokenizer
 from miles_core.workers.process import free_ports
@@ -59,6 +64,9 @@ def main() -> None:
     python, _ = sglang_python()
     if not python.exists():
         sys.exit(f"no SGLang environment at {python}: run `make sglang` or set ${SGLANG_PYTHON_ENV}")
+    client_reason = bench_client_unavailable_reason(python)
+    if client_reason is not None:
+        sys.exit(f"SGLang's benchmark client cannot run here: {client_reason}")
     with tempfile.TemporaryDirectory(prefix="miles-engine-serving-") as tmp:
         workdir = Path(tmp)
         model = save_tiny_llama(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -24,6 +25,27 @@ def sglang_python() -> tuple[Path, bool]:
     """The SGLang environment's python, and whether ``$MILES_SGLANG_PYTHON`` named it (else it is the default)."""
     named = os.environ.get(SGLANG_PYTHON_ENV)
     return (Path(named), True) if named else (DEFAULT_SGLANG_PYTHON, False)
+
+
+def bench_client_unavailable_reason(python: Path, timeout_s: float = 300) -> str | None:
+    """Why ``sglang.bench_serving`` cannot start in the SGLang environment ``python`` on this machine, or None when it
+    can. The client imports SGLang's runtime, which loads the CPU kernel (``sgl_kernel``): a kernel built for
+    AVX-512 dies of SIGILL on import on a CPU without it (some AMD machines), whatever server it would talk to."""
+    try:
+        probe = subprocess.run(
+            [str(python), "-c", "import sglang.bench_serving"], capture_output=True, text=True, timeout=timeout_s
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the SGLang environment {python} could not be asked to import sglang.bench_serving: {exc}"
+    if probe.returncode < 0:
+        name = signal.Signals(-probe.returncode).name
+        return (
+            f"importing sglang.bench_serving in {python} dies of {name} on this CPU (SGLang's CPU kernel, sgl_kernel, "
+            "is built for instructions this CPU lacks, such as AVX-512)"
+        )
+    if probe.returncode != 0:
+        return f"the SGLang environment {python} cannot import sglang.bench_serving: {probe.stderr[-300:]}"
+    return None
 
 
 def run_bench_serving(

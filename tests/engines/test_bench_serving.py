@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.testkit.sglang_bench import SGLANG_PYTHON_ENV, run_bench_serving, sglang_python
+from miles_core.testkit.sglang_bench import (
+    SGLANG_PYTHON_ENV,
+    bench_client_unavailable_reason,
+    run_bench_serving,
+    sglang_python,
+)
 from miles_core.testkit.tiny_models import save_tiny_llama
 from miles_core.testkit.tokenizers import ROLE_TAG_CHAT_TEMPLATE, save_char_tokenizer
 from tests.engines.test_local_engine_hostile import EngineProcess
@@ -30,6 +35,9 @@ def python() -> Path:
             f"no SGLang environment at {path}: run `make sglang`, or set ${SGLANG_PYTHON_ENV} to the python "
             "of an environment where sglang is installed"
         )
+    reason = bench_client_unavailable_reason(path)
+    if reason is not None:  # the client cannot run here, against any server
+        pytest.skip(reason)
     return path
 
 

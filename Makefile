@@ -50,13 +50,16 @@ install: setup browser sglang
 run: setup
 	$(BIN)/miles train
 
-# Two passes: the tests marked serial (tests/conftest.py: CPU-heavy, or with deadlines a loaded machine could miss)
-# run one at a time after the others, which run on TEST_WORKERS workers. Both passes run; either failing fails.
+# Three passes (tests/conftest.py marks them by path): the tests that overlap freely, on TEST_WORKERS workers; then the
+# serial tests marked paired (whole learning runs, runs across hosts: no short deadline) two at a time, a file to a
+# worker; then the other serial tests (RPC and heartbeat deadlines, kill-and-count, real SGLang) one at a time.
+# Every pass runs; any failing fails.
 TEST_WORKERS ?= 2
 test: setup browser sglang
 	$(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile; parallel=$$?; \
-	$(BIN)/python -m pytest -m serial; serial=$$?; \
-	test $$parallel -eq 0 -a $$serial -eq 0
+	$(BIN)/python -m pytest -m "serial and paired" -n 2 --dist loadgroup; paired=$$?; \
+	$(BIN)/python -m pytest -m "serial and not paired"; serial=$$?; \
+	test $$parallel -eq 0 -a $$paired -eq 0 -a $$serial -eq 0
 
 # Installed as users install it: every distribution's wheel in a fresh environment, run from outside the checkout.
 wheels: setup

@@ -38,6 +38,10 @@ SERIAL_TESTS = (
     "tests/test_train_eval_at_k.py",
     "tests/dashboard/test_browser.py",
 )
+"""Tests marked ``serial`` (by path prefix): ``make test`` runs them after the others, which run on several workers
+(pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss. The Megatron model
+tests (a step or a forward of tiny models on two gloo ranks, no deadline under a minute) run with the others: mostly
+process start-up, they overlap well, and CI's 40 minutes need the overlap."""
 PARALLEL_SAFE = (
     "tests/sglang/test_engine_loader.py",  # no server: the loader's checks on files and tensors
     "tests/sglang/test_server_args_table.py",  # no server: SGLang's argument parser, in its own environment
@@ -48,18 +52,47 @@ PARALLEL_SAFE = (
     "tests/dashboard/test_cli.py",  # a dashboard process per test, stop deadlines of 30 s
 )
 """Files under a serial path prefix that run with the others after all: no server start, no deadline, no Ray."""
+PAIRED_TESTS = (
+    "tests/cluster/test_learning_across_hosts.py",
+    "tests/cluster/test_exposure_across_hosts.py",
+    "tests/cluster/test_bad_input_across_hosts.py",
+    "tests/cluster/test_hosts.py",
+    "tests/megatron/test_megatron_train.py",
+    "tests/test_train.py",
+    "tests/test_train_agent.py",
+    "tests/test_train_fully_async.py",
+    "tests/test_train_moe.py",
+    "tests/test_train_eval_at_k.py",
+    "tests/metrics/test_train_exporters.py",
+    "tests/metrics/test_train_trackers.py",
+    "tests/dashboard/test_browser.py",
+)
+"""Serial files that may run beside one other serial file (marked ``paired`` too): whole learning runs and runs across
+hosts, whose only time limits are minutes-long subprocess timeouts, and which leave much of the machine idle (one at
+a time, the serial pass's test processes used 31 CPU-minutes in its 52 minutes on a 2-core AMD EPYC: process and
+engine start-ups, Ray, waits on one rank). ``make test`` runs them on 2 workers, a file to a worker, between the
+parallel pass and the serial tests that run alone: the RPC, health and heartbeat deadlines, the kill-and-count tests,
+real SGLang, and ``tests/test_train_rdt.py`` (it counts NIXL's buffers machine-wide). The multi-host files share one
+harness of namespaces (a session fixture), so they go to one worker together (:data:`HARNESS_GROUP`)."""
+HARNESS_GROUP = "tests/cluster/"
+"""The paired files under this prefix run on one worker, as one group: the session's harness of hosts is built once,
+and two harnesses at once could draw the same subnet."""
 
-"""Tests marked ``serial`` (by path prefix): ``make test`` runs them one at a time after the others, which run on
-several workers (pytest-xdist). They are the CPU-heavy ones and those whose deadlines a loaded machine could miss.
-The Megatron model tests (a step or a forward of tiny models on two gloo ranks, no deadline under a minute) run with
-the others: mostly process start-up, they overlap well, and CI's 45 minutes need the overlap."""
+
+def paired_group(path: str) -> str:
+    """The pytest-xdist group of a paired test (``--dist loadgroup``): its file, or the harness's group."""
+    return HARNESS_GROUP if path.startswith(HARNESS_GROUP) else path
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (it appends each to the test's node id)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(item.path).relative_to(REPO).as_posix()
         if path.startswith(SERIAL_TESTS) and not path.startswith(PARALLEL_SAFE):
             item.add_marker(pytest.mark.serial)
+            if path.startswith(PAIRED_TESTS):
+                item.add_marker(pytest.mark.paired)
+                item.add_marker(pytest.mark.xdist_group(paired_group(path)))
 
 
 def run_miles(

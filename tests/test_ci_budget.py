@@ -107,3 +107,20 @@ def test_the_serial_pass_fails_at_its_end_naming_an_unlisted_long_test(tmp_path)
     assert "CI budget" in guarded.stdout and "test_sleepy.py::test_sleepy" in guarded.stdout
     unguarded = session()
     assert unguarded.returncode == pytest.ExitCode.OK, unguarded.stdout
+
+
+def test_a_paired_pass_allows_each_test_its_share_of_the_machine() -> None:
+    """Two tests at a time: each may take twice the limit before it must be listed, and the passes are guarded by the
+    -m expressions the Makefile gives them."""
+    from tests.ci_budget import GUARDED_PASSES, SerialBudget
+
+    budget = SerialBudget(sharing=GUARDED_PASSES["serial and paired"])
+    budget.slowness = 1.0  # as measured on the reference machine
+    durations = {"tests/test_train.py::test_new": LONG_TEST_S * 1.5}
+    assert unlisted_long_tests(durations, budget.measured_slowness()) == {}
+    assert list(unlisted_long_tests(durations, SerialBudget(GUARDED_PASSES["serial and not paired"]).sharing)) == [
+        "tests/test_train.py::test_new"
+    ]
+    makefile = (REPO / "Makefile").read_text()
+    for expression in ("serial and paired", "serial and not paired"):
+        assert f'-m "{expression}"' in makefile, expression

@@ -79,6 +79,16 @@ HARNESS_GROUP = "tests/cluster/"
 and two harnesses at once could draw the same subnet."""
 
 
+LONGEST_FILES = (
+    "tests/megatron/test_megatron_trainer.py",  # about 500 s: a Megatron launch per layout and algorithm
+    "tests/rollout/test_tool_task_learns.py",  # three agent learning runs of 100 to 150 s
+    "tests/test_train_algorithms.py",  # about 270 s: a run per estimator
+    "tests/rollout/test_prompt_data_train.py",  # the chat math set's learning run, about 100 s
+)
+"""The parallel pass's longest files, handed out first: a worker given one as the pass ends leaves the other idle
+for minutes. A file's tests run on one worker (``--dist loadfile``), and files go out in collection order."""
+
+
 def paired_group(path: str) -> str:
     """The pytest-xdist group of a paired test (``--dist loadgroup``): its file, or the harness's group."""
     return HARNESS_GROUP if path.startswith(HARNESS_GROUP) else path
@@ -93,6 +103,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if path.startswith(PAIRED_TESTS):
                 item.add_marker(pytest.mark.paired)
                 item.add_marker(pytest.mark.xdist_group(paired_group(path)))
+    items.sort(key=_longest_first)  # stable: the others keep their order
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = Path(item.path).relative_to(REPO).as_posix()
+    return LONGEST_FILES.index(path) if path in LONGEST_FILES else len(LONGEST_FILES)
 
 
 def run_miles(

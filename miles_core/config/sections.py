@@ -385,9 +385,8 @@ class TrainSection(Section):
     kl_coef: float | None = pydantic.Field(
         default=None,
         ge=0,
-        description="Weight of the KL to the initial (reference) model; 0 turns it off (None: the estimator's "
-        "default, 0 for grpo and gspo, 0.05 for dr_grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline and ppo).",
+        description="Weight of the KL to the initial (reference) model; 0 turns it off (unset: the advantage "
+        "estimator's own default_kl_coef, which `miles config show` prints; 0 for the default grpo).",
     )
     entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
     advantage_estimator: str = pydantic.Field(

@@ -68,12 +68,13 @@ def resolved_notes(config: MilesConfig) -> list[str]:
 
 
 def estimator_default_notes(config: MilesConfig, registries: Registries) -> list[str]:
-    """``train.kl_coef: ...`` where it is unset: the value the run takes, the estimator's default."""
+    """``train.kl_coef: ...`` where it is unset and the estimator's default weight is not 0 (unset reads as no KL
+    otherwise): the value the run takes."""
     if config.train.kl_coef is not None:
         return []
     estimator = registries.advantage_estimators.get_or_raise(config.train.advantage_estimator).load()
     value = resolve_kl_coef(config.train, estimator)
-    return [f"train.kl_coef: unset, so {config.train.advantage_estimator}'s default, {value:g}"]
+    return [f"train.kl_coef: unset, so {config.train.advantage_estimator}'s default, {value:g}"] if value else []
 
 
 def _where_the_run_is(output_dir: str) -> str:

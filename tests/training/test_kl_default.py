@@ -101,3 +101,17 @@ def test_the_kl_in_the_reward_needs_a_weight(manager: MilesPluginManager) -> Non
         build_config(manager, overrides=overrides)
     on_default = chosen(manager, **{"train.advantage_estimator": "reinforce_plus_plus", "train.kl_placement": "reward"})
     assert on_default.kl_coef == 0.05
+
+
+def test_config_show_notes_an_unset_weight_only_where_the_estimator_gives_one() -> None:
+    """``miles config show``: rloo's unset weight is noted with its value; the default run's output (grpo: no KL) and
+    an explicit weight get no note."""
+    from tests.conftest import run_miles
+
+    noted = run_miles("config", "show", "--train-advantage-estimator", "rloo")
+    assert noted.returncode == 0, noted.stderr
+    assert "# train.kl_coef: unset, so rloo's default, 0.05" in noted.stdout
+    for args in ((), ("--train-advantage-estimator", "rloo", "--train-kl-coef", "0")):
+        shown = run_miles("config", "show", *args)
+        assert shown.returncode == 0, shown.stderr
+        assert "train.kl_coef: unset" not in shown.stdout, args

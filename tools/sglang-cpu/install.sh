@@ -72,4 +72,17 @@ if [ -z "$wheel" ]; then
 fi
 echo "install.sh: SGLang CPU kernel from $wheel" >&2
 "$pip" install -q --no-deps --force-reinstall "$wheel"
-SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c "import sgl_kernel; from sglang.srt.utils.common import cpu_has_amx_support as amx; print('sglang CPU environment ready; AMX:', amx())"
+# The kernel is built for AVX-512: on a CPU without it (some AMD machines) importing it dies of SIGILL. The environment
+# is still whole (the tests that need a server skip, saying why, and so do those that import the kernel); anything
+# else that fails the check fails the install.
+check=0
+SGLANG_USE_CPU_ENGINE=1 "$venv/bin/python" -c "import sgl_kernel; from sglang.srt.utils.common import cpu_has_amx_support as amx; print('sglang CPU environment ready; AMX:', amx())" || check=$?
+if [ "$check" -ne 0 ]; then
+  if [ "$check" -eq 132 ] && ! grep -qw avx512f /proc/cpuinfo; then
+    echo "install.sh: sglang installed, but its CPU kernel cannot load on this CPU (no AVX-512: importing it dies of" \
+      "SIGILL); the tests that need it skip, saying why" >&2
+  else
+    echo "install.sh: the SGLang environment's check failed (exit status $check)" >&2
+    exit "$check"
+  fi
+fi

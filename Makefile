@@ -53,11 +53,13 @@ run: setup
 # Three passes (tests/conftest.py marks them by path): the tests that overlap freely, on TEST_WORKERS workers; then the
 # serial tests marked paired (whole learning runs, runs across hosts: no short deadline) two at a time, a file to a
 # worker; then the other serial tests (RPC and heartbeat deadlines, kill-and-count, real SGLang) one at a time.
+# Files go out in collection order (--no-loadscope-reorder; pytest-xdist would otherwise hand out the files with the
+# most tests first, and a file of three long learning runs last): tests/conftest.py puts the longest first.
 # Every pass runs; any failing fails.
 TEST_WORKERS ?= 2
 test: setup browser sglang
-	$(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile; parallel=$$?; \
-	$(BIN)/python -m pytest -m "serial and paired" -n 2 --dist loadgroup; paired=$$?; \
+	$(BIN)/python -m pytest -m "not serial" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; parallel=$$?; \
+	$(BIN)/python -m pytest -m "serial and paired" -n 2 --dist loadgroup --no-loadscope-reorder; paired=$$?; \
 	$(BIN)/python -m pytest -m "serial and not paired"; serial=$$?; \
 	test $$parallel -eq 0 -a $$paired -eq 0 -a $$serial -eq 0
 

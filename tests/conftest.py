@@ -86,7 +86,9 @@ LONGEST_FILES = (
     "tests/rollout/test_prompt_data_train.py",  # the chat math set's learning run, about 100 s
 )
 """The parallel pass's longest files, handed out first: a worker given one as the pass ends leaves the other idle
-for minutes. A file's tests run on one worker (``--dist loadfile``), and files go out in collection order."""
+for minutes. A file's tests run on one worker (``--dist loadfile``), and files go out in collection order
+(``--no-loadscope-reorder``: by default pytest-xdist hands out the files with the most tests first, which put
+``test_tool_task_learns.py``'s three runs at the very end of the pass, alone on one worker, in a CI run)."""
 
 
 def paired_group(path: str) -> str:

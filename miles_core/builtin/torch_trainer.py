@@ -32,7 +32,7 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.algorithms import choose_algorithm, resolve_kl_coef, trainer_side, with_kl_coef
+from miles_core.training.algorithms import choose_algorithm, trainer_side, with_kl_coef
 from miles_core.training.batch import TrainBatch
 from miles_core.training.critic_targets import with_trainer_advantages
 from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
@@ -80,7 +80,8 @@ class TorchTrainer:
         self.tokenizer_from = tokenizer_from
         self.pad_token_id = hf_config.pad_token_id or 0
         self.objective = objective or Objective(train=settings, policy_loss=PpoClip())
-        self.settings = settings = with_kl_coef(settings, resolve_kl_coef(settings, self.objective.estimator))
+        # The KL weight the objective resolved (the estimator's default where unset): the loss and the reference agree.
+        self.settings = settings = with_kl_coef(settings, self.objective.train.kl_coef)
         self.critic = critic
         estimator = self.objective.estimator
         if (critic is not None) != (estimator is not None and estimator.needs_critic):

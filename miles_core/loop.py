@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from miles_core.training.algorithms import choose_algorithm
 from miles_core.training.backend import TrainingBackend, missing_members, weight_holders
 from miles_core.weight_transfer.auto import AutoProtocol
 from miles_core.weight_transfer.protocol import WeightTransferProtocol
+from miles_core.weight_transfer.routes import LORA_ADAPTERS, EngineCapabilities, capabilities_of
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
@@ -182,6 +184,7 @@ async def _run_with_trainer(
         model_path=str(setup.model_path),
     )
     agent = agent_for_task(config.rollout.task, config.rollout.agent, registries.agents)
+    adapters = _adapter_sync(config, trainer, capabilities_of(backend, config), protocol, agent_run=agent is not None)
     reporter = RunReporter(
         setup.run_dir, total_steps=config.run.num_steps, start_step=setup.start_step, enabled=progress
     )
@@ -220,7 +223,9 @@ async def _run_with_trainer(
             routing=setup.routing,
             encoder=setup.encoder,
         )
-        await _steps(config, manager, setup, trainer, controller, executor, reporter)
+        if adapters and setup.start_step:  # a resumed LoRA run: the engines started on the base
+            await publish_adapter(trainer, controller, setup, setup.start_step)
+        await _steps(config, manager, setup, trainer, controller, executor, reporter, adapters=adapters)
     finally:
         reporter.close()
         if sessions is not None:
@@ -252,7 +257,7 @@ async def _start_session_servers(
     return sessions
 
 
-async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter) -> None:
+async def _steps(config, manager, setup: RunSetup, trainer, controller, executor, reporter, *, adapters: bool) -> None:
     """Steps ``start_step + 1 .. num_steps``. Step N (as in the terminal, metrics.jsonl, the checkpoint
     ``step_N`` and the dashboard) trains on rollout ``N - 1`` and publishes weight version N; step 0 is the eval
     before training."""
@@ -265,13 +270,13 @@ async def _steps(config, manager, setup: RunSetup, trainer, controller, executor
         stream = RolloutStream(executor, controller, config.rollout, state=state)
         stream.start()
     try:
-        await _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream)
+        await _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream, adapters)
     finally:
         if stream is not None:
             await stream.stop()
 
 
-async def _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream) -> None:
+async def _step_loop(config, manager, setup, trainer, controller, executor, reporter, stream, adapters) -> None:
     bucket_bytes = config.weight_transfer.bucket_size_mb << 20
     next_rollout = None
     for rollout_id in range(setup.start_step, config.run.num_steps):
@@ -285,12 +290,15 @@ async def _step_loop(config, manager, setup, trainer, controller, executor, repo
         if config.run.schedule == "one_step_off" and step < config.run.num_steps:
             next_rollout = asyncio.create_task(_rollout(manager, controller, executor, rollout_id + 1))
         train_metrics = await phases.run("train", asyncio.to_thread(trainer.train_step, rollout.batch))
-        report = await phases.run(
-            "weight_update",
-            controller.update_weights(
-                lambda: trainer.weight_iterator(bucket_bytes), version=step, holders=weight_holders(trainer)
-            ),
-        )
+        if adapters:
+            report = await phases.run("weight_update", publish_adapter(trainer, controller, setup, step))
+        else:
+            report = await phases.run(
+                "weight_update",
+                controller.update_weights(
+                    lambda: trainer.weight_iterator(bucket_bytes), version=step, holders=weight_holders(trainer)
+                ),
+            )
         metrics = {
             **rollout.stats,
             **{f"train/{k}": v for k, v in train_metrics.items()},
@@ -307,6 +315,53 @@ async def _step_loop(config, manager, setup, trainer, controller, executor, repo
         metrics["time/step"] = time.time() - phases.started
         manager.hook.on_metrics(rollout_id=rollout_id, step=step, metrics=metrics)
         reporter.step(step, metrics, labels={"weight_transfer/protocol": report.protocol})
+
+
+ADAPTERS = "adapters"
+"""The run directory's folder of the adapters published to the engines (LoRA), one per weight version."""
+ADAPTERS_KEPT = 2
+"""Published adapters kept on disk: the one served and the one before (a restarted engine loads the newest)."""
+
+
+def _adapter_sync(
+    config: MilesConfig, trainer: Any, capabilities: EngineCapabilities, protocol: Any, *, agent_run: bool
+) -> bool:
+    """Whether the engines get the trainer's LoRA adapter alone after each step (engines that serve adapters), or,
+    said here once, the merged weights through the run's protocol; ``False`` without LoRA."""
+    lora = getattr(trainer, "lora", None)
+    if lora is None:
+        return False
+    if not capabilities.serves(LORA_ADAPTERS):
+        print(
+            f"miles: LoRA rank {lora.rank}: the {config.engine.backend} engines serve no adapters, so each step "
+            f"sends them the merged weights (base + adapter) through the {protocol.name} protocol",
+            flush=True,
+        )
+        return False
+    if agent_run:
+        raise ConfigError(
+            "LoRA (--train-lora-rank) generates through /generate with the adapter's lora_path; agent runs' "
+            "session servers do not pass it yet: run LoRA without an agent"
+        )
+    print(
+        f"miles: LoRA rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.target_modules)}: after each step "
+        "the engines load the adapter alone (/load_lora_adapter by path), checked by its digest",
+        flush=True,
+    )
+    return True
+
+
+async def publish_adapter(trainer: Any, controller: InferenceController, setup: RunSetup, step: int):
+    """Write the trainer's adapter under the run directory and have every engine serve it as version ``step``;
+    adapters older than the last :data:`ADAPTERS_KEPT` are removed."""
+    directory = setup.run_dir / ADAPTERS / f"step_{step:06d}"
+    if directory.exists():  # a resumed run publishes a step again
+        shutil.rmtree(directory)
+    digest = await asyncio.to_thread(trainer.save_adapter, directory)
+    report = await controller.update_adapter(directory, version=step, digest=digest)
+    for old in sorted((setup.run_dir / ADAPTERS).glob("step_*"))[:-ADAPTERS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    return report
 
 
 def save_checkpoint(trainer: Any, setup: RunSetup, step: int, stream_state: StreamState | None = None) -> Path:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import transformers
+
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
 from miles_core.errors import ConfigError, MilesError
@@ -30,6 +32,7 @@ from miles_core.rollout.prompts import Prompt
 from miles_core.rollout.reward_specs import REMOTE, check_reward_specs, parse_reward_spec
 from miles_core.rollout.rewards import BatchReward, CompositeReward, RewardPart, RewardPlan
 from miles_core.targets import describe_callable, registered_or_target
+from miles_core.training.lora import LoraSettings, check_target_modules
 from miles_core.workers.rpc.wire import new_run_token
 
 if TYPE_CHECKING:
@@ -102,7 +105,17 @@ def prepare_run(config: MilesConfig, registries: Registries) -> RunSetup:
     )
     if config.run.resume:
         resume_from_latest(setup, num_steps=config.run.num_steps)
+    check_lora_targets(config, setup.model_path)
     return setup
+
+
+def check_lora_targets(config: MilesConfig, model_path: Path) -> None:
+    """With LoRA, every target module names linear layers of the model (its config.json, built on the meta device):
+    a :class:`ConfigError` before any worker starts otherwise."""
+    lora = LoraSettings.of(config.train)
+    if lora is not None:
+        model_config = transformers.AutoConfig.from_pretrained(model_path, local_files_only=True)
+        check_target_modules(model_config, lora.target_modules)
 
 
 def resume_from_latest(setup: RunSetup, *, num_steps: int) -> None:

@@ -2,7 +2,9 @@
 ``FAMILY/transformers``; ``--model-impl FAMILY=NAME`` chooses another) trained in this process with the PPO-clip
 loss on GRPO advantages (importance ratio against the rollout logprobs), optional KL to a frozen reference model and
 an entropy bonus; micro-batches, AdamW or SGD (optionally reset after every step) and gradient clipping; checkpoints
-in HF format plus optimizer state."""
+in HF format plus optimizer state. With ``--train-lora-rank``, adapters (``peft``) train over the frozen base: only
+their parameters are in the optimizer, checkpoints hold the adapter in peft's format beside the unchanged base, and
+the engines receive the adapter alone (see :meth:`TorchTrainer.save_adapter`)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import MilesError
 from miles_core.models.causal_lm import CausalLM
 from miles_core.models.hf_checkpoint import (
+    checkpoint_named_tensors,
     load_causal_lm,
     require_checkpoint_dir,
     save_hf_checkpoint,
@@ -35,6 +38,15 @@ from miles_core.registry import ANY_FAMILY, Implementation
 from miles_core.training.algorithms import choose_algorithm, trainer_side, with_kl_coef
 from miles_core.training.batch import TrainBatch
 from miles_core.training.critic_targets import with_trainer_advantages
+from miles_core.training.lora import (
+    LoraSettings,
+    adapter_digest,
+    adapter_tensors,
+    add_adapter,
+    base_and_merged,
+    load_adapter_weights,
+    save_adapter,
+)
 from miles_core.training.losses import entropy, kl_per_token, logits_dtype, token_logprobs
 from miles_core.training.objective import Objective, StepShape, averaged, mini_batches, objective_from_spec
 from miles_core.training.optimizer import build_optimizer
@@ -48,6 +60,8 @@ if TYPE_CHECKING:
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
+ADAPTER_DIR = "adapter"
+"""A LoRA checkpoint's adapter, in peft's format (``PeftModel.from_pretrained(base, checkpoint / ADAPTER_DIR)``)."""
 DEFAULT_IMPLEMENTATION = "transformers"
 
 
@@ -68,13 +82,17 @@ class TorchTrainer:
         tokenizer_from: str | Path | None = None,
         objective: Objective | None = None,
         critic: Critic | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
+        """``lora``: train a LoRA adapter over the frozen ``model`` (a transformers one) instead of every weight."""
         torch.manual_seed(seed)
         if isinstance(model, transformers.PreTrainedModel):
             hf_config = hf_config or model.config
             model = TransformersCausalLM(model)
         if hf_config is None:
             raise MilesError("TorchTrainer needs the checkpoint's hf_config for a non-transformers model")
+        self.lora = lora
+        self.adapter = _with_adapter(model, lora) if lora is not None else None
         self.model = model.train()
         self.hf_config = hf_config
         self.tokenizer_from = tokenizer_from
@@ -86,19 +104,41 @@ class TorchTrainer:
         estimator = self.objective.estimator
         if (critic is not None) != (estimator is not None and estimator.needs_critic):
             raise MilesError("a critic is trained exactly when the objective's estimator needs one (ppo)")
-        self.optimizer = build_optimizer(model.parameters(), settings)
+        self.optimizer = build_optimizer(self.trained_parameters(), settings)
         self.logits_dtype = logits_dtype(settings.logits_dtype)
-        self.reference = _frozen(reference or copy.deepcopy(model)) if settings.kl_coef > 0 else None
+        self.reference = self._reference(reference) if settings.kl_coef > 0 else None
         self.step = 0
         self.implementation = f"{getattr(hf_config, 'model_type', 'model')}/{type(model).__name__}"  # for_run names it
 
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer steps: every one, or with LoRA the adapter's alone."""
+        return [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+
+    def _reference(self, reference: torch.nn.Module | None) -> torch.nn.Module:
+        """The frozen KL reference: the one given, the base under the adapter (LoRA: no copy), or a copy."""
+        if reference is not None:
+            return _frozen(reference)
+        if self.adapter is not None:
+            return _AdapterDisabled(self.model, self.adapter)
+        return _frozen(copy.deepcopy(self.model))
+
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, settings: Any, *, seed: int = 0, objective: Objective | None = None
+        cls,
+        path: str | Path,
+        settings: Any,
+        *,
+        seed: int = 0,
+        objective: Objective | None = None,
+        lora: LoraSettings | None = None,
     ) -> TorchTrainer:
-        """The trainer of the HF checkpoint ``path`` (``objective``: the run's loss; default PPO-clip, token-mean)."""
+        """The trainer of the HF checkpoint ``path`` (``objective``: the run's loss; default PPO-clip, token-mean;
+        ``lora``: a LoRA adapter trained over it, by default ``settings``' own)."""
         tokenizer_from = path if tokenizer_files(path) else None
-        return cls(load_causal_lm(path), settings, seed=seed, tokenizer_from=tokenizer_from, objective=objective)
+        lora = lora or LoraSettings.of(settings)
+        return cls(
+            load_causal_lm(path), settings, seed=seed, tokenizer_from=tokenizer_from, objective=objective, lora=lora
+        )
 
     @classmethod
     def for_run(
@@ -133,7 +173,14 @@ class TorchTrainer:
             max_new_tokens=config.rollout.max_new_tokens,
         )
         train = with_kl_coef(config.train, algorithm.kl_coef)
-        reference = load(initial_model_path) if algorithm.kl_coef > 0 else None
+        lora = LoraSettings.of(train)
+        if lora is not None and name.rsplit("/", 1)[-1] != DEFAULT_IMPLEMENTATION:
+            raise MilesError(
+                f"LoRA (--train-lora-rank) trains through peft on the transformers implementation; the model "
+                f"implementation {name!r} has no LoRA: drop --model-impl"
+            )
+        # with LoRA the reference is the frozen base under the adapter (no second copy)
+        reference = load(initial_model_path) if algorithm.kl_coef > 0 and lora is None else None
         objective = objective_from_spec(train, algorithm.trainer_spec())
         critic = None
         if algorithm.estimator.needs_critic:
@@ -150,6 +197,7 @@ class TorchTrainer:
             tokenizer_from=initial_model_path,
             objective=objective,
             critic=critic,
+            lora=lora,
         )
         trainer.implementation = f"{hf_config.model_type}/{name}"
         return trainer
@@ -222,7 +270,7 @@ class TorchTrainer:
             metrics = self._accumulate(tensors, weight, old_logprobs)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained_parameters(), self.settings.max_grad_norm)
         if not self._critic_warming_up():
             self.optimizer.step()
         if self.settings.reset_optimizer_states:
@@ -278,8 +326,26 @@ class TorchTrainer:
         return {key: float(value.detach()) for key, value in metrics.items()}
 
     def weight_iterator(self, bucket_bytes: int) -> HfWeightIterator:
-        """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them)."""
+        """The HF-named weights, in buckets (tied weights once, as HF checkpoints store them); with LoRA, the base
+        with the adapter merged in (for engines that cannot take adapters; the base itself is never changed)."""
+        if self.adapter is not None:
+            return LoraWeightIterator(self.model.model, merged=True, bucket_bytes=bucket_bytes)
         return CausalLMWeightIterator(self.model, bucket_bytes=bucket_bytes)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """LoRA: the adapter's tensors under peft's saved names."""
+        if self.adapter is None:
+            raise MilesError("this trainer trains no LoRA adapter (--train-lora-rank)")
+        return adapter_tensors(self.adapter)
+
+    def save_adapter(self, directory: str | Path) -> str:
+        """LoRA: write the adapter in peft's format to ``directory`` (what engines load by path, as SGLang's
+        ``/load_lora_adapter``) and return its digest (:func:`~miles_core.training.lora.adapter_digest`), which the
+        engines' report of what they loaded must match."""
+        if self.adapter is None:
+            raise MilesError("this trainer trains no LoRA adapter (--train-lora-rank)")
+        save_adapter(self.adapter, directory)
+        return adapter_digest(adapter_tensors(self.adapter))
 
     def weight_holders(self) -> InProcessHolders:
         """The driver as the one holder of the weights (the degenerate case of protocols that send from holders)."""
@@ -290,12 +356,14 @@ class TorchTrainer:
         written atomically."""
         directory = Path(directory)
         partial = directory.with_name(directory.name + ".partial")
-        save_hf_checkpoint(
-            partial,
-            dict(self.weight_iterator(1 << 62).named_tensors()),
-            self.hf_config,
-            tokenizer_from=self.tokenizer_from,
+        weights = (
+            LoraWeightIterator(self.model.model, merged=False, bucket_bytes=1 << 62)
+            if self.adapter is not None
+            else self.weight_iterator(1 << 62)
         )
+        save_hf_checkpoint(partial, dict(weights.named_tensors()), self.hf_config, tokenizer_from=self.tokenizer_from)
+        if self.adapter is not None:  # the base above is the run's unchanged one, so the directory is a --model
+            save_adapter(self.adapter, partial / ADAPTER_DIR)
         torch.save(self.optimizer.state_dict(), partial / OPTIMIZER_FILE)
         if self.critic is not None:
             self.critic.save(partial)
@@ -306,11 +374,15 @@ class TorchTrainer:
         return directory
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Restore weights, optimizer and step from :meth:`save_checkpoint`'s directory; returns its state."""
+        """Restore weights (LoRA: the adapter; the base is the checkpoint's own, which the trainer was built from),
+        optimizer and step from :meth:`save_checkpoint`'s directory; returns its state."""
         directory = Path(directory)
         try:
-            loaded = type(self.model).from_pretrained(directory)
-            self.model.load_state_dict(loaded.state_dict())
+            if self.adapter is not None:
+                load_adapter_weights(self.adapter, directory / ADAPTER_DIR)
+            else:
+                loaded = type(self.model).from_pretrained(directory)
+                self.model.load_state_dict(loaded.state_dict())
             self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
             if self.critic is not None:
                 self.critic.load(directory)
@@ -340,6 +412,37 @@ class CausalLMWeightIterator(HfWeightIterator):
     def named_tensors(self):
         for name, tensor in unique_named_tensors(self.model.hf_state_dict().items()):
             yield name, tensor.detach()
+
+
+class LoraWeightIterator(HfWeightIterator):
+    """A LoRA model's weights under their HF checkpoint names: the frozen base, or (``merged``) the base with the
+    adapter merged in, computed as new tensors."""
+
+    def __init__(self, model: transformers.PreTrainedModel, *, merged: bool, bucket_bytes: int) -> None:
+        super().__init__(bucket_bytes=bucket_bytes)
+        self.model, self.merged = model, merged
+
+    def named_tensors(self):
+        yield from checkpoint_named_tensors(self.model, base_and_merged(self.model, merged=self.merged))
+
+
+class _AdapterDisabled(torch.nn.Module):
+    """A LoRA model's frozen base as a model of its own: the forward runs with the adapter switched off."""
+
+    def __init__(self, model: torch.nn.Module, adapter: Any) -> None:
+        super().__init__()
+        self._model, self._adapter = [model], adapter  # in a list: not a submodule (its parameters are not ours)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with self._adapter.disable_adapter():
+            return self._model[0](input_ids)
+
+
+def _with_adapter(model: CausalLM, lora: LoraSettings) -> Any:
+    """A peft adapter injected into a :class:`TransformersCausalLM`'s transformers model (in place)."""
+    if not isinstance(model, TransformersCausalLM):
+        raise MilesError(f"LoRA trains a transformers model through peft; got a {type(model).__name__}")
+    return add_adapter(model.model, lora)
 
 
 def _loader(entry: Implementation) -> Callable[[str | Path], CausalLM]:

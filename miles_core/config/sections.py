@@ -453,6 +453,52 @@ class TrainSection(Section):
         "weights from its own router logits.",
     )
 
+    lora_rank: int | None = pydantic.Field(
+        default=None,
+        ge=1,
+        description="LoRA: the rank of the adapters trained over the frozen base (peft), which alone reach the "
+        "engines after each step; at least 1; unset: no LoRA, every weight trains.",
+    )
+    lora_alpha: float | None = pydantic.Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="LoRA: alpha (the update scaled by alpha / rank); None: the rank.",
+    )
+    lora_dropout: float = pydantic.Field(
+        default=0.0, ge=0.0, lt=1.0, description="LoRA: dropout on the adapters' input while training."
+    )
+    lora_target_modules: list[str] = pydantic.Field(
+        default_factory=lambda: ["all-linear"],
+        min_length=1,
+        description="LoRA: the layers that get adapters, by name (q_proj,v_proj; matched against each module "
+        "path's last parts) or the preset all-linear (every linear layer but the output head).",
+    )
+
+    @pydantic.field_validator("lora_target_modules", mode="before")
+    @classmethod
+    def _target_names(cls, value: object) -> object:
+        """``--train-lora-target-modules q_proj,v_proj`` as well as a YAML list."""
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @pydantic.model_validator(mode="after")
+    def _lora_settings_need_rank(self) -> TrainSection:
+        # by value, not by the fields set: a section dumped and validated again (the Megatron ranks) sets them all
+        given = [
+            name
+            for name, value in (
+                ("lora_alpha", self.lora_alpha),
+                ("lora_dropout", self.lora_dropout or None),
+                ("lora_target_modules", None if self.lora_target_modules == ["all-linear"] else True),
+            )
+            if value is not None
+        ]
+        if given and self.lora_rank is None:
+            raise ValueError(f"{', '.join(given)} set without lora_rank (--train-lora-rank): give the LoRA rank too")
+        return self
+
     removed_fields: ClassVar[Mapping[str, str]] = {
         "normalize_advantages": "GRPO's std division is a setting of the grpo estimator now: "
         "--train-advantage-estimator-settings '{\"normalize_std\": false}', or --train-advantage-estimator dr_grpo"

@@ -65,8 +65,10 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | list[str] | None = None,
         return_routed_experts: bool = False,
+        lora_path: str | None = None,
     ) -> Any:
-        """``/generate`` with token ids: one response dict, or a list for a batch of prompts."""
+        """``/generate`` with token ids: one response dict, or a list for a batch of prompts; ``lora_path`` names a
+        loaded LoRA adapter to generate with (SGLang's field; None: the base)."""
         body: dict[str, Any] = {
             "input_ids": input_ids,
             "sampling_params": sampling_params or {},
@@ -76,6 +78,8 @@ class EngineClient:
             body["return_routed_experts"] = True
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:  # only when asked: an engine without adapters refuses the key
+            body["lora_path"] = lora_path
         return await self._request("POST", "/generate", body)
 
     async def generate_outputs(
@@ -85,10 +89,12 @@ class EngineClient:
         *,
         return_logprob: bool = True,
         routing: RoutingShape | None = None,
+        lora_path: str | None = None,
     ) -> GenerateOutput | list[GenerateOutput]:
         """``/generate`` with token ids, the answer checked and typed: one :class:`GenerateOutput` for one prompt
         (a list of ids), a list of them for a batch (a list of lists; ``params`` one for all, or one per prompt).
-        ``routing`` (the model's :class:`RoutingShape`) asks for every token's routed experts (routing replay).
+        ``routing`` (the model's :class:`RoutingShape`) asks for every token's routed experts (routing replay);
+        ``lora_path`` names the loaded LoRA adapter to generate with.
         A malformed answer is an :class:`EngineError` naming this engine. (:meth:`generate` keeps SGLang's raw
         JSON, for callers that read more of it.)"""
         batch = bool(input_ids) and isinstance(input_ids[0], list)
@@ -103,9 +109,15 @@ class EngineClient:
         if isinstance(sampling, list) and all(one == sampling[0] for one in sampling):
             sampling = sampling[0]  # one object for the batch: fewer bytes, and what a router accepts
         if isinstance(sampling, list) and self.is_router:
-            return await self._generate_per_setting(input_ids, params, return_logprob=return_logprob, routing=routing)
+            return await self._generate_per_setting(
+                input_ids, params, return_logprob=return_logprob, routing=routing, lora_path=lora_path
+            )
         answer = await self.generate(
-            input_ids, sampling, return_logprob=return_logprob, return_routed_experts=routing is not None
+            input_ids,
+            sampling,
+            return_logprob=return_logprob,
+            return_routed_experts=routing is not None,
+            lora_path=lora_path,
         )
         engine = f"{self.name} ({self.url})"
         prompts = input_ids if batch else [input_ids]
@@ -132,6 +144,7 @@ class EngineClient:
         *,
         return_logprob: bool,
         routing: RoutingShape | None,
+        lora_path: str | None,
     ) -> list[GenerateOutput]:
         """A batch for a router, whose ``/generate`` takes one ``sampling_params`` object for all of a batch's
         prompts (a list is a 422): one request per distinct setting, at once, the answers in the prompts' order."""
@@ -142,7 +155,11 @@ class EngineClient:
         answers = await asyncio.gather(
             *(
                 self.generate_outputs(
-                    [input_ids[i] for i in group], params[group[0]], return_logprob=return_logprob, routing=routing
+                    [input_ids[i] for i in group],
+                    params[group[0]],
+                    return_logprob=return_logprob,
+                    routing=routing,
+                    lora_path=lora_path,
                 )
                 for group in groups
             )
@@ -298,6 +315,15 @@ class EngineClient:
         return await self._control(
             "/update_weight_version", new_version=new_version, abort_all_requests=abort_all_requests
         )
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """SGLang's ``/load_lora_adapter``: the peft adapter directory ``lora_path`` served as ``lora_name``; the
+        local engine's answer adds the ``digest`` of the adapter as served."""
+        return await self._control("/load_lora_adapter", lora_name=lora_name, lora_path=lora_path)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict:
+        """SGLang's ``/unload_lora_adapter``."""
+        return await self._control("/unload_lora_adapter", lora_name=lora_name)
 
     async def weights_checksum(self) -> str:
         """The served weights' checksum (local engine only)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -25,6 +27,8 @@ from miles_core.errors import MilesError
 from miles_core.events import EngineInfo, EngineWorker, RouterInfo
 from miles_core.progress import notice
 from miles_core.training.weight_iterator import bucketize
+from miles_core.weight_transfer.adapters import PROTOCOL_NAME as ADAPTER_PROTOCOL
+from miles_core.weight_transfer.adapters import PublishedAdapter, adapter_name, load_on_engine
 from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.holders import WeightHolders
 from miles_core.weight_transfer.protocol import (
@@ -105,6 +109,12 @@ class InferenceController:
         self.reports: list[TransferReport] = []
         self.router: WorkerInfo | None = None  # the backend's router (``EngineBackend.router_spec``), if any
         self.router_client: EngineClient | None = None
+        self.adapter: PublishedAdapter | None = None  # LoRA: the adapter every engine serves, once one was published
+
+    @property
+    def lora_name(self) -> str | None:
+        """LoRA: the name of the adapter generation runs with (``lora_path``); ``None``: the base weights."""
+        return self.adapter.name if self.adapter is not None else None
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 
@@ -232,7 +242,9 @@ class InferenceController:
 
     async def _republish(self) -> None:
         """Every engine (a restarted one among them) given the published version again."""
-        if self.published_by_holders:
+        if self.adapter is not None:
+            await asyncio.gather(*(load_on_engine(c, self.adapter, previous=None) for c in self.engine_clients()))
+        elif self.published_by_holders:
             await self._connect(force=True)
             await self.protocol.republish(self.version)
         elif self.published:
@@ -261,6 +273,35 @@ class InferenceController:
         finally:
             self._updating = False
         self.published, self.published_by_holders = published, from_holders
+        self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
+        self.reports.append(report)
+        return report
+
+    async def update_adapter(self, path: Path, *, version: int, digest: str) -> TransferReport:
+        """LoRA: publish the adapter the trainer wrote to ``path`` (peft's format; ``digest`` its tensors') as
+        ``version`` on every engine, which loads it by path (SGLang's ``/load_lora_adapter``) and then serves it to
+        every generation; the engines' base weights are never sent."""
+        adapter = PublishedAdapter(path=path, name=adapter_name(version), digest=digest, version=version)
+        previous = self.lora_name
+        started = time.perf_counter()
+        self._updating = True
+        try:
+            async with self._weights_lock, self.monitor.paused(), self._generation_paused():
+                self.hooks.before_weight_update(version=version, protocol=self.protocol)
+                clients = self.engine_clients()
+                checked = await asyncio.gather(*(load_on_engine(c, adapter, previous=previous) for c in clients))
+                self.adapter, self.version = adapter, version
+        finally:
+            self._updating = False
+        report = TransferReport(
+            ADAPTER_PROTOCOL,
+            version,
+            adapter.num_bytes,
+            time.perf_counter() - started,
+            len(clients),
+            True if checked and all(checked) else None,  # every digest compared (a mismatch raised)
+            digest,
+        )
         self.hooks.after_weight_update(version=version, protocol=self.protocol, report=report)
         self.reports.append(report)
         return report

@@ -357,7 +357,9 @@ class RolloutExecutor:
     async def _generate_on(self, client: EngineClient, share: list[Sample], params: SamplingParams) -> None:
         prompts = [s.prompt_ids + s.response_ids for s in share]  # a cut request continues after its tokens
         per_sample = [_continued(params, s) for s in share]
-        extra = {"routing": self.routing} if self.routing is not None else {}  # asked only with routing replay
+        extra: dict[str, Any] = {"routing": self.routing} if self.routing is not None else {}  # routing replay
+        if self.controller.lora_name is not None:  # LoRA: the trainer's adapter, once one was published
+            extra["lora_path"] = self.controller.lora_name
         outputs: list[GenerateOutput | BaseException]
         if client.is_router:  # one request per sample, so that the router can spread them over its engines
             outputs = await asyncio.gather(

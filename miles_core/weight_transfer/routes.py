@@ -35,6 +35,9 @@ CHECKSUM = "checksum"
 """``/weights_checksum``: the engine reports a digest of the weights it serves (Miles' local engine)."""
 WEIGHTS_BY_NAME = "weights_by_name"
 """``/get_weights_by_name``: the engine reads a parameter back (SGLang)."""
+LORA_ADAPTERS = "lora_adapters"
+"""``/load_lora_adapter`` and ``/unload_lora_adapter`` by path, ``lora_path`` on ``/generate``: the engine serves LoRA
+adapters (Miles' local engine; SGLang started with ``--enable-lora``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +61,9 @@ class EngineCapabilities:
         return cls(frozenset(value["routes"]), value.get("staging_loader"), int(value.get("tp_size", 1)))
 
 
-LOCAL_ENGINE = EngineCapabilities(frozenset({DISK, DISTRIBUTED, STAGING_SWAP, STAGING_COPY, TENSOR_BYTES, CHECKSUM}))
+LOCAL_ENGINE = EngineCapabilities(
+    frozenset({DISK, DISTRIBUTED, STAGING_SWAP, STAGING_COPY, TENSOR_BYTES, CHECKSUM, LORA_ADAPTERS})
+)
 """Miles' local engine (``miles_core.builtin.local_engine.server``)."""
 SGLANG_HTTP_API = EngineCapabilities(frozenset({DISK, DISTRIBUTED}))
 """Any server of SGLang's HTTP API without Miles' loader: what a backend that declares nothing is taken to serve."""

@@ -130,7 +130,7 @@ def test_stop_token_and_greedy(engine) -> None:
         ({"input_ids": [[1], "x"]}, "input_ids must be a non-empty list"),
         ({"text": "hello"}, "no tokenizer"),
         ({"input_ids": [[1], [2]], "stream": True}, "stream=true takes one prompt"),
-        ({"input_ids": [1], "lora_path": "adapter"}, "'lora_path' = 'adapter' is not supported"),
+        ({"input_ids": [1], "lora_path": "adapter"}, "lora_path 'adapter' names no loaded adapter"),
         ({}, "send input_ids"),
     ],
 )

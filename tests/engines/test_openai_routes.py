@@ -410,7 +410,7 @@ def test_bench_servings_native_payload_is_accepted(engine) -> None:
     ("extra", "match"),
     [
         ({"frobnicate": 1}, "unknown field 'frobnicate'"),
-        ({"lora_path": "adapter"}, "field 'lora_path' = 'adapter' is not supported"),
+        ({"lora_path": "adapter"}, "lora_path 'adapter' names no loaded adapter"),
         ({"image_data": "http://x/y.png"}, "image_data"),
         ({"return_hidden_states": True}, "return_hidden_states"),
         ({"logprob_start_len": 0}, "logprob_start_len"),

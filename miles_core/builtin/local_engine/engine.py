@@ -29,6 +29,7 @@ import torch
 import transformers
 
 from miles_core.builtin.local_engine.batch_generation import new_running_batch
+from miles_core.builtin.local_engine.lora_adapters import LoraAdapters
 from miles_core.builtin.local_engine.running_batch import result_of
 from miles_core.builtin.local_engine.sampling import MAX_TOP_LOGPROBS, GenerationRequest, GenerationResult, Sampler
 from miles_core.engines.staging import confined_staging_file, weight_staging_dir
@@ -45,10 +46,10 @@ from miles_core.engines.weights import (
     read_checkpoint_dir,
     read_safetensors_file,
     swap_in_named_tensors,
-    unique_named_tensors,
 )
 from miles_core.errors import MilesError
 from miles_core.models.hf_checkpoint import checkpoint_named_tensors, load_causal_lm
+from miles_core.training.lora import base_and_merged
 from miles_core.weight_transfer.digests import checksum
 from miles_core.weight_transfer.staging_layout import StagingLayout, map_staging_file
 
@@ -142,6 +143,7 @@ class LocalEngine:
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._staging: dict[tuple[str, int], torch.Tensor] = {}  # mapped shared-memory staging files
+        self.adapters = LoraAdapters(self.model)  # LoRA adapters by name; the running batch runs one at a time
 
     # -- generation -----------------------------------------------------------------------------------------
 
@@ -192,6 +194,11 @@ class LocalEngine:
             raise RequestError(
                 f"return_routed_experts: {self._batch.routing_refusal}; ask for it only of an MoE model whose "
                 "routing can be captured (Qwen3-MoE)"
+            )
+        if request.lora_name is not None and request.lora_name not in self.adapters.paths:
+            raise RequestError(
+                f"lora_path {request.lora_name[:200]!r} names no loaded adapter (loaded: {self.adapters.describe()}); "
+                "load it with /load_lora_adapter"
             )
         return dataclasses.replace(request, input_ids=list(ids), params=params)
 
@@ -347,13 +354,17 @@ class LocalEngine:
         if any(item.solo for item in self._batch.rows):
             return []
         joining: list[_Pending] = []
+        adapter = _adapter_of([*self._batch.rows, *self._waiting])
         while self._waiting and len(self._batch) + len(joining) < self.max_batch_size:
             item = self._waiting[0]
-            if item.solo and (joining or self._batch.rows):
-                break
+            if (item.solo and (joining or self._batch.rows)) or item.request.lora_name != adapter:
+                break  # one adapter per batch: the next one's requests wait for this batch to drain
             self._waiting.popleft()
             if item.request.cancel.is_set() or item.future.done():  # its caller went away while it was queued
                 self._settle(item, result=self._result(item, CANCELLED))
+                continue
+            if adapter is not None and adapter not in self.adapters.paths:  # unloaded while it was queued
+                self._settle(item, error=RequestError(f"the adapter {adapter!r} was unloaded"))
                 continue
             if item.sampler is None:
                 default_seed = self.seed * 1_000_003 + self._requests
@@ -372,6 +383,7 @@ class LocalEngine:
         """Prefill ``joining`` into the batch together; if that fails, one by one, so that a fault fails only the
         request it is in (the batch is untouched by a failed prefill)."""
         try:
+            self.adapters.activate(joining[0].request.lora_name)
             self._batch.prefill(joining)
         except Exception as exc:
             if len(joining) == 1:
@@ -388,6 +400,7 @@ class LocalEngine:
         if not self._batch.rows:
             return
         try:
+            self.adapters.activate(self._batch.rows[0].request.lora_name)
             self._batch.step()
         except Exception as exc:
             rows = self._batch.clear()
@@ -619,10 +632,22 @@ class LocalEngine:
         return self._load(received, weight_version)
 
     def weights_checksum(self) -> str:
-        """SHA-256 of the served weights (see :func:`miles_core.weight_transfer.digests.checksum`)."""
+        """SHA-256 of the served (base) weights, LoRA adapters left out (see
+        :func:`miles_core.weight_transfer.digests.checksum`)."""
         with self._weights_held(change=False):
             # under the names the trainers send (a MoE's experts one by one), so both sides' checksums agree
-            return checksum(checkpoint_named_tensors(self.model, unique_named_tensors(self.model.state_dict().items())))
+            return checksum(checkpoint_named_tensors(self.model, base_and_merged(self.model, merged=False)))
+
+    def load_lora_adapter(self, name: str, path: str) -> str:
+        """Load the peft adapter directory ``path`` as ``name`` (between two steps, as a weight update; requests
+        paused in place are prefilled again); returns the digest of the adapter as served."""
+        with self._weights_held():
+            return self.adapters.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Remove the adapter ``name``; its queued requests fail, saying so."""
+        with self._weights_held():
+            self.adapters.unload(name)
 
     def begin_weight_update(self) -> None:
         """Open the weight-update session that distributed updates need (one at a time, as SGLang)."""
@@ -638,6 +663,11 @@ class LocalEngine:
     def destroy_group(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:
             raise MilesError(f"no weight update group {group_name!r}")
+
+
+def _adapter_of(items: Sequence[_Pending]) -> str | None:
+    """The adapter the batch runs: its rows' (all share one), else the first queued request's."""
+    return items[0].request.lora_name if items else None
 
 
 def _resolve(waiter: asyncio.Future) -> None:

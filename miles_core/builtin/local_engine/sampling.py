@@ -80,6 +80,7 @@ class GenerationRequest:
     top_logprobs_num: int = 0  # the most likely tokens to report at each position, with their logprobs
     on_token: TokenCallback | None = None  # streaming: told each token as it is sampled
     return_routed_experts: bool = False  # report the experts of every token run (an MoE model's routing)
+    lora_name: str | None = None  # the loaded LoRA adapter to generate with (SGLang's lora_path); None: the base
 
 
 @dataclasses.dataclass

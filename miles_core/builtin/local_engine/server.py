@@ -47,6 +47,7 @@ from starlette.routing import Route
 
 from miles_core import __version__
 from miles_core.builtin.local_engine.engine import LocalEngine, TokenUpdate, check_weight_version
+from miles_core.builtin.local_engine.lora_adapters import MAX_NAME_CHARS, AdapterError, check_adapter_name
 from miles_core.builtin.local_engine.openai_routes import OpenAIRoutes
 from miles_core.builtin.local_engine.sampling import (
     MAX_TOP_LOGPROBS,
@@ -84,6 +85,8 @@ from miles_core.workers.rpc.wire import TOKEN_ENV
 
 MAX_RID_CHARS = 256
 STAGING_FIELDS = ("staging_path", "buffer_size", "layout", "swap", "weight_version")
+LORA_LOAD_FIELDS = ("lora_name", "lora_path", "pinned", "lora_id")
+LORA_UNLOAD_FIELDS = ("lora_name", "lora_id")
 
 GENERATE_FIELDS = frozenset(
     {
@@ -96,6 +99,7 @@ GENERATE_FIELDS = frozenset(
         "top_logprobs_num",
         "return_text_in_logprobs",
         "return_routed_experts",
+        "lora_path",
         "log_metrics",
         "model",
     }
@@ -104,7 +108,6 @@ GENERATE_FIELDS = frozenset(
 ``model``, which the sglang-router adds to every request it forwards, names the one model served)."""
 NEUTRAL_GENERATE_FIELDS: dict[str, tuple[Any, ...]] = {
     "logprob_start_len": (None, -1),  # -1: logprobs of the output only (prompt logprobs are not computed)
-    "lora_path": (None,),
     "lora_id": (None,),
     "image_data": (None,),
     "video_data": (None,),
@@ -189,6 +192,8 @@ class LocalEngineServer:
             "/continue_generation": self.resume,
             "/update_weight_version": self.update_version,
             "/weights_checksum": self.weights_checksum,
+            "/load_lora_adapter": self.load_lora_adapter,
+            "/unload_lora_adapter": self.unload_lora_adapter,
         }
         routes = [
             Route(path, self._wrap(path, fn, control=False), methods=["GET", "POST"]) for path, fn in public.items()
@@ -262,9 +267,12 @@ class LocalEngineServer:
         rids = _rids(body.get("rid"), len(batch), single=single)
         top = logprobs.top if logprobs.enabled else 0
         routed = _optional(body, "return_routed_experts", bool, False)
+        adapters = _lora_names(body.get("lora_path"), len(batch), single=single)
         requests = [
-            self.engine.admit(GenerationRequest(ids, p, top_logprobs_num=top, return_routed_experts=routed))
-            for ids, p in zip(batch, params, strict=True)
+            self.engine.admit(
+                GenerationRequest(ids, p, top_logprobs_num=top, return_routed_experts=routed, lora_name=adapter)
+            )
+            for ids, p, adapter in zip(batch, params, adapters, strict=True)
         ]
         if stream:
             if not single:
@@ -520,6 +528,28 @@ class LocalEngineServer:
         digest = await asyncio.to_thread(self.engine.weights_checksum)
         return {"checksum": digest, "weight_version": self.engine.weight_version}
 
+    async def load_lora_adapter(self, body: dict) -> dict:
+        """SGLang's route: ``lora_name``, ``lora_path`` (a peft adapter directory), ``pinned`` (accepted: nothing is
+        evicted here). The answer adds ``digest``, the adapter as served (not in SGLang's API), which the trainer
+        compares with its own."""
+        _known_fields(body, LORA_LOAD_FIELDS, route="/load_lora_adapter")
+        name = check_adapter_name(_require(body, "lora_name", str, high=MAX_NAME_CHARS))
+        path = _require(body, "lora_path", str, high=4096)
+        _optional(body, "pinned", bool, False)
+        digest = await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+        return {**self._lora_answer(f"loaded the adapter {name!r}"), "digest": digest}
+
+    async def unload_lora_adapter(self, body: dict) -> dict:
+        """SGLang's route: ``lora_name``."""
+        _known_fields(body, LORA_UNLOAD_FIELDS, route="/unload_lora_adapter")
+        name = check_adapter_name(_require(body, "lora_name", str, high=MAX_NAME_CHARS))
+        await asyncio.to_thread(self.engine.unload_lora_adapter, name)
+        return self._lora_answer(f"unloaded the adapter {name!r}")
+
+    def _lora_answer(self, message: str) -> dict:
+        """SGLang's ``LoadLoRAAdapterReqOutput``: success, error_message, loaded_adapters (name -> path)."""
+        return {**self._success(message), "error_message": "", "loaded_adapters": dict(self.engine.adapters.paths)}
+
     def _success(self, message: str, **extra: Any) -> dict:
         return {"success": True, "message": message, "weight_version": self.engine.weight_version, **extra}
 
@@ -573,6 +603,31 @@ def _check_generate_fields(body: dict) -> None:
                 f"field {key!r} = {value!r:.80} is not supported by the local engine: it takes "
                 f"only {shown} (the default, which asks for nothing)",
             )
+
+
+def _known_fields(body: dict, fields: tuple[str, ...], *, route: str) -> None:
+    unknown = sorted(str(key)[:80] for key in body if key not in fields)
+    if unknown:
+        raise HttpError(400, f"unknown field {unknown[0]!r}: {route} takes {', '.join(fields)}")
+
+
+def _lora_names(value: Any, count: int, *, single: bool) -> list[str | None]:
+    """``/generate``'s ``lora_path`` (as SGLang: the name of a loaded adapter, one for the batch or one per prompt,
+    null for the base) as one adapter name (or ``None``) per prompt."""
+    if value is None:
+        return [None] * count
+    if isinstance(value, list) and not single:
+        if len(value) != count:
+            raise HttpError(400, f"lora_path has {len(value)} names for {count} prompts: give one per prompt")
+        return [None if name is None else _lora_name(name) for name in value]
+    return [_lora_name(value)] * count
+
+
+def _lora_name(value: Any) -> str:
+    try:
+        return check_adapter_name(value)
+    except AdapterError as exc:
+        raise HttpError(400, f"lora_path: {exc}") from None
 
 
 def _require(body: dict, key: str, kind: type, *, low: int | None = None, high: int | None = None) -> Any:

@@ -54,13 +54,8 @@ if TYPE_CHECKING:
     from miles_core.engines.routed_experts import NOT_ROUTED, RoutedExpertsError, check_replayable
     from miles_core.engines.staging import STAGING_DIR_ENV, remove_orphan_files, weight_staging_dir
     from miles_core.models.causal_lm import CausalLM
-    from miles_core.models.hf_checkpoint import (
-        checkpoint_family,
-        checkpoint_named_tensors,
-        copy_tokenizer_files,
-        read_model_config,
-        require_checkpoint_dir,
-    )
+    from miles_core.models.checkpoint_dir import checkpoint_family, read_model_config, require_checkpoint_dir
+    from miles_core.models.hf_checkpoint import checkpoint_named_tensors, copy_tokenizer_files
     from miles_core.models.selection import DSV4_FAMILY
     from miles_core.rollout.prompts import Prompt
     from miles_core.rollout.samples import Group, Sample
@@ -165,11 +160,11 @@ _LAZY = {
     "check_replayable": "miles_core.engines.routed_experts",
     # checkpoints and model implementations
     "DSV4_FAMILY": "miles_core.models.selection",
-    "checkpoint_family": "miles_core.models.hf_checkpoint",
+    "checkpoint_family": "miles_core.models.checkpoint_dir",
     "checkpoint_named_tensors": "miles_core.models.hf_checkpoint",
     "copy_tokenizer_files": "miles_core.models.hf_checkpoint",
-    "read_model_config": "miles_core.models.hf_checkpoint",
-    "require_checkpoint_dir": "miles_core.models.hf_checkpoint",
+    "read_model_config": "miles_core.models.checkpoint_dir",
+    "require_checkpoint_dir": "miles_core.models.checkpoint_dir",
     # weight-transfer protocols
     "WeightTransferProtocol": "miles_core.weight_transfer.protocol",
     "EngineEndpoint": "miles_core.weight_transfer.protocol",

@@ -16,13 +16,8 @@ import transformers
 from miles_core.default.tokenizer import DigitTokenizer
 from miles_core.engines.routed_experts import RoutingShape
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import (
-    CONTEXT_LENGTH_KEYS,
-    checkpoint_family,
-    load_tokenizer,
-    read_model_config,
-    tokenizer_files,
-)
+from miles_core.models.checkpoint_dir import CONTEXT_LENGTH_KEYS, checkpoint_family, read_model_config
+from miles_core.models.hf_checkpoint import load_tokenizer, tokenizer_files
 from miles_core.models.selection import check_families_given
 from miles_core.registry import Implementation, Registries
 from miles_core.rollout.chat_prompts import ChatRenderer

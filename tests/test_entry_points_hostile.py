@@ -29,7 +29,7 @@ from miles_core.builtin.torch_trainer import TorchTrainer
 from miles_core.config.build import build_config
 from miles_core.config.sections import EngineSection, RolloutSection, RunSection, TrainSection
 from miles_core.errors import MilesError
-from miles_core.models.hf_checkpoint import checkpoint_family, require_checkpoint_dir
+from miles_core.models.checkpoint_dir import checkpoint_family, require_checkpoint_dir
 from miles_core.plugin_manager import MilesPluginManager
 from miles_core.rollout.chat_prompts import ChatRenderer
 from miles_core.rollout.executor import RolloutExecutor, checked_reward

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from miles_core.errors import ConfigError, MilesError
-from miles_core.models.hf_checkpoint import require_checkpoint_dir
+from miles_core.models.checkpoint_dir import require_checkpoint_dir
 from miles_core.training.batch import TrainBatch
 from miles_core.training.critic_targets import clipped_value_loss, response_values
 

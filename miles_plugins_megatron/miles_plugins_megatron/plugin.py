@@ -62,7 +62,7 @@ def check_critic(config: Any, estimator: str) -> None:
         return
     from types import SimpleNamespace
 
-    from miles_core import read_model_config  # deferred: transformers
+    from miles_core import read_model_config
 
     try:
         policy, critic = (SimpleNamespace(**read_model_config(path)) for path in (config.model.path, critic_model))
@@ -95,7 +95,7 @@ def check_deepseek_v4_settings(config: Any) -> None:
 
 
 def _is_deepseek_v4(model_path: str | None) -> bool:
-    from miles_core import checkpoint_family  # deferred: torch and transformers
+    from miles_core import checkpoint_family
 
     if model_path is None:
         return False

@@ -75,6 +75,7 @@ from miles_core.http import (
     read_body,
     url_name,
 )
+from miles_core.models.checkpoint_dir import CONTEXT_LENGTH_KEYS, read_model_config
 from miles_core.rollout.sessions.anthropic_messages import MessagesDialect
 from miles_core.rollout.sessions.api import CreateSessionRequest, first_mismatch, validated
 from miles_core.rollout.sessions.batching import TurnBatcher
@@ -495,8 +496,6 @@ def session_server_spec(
 
 def model_context_length(model_path: str) -> int | None:
     """The model's context length from its ``config.json`` (``None`` when it names none)."""
-    from miles_core.models.hf_checkpoint import CONTEXT_LENGTH_KEYS, read_model_config  # deferred: torch
-
     config = read_model_config(Path(model_path))
     lengths = [config.get(key) for key in CONTEXT_LENGTH_KEYS]
     return next((n for n in lengths if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)

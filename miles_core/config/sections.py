@@ -466,7 +466,11 @@ class TrainSection(Section):
         description="LoRA: alpha (the update scaled by alpha / rank); None: the rank.",
     )
     lora_dropout: float = pydantic.Field(
-        default=0.0, ge=0.0, lt=1.0, description="LoRA: dropout on the adapters' input while training."
+        default=0.0,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="LoRA: dropout on the adapters' input while training.",
     )
     lora_target_modules: list[str] = pydantic.Field(
         default_factory=lambda: ["all-linear"],

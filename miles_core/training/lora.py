@@ -16,7 +16,7 @@ import transformers
 from peft.tuners.lora import LoraLayer
 
 from miles_core.engines.weights import unique_named_tensors
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesError
 
 ALL_LINEAR = "all-linear"
 """peft's preset: every linear layer but the output head."""
@@ -109,7 +109,15 @@ def base_and_merged(model: torch.nn.Module, *, merged: bool) -> Iterator[tuple[s
             if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
                 deltas[f"{path}.base_layer.weight"] = module.get_delta_weight(ADAPTER_NAME).detach()
     # tied tensors dropped before merging: a merged tensor is new, and its memory may be reused once consumed
-    for name, tensor in unique_named_tensors(model.state_dict().items()):
+    kept = list(unique_named_tensors(model.state_dict().items()))
+    lost = sorted(set(deltas) - {name for name, _ in kept})
+    if lost:
+        raise MilesError(
+            f"the adapter of {lost[0].replace('.base_layer.weight', '')} cannot be merged: its weight is tied to "
+            "another (a tied output head), which a checkpoint stores once; leave it out of "
+            "--train-lora-target-modules for engines that take merged weights"
+        )
+    for name, tensor in kept:
         if ".lora_" in name:
             continue
         value = tensor.detach()

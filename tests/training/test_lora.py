@@ -14,7 +14,7 @@ import transformers
 from miles_core.builtin.torch_trainer import ADAPTER_DIR, TorchTrainer
 from miles_core.config.sections import TrainSection
 from miles_core.engines.weights import unique_named_tensors
-from miles_core.errors import ConfigError
+from miles_core.errors import ConfigError, MilesError
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
 from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.lora import adapter_digest, check_target_modules
@@ -152,3 +152,13 @@ def test_resume_refuses_an_adapter_of_another_rank(model_dir: Path, tmp_path: Pa
     checkpoint = lora_trainer(model_dir).save_checkpoint(tmp_path / "step_000001")
     with pytest.raises(Exception, match="cannot resume from the checkpoint"):
         lora_trainer(checkpoint, lora_rank=8).load_checkpoint(checkpoint)
+
+
+def test_an_adapter_on_a_tied_head_is_not_merged_silently(tmp_path: Path) -> None:
+    """A tied head's merged weight would be the embedding's (a checkpoint stores it once): refused, saying why."""
+    model_dir = save_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
+    trainer = lora_trainer(model_dir, lora_target_modules=["q_proj", "lm_head"])
+    trainer.train_step(batch(1))
+    with pytest.raises(MilesError, match="adapter of lm_head cannot be merged: its weight is tied"):
+        dict(trainer.weight_iterator(1 << 30).named_tensors())
+    assert trainer.save_adapter(tmp_path / "adapter")  # the adapter itself is sent and saved as it is

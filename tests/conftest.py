@@ -36,6 +36,7 @@ SERIAL_TESTS = (
     "tests/metrics/test_train_exporters.py",
     "tests/metrics/test_train_trackers.py",
     "tests/test_train_eval_at_k.py",
+    "tests/test_train_lora.py",  # a LoRA learning run and a resumed one
     "tests/dashboard/test_browser.py",
 )
 """Tests marked ``serial`` (by path prefix): ``make test`` runs them after the others, which run on several workers
@@ -63,6 +64,7 @@ PAIRED_TESTS = (
     "tests/test_train_fully_async.py",
     "tests/test_train_moe.py",
     "tests/test_train_eval_at_k.py",
+    "tests/test_train_lora.py",
     "tests/metrics/test_train_exporters.py",
     "tests/metrics/test_train_trackers.py",
     "tests/dashboard/test_browser.py",

@@ -497,7 +497,6 @@ def test_a_task_gives_the_prompts_and_the_reward_of_its_name(task_manager) -> No
     assert default.rollout.task == "echo_last" and load_prompts(default, task_manager.registries) == expected
 
 
-
 def test_eval_prompts_given_with_a_task_replace_the_tasks_eval_prompts(task_manager, tmp_path: Path) -> None:
     """``--rollout-eval-prompts`` without ``--prompts``: the task's training prompts, the file's eval prompts (it was
     ignored silently once)."""
@@ -507,6 +506,7 @@ def test_eval_prompts_given_with_a_task_replace_the_tasks_eval_prompts(task_mana
     train, evaluation = load_prompts(run_config, task_manager.registries)
     assert [p.text for p in train] == [f"{n}:" for n in range(8)]
     assert [(p.text, p.label) for p in evaluation] == [("12:", "2"), ("13:", "3")]
+
 
 @pytest.mark.parametrize(
     ("task", "message"),

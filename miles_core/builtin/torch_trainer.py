@@ -35,7 +35,7 @@ from miles_core.models.moe_routing import replay_routing
 from miles_core.models.selection import DSV4_FAMILY, model_implementation_for
 from miles_core.models.transformers_impl import TransformersCausalLM
 from miles_core.registry import ANY_FAMILY, Implementation
-from miles_core.training.algorithms import choose_algorithm, trainer_side, with_kl_coef
+from miles_core.training.algorithms import choose_algorithm, trainer_side, with_weights
 from miles_core.training.batch import TrainBatch
 from miles_core.training.critic_targets import with_trainer_advantages
 from miles_core.training.lora import (
@@ -98,8 +98,10 @@ class TorchTrainer:
         self.tokenizer_from = tokenizer_from
         self.pad_token_id = hf_config.pad_token_id or 0
         self.objective = objective or Objective(train=settings, policy_loss=PpoClip())
-        # The KL weight the objective resolved (the estimator's default where unset): the loss and the reference agree.
-        self.settings = settings = with_kl_coef(settings, self.objective.train.kl_coef)
+        # The weights the objective resolved (the estimator's defaults where unset): the loss, the reference model
+        # and the entropy's gradient agree.
+        resolved = self.objective.train
+        self.settings = settings = with_weights(settings, kl_coef=resolved.kl_coef, entropy_coef=resolved.entropy_coef)
         self.critic = critic
         estimator = self.objective.estimator
         if (critic is not None) != (estimator is not None and estimator.needs_critic):
@@ -172,7 +174,7 @@ class TorchTrainer:
             group_size=config.rollout.group_size,
             max_new_tokens=config.rollout.max_new_tokens,
         )
-        train = with_kl_coef(config.train, algorithm.kl_coef)
+        train = with_weights(config.train, kl_coef=algorithm.kl_coef, entropy_coef=algorithm.entropy_coef)
         lora = LoraSettings.of(train)
         if lora is not None and name.rsplit("/", 1)[-1] != DEFAULT_IMPLEMENTATION:
             raise MilesError(

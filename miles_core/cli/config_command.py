@@ -16,7 +16,7 @@ from miles_core.cli.config_args import ConfigArguments
 from miles_core.cli.stop_signals import StopSignals
 from miles_core.config.build import build_config
 from miles_core.plugin_manager import MilesPluginManager
-from miles_core.training.algorithms import resolve_kl_coef
+from miles_core.training.algorithms import resolve_entropy_coef, resolve_kl_coef
 
 if TYPE_CHECKING:
     from miles_core.config.build import MilesConfig
@@ -68,13 +68,15 @@ def resolved_notes(config: MilesConfig) -> list[str]:
 
 
 def estimator_default_notes(config: MilesConfig, registries: Registries) -> list[str]:
-    """``train.kl_coef: ...`` where it is unset and the estimator's default weight is not 0 (unset reads as no KL
-    otherwise): the value the run takes."""
-    if config.train.kl_coef is not None:
-        return []
+    """``train.kl_coef: ...`` and ``train.entropy_coef: ...`` where one is unset and the estimator's default weight
+    is not 0 (unset reads as off otherwise): the value the run takes."""
     estimator = registries.advantage_estimators.get_or_raise(config.train.advantage_estimator).load()
-    value = resolve_kl_coef(config.train, estimator)
-    return [f"train.kl_coef: unset, so {config.train.advantage_estimator}'s default, {value:g}"] if value else []
+    notes = []
+    for field, resolve in (("kl_coef", resolve_kl_coef), ("entropy_coef", resolve_entropy_coef)):
+        value = resolve(config.train, estimator)
+        if getattr(config.train, field) is None and value:
+            notes.append(f"train.{field}: unset, so {config.train.advantage_estimator}'s default, {value:g}")
+    return notes
 
 
 def _where_the_run_is(output_dir: str) -> str:

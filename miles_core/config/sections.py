@@ -388,7 +388,13 @@ class TrainSection(Section):
         description="Weight of the KL to the initial (reference) model; 0 turns it off (unset: the advantage "
         "estimator's own default_kl_coef, which `miles config show` prints; 0 for the default grpo).",
     )
-    entropy_coef: float = pydantic.Field(default=0.0, ge=0, description="Weight of the entropy bonus.")
+    entropy_coef: float | None = pydantic.Field(
+        default=None,
+        ge=0,
+        description="Weight of the entropy bonus (the mean token entropy, subtracted from the loss); 0 turns it off "
+        "(unset: the advantage estimator's own default_entropy_coef, which `miles config show` prints; 0 for the "
+        "default grpo).",
+    )
     advantage_estimator: str = pydantic.Field(
         default="grpo",
         description="How rewards become advantages (`miles plugins`): grpo, dr_grpo, rloo, reinforce_plus_plus, "

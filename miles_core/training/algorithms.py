@@ -44,7 +44,8 @@ class ScoredSample:
 class AdvantageEstimator:
     """Base class of advantage estimators. Subclasses set :attr:`name` and :attr:`settings_model`, may change the
     defaults the run takes when the user names none (:attr:`default_policy_loss`,
-    :attr:`default_loss_aggregation`, :attr:`default_kl_coef`) and :attr:`min_group_size`, and implement
+    :attr:`default_loss_aggregation`, :attr:`default_kl_coef`, :attr:`default_entropy_coef`) and
+    :attr:`min_group_size`, and implement
     :meth:`advantages`."""
 
     name: ClassVar[str] = ""
@@ -56,6 +57,9 @@ class AdvantageEstimator:
     default_kl_coef: ClassVar[float] = 0.0
     """The weight of the KL to the reference a run with this estimator uses unless ``train.kl_coef`` sets one (a
     non-zero weight loads a reference model and costs its forward pass each step)."""
+    default_entropy_coef: ClassVar[float] = 0.0
+    """The weight of the entropy bonus a run with this estimator uses unless ``train.entropy_coef`` sets one (it
+    costs nothing measurable: the step's forward pass gives the logits, and their entropy's backward is small)."""
     min_group_size: ClassVar[int] = 1
     """The smallest ``rollout.group_size`` it can work with (a group baseline needs two samples)."""
     needs_critic: ClassVar[bool] = False
@@ -138,7 +142,8 @@ negative), ``k2 = r^2 / 2`` (biased, low variance), ``k3 = exp(r) - r - 1`` (unb
 class AlgorithmChoice:
     """A run's algorithm, every name resolved once: the estimator (built with its settings), the policy loss (its
     import target and validated settings, which a trainer in another process builds again), the aggregation and the
-    KL weight (``train.kl_coef``, or the estimator's default where it is unset)."""
+    KL and entropy weights (``train.kl_coef`` and ``train.entropy_coef``, or the estimator's defaults where they are
+    unset)."""
 
     estimator_name: str
     estimator: AdvantageEstimator
@@ -150,6 +155,7 @@ class AlgorithmChoice:
     kl_estimator: str
     norm_constant: float
     kl_coef: float
+    entropy_coef: float
 
     def trainer_spec(self) -> dict[str, Any]:
         """What a trainer in another process needs to build the same :class:`~miles_core.training.objective.Objective`
@@ -163,13 +169,15 @@ class AlgorithmChoice:
             "kl_estimator": self.kl_estimator,
             "norm_constant": self.norm_constant,
             "kl_coef": self.kl_coef,
+            "entropy_coef": self.entropy_coef,
         }
 
     def describe(self) -> str:
-        """``grpo advantages, ppo_clip loss, token-mean`` (and ``, KL 0.05 (k3)`` with a KL weight): the run says so
-        at start."""
+        """``grpo advantages, ppo_clip loss, token-mean`` (and ``, KL 0.05 (k3)`` with a KL weight, ``, entropy
+        bonus 0.03`` with one): the run says so at start."""
         kl = f", KL {self.kl_coef:g} ({self.kl_estimator})" if self.kl_coef > 0 else ""
-        return f"{self.estimator_name} advantages, {self.policy_loss_name} loss, {self.aggregation}{kl}"
+        entropy = f", entropy bonus {self.entropy_coef:g}" if self.entropy_coef > 0 else ""
+        return f"{self.estimator_name} advantages, {self.policy_loss_name} loss, {self.aggregation}{kl}{entropy}"
 
 
 def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_tokens: int) -> AlgorithmChoice:
@@ -210,6 +218,7 @@ def choose_algorithm(train: Any, registries: Any, *, group_size: int, max_new_to
         kl_estimator=train.kl_estimator,
         norm_constant=float(max_new_tokens),
         kl_coef=kl_coef,
+        entropy_coef=resolve_entropy_coef(train, estimator),
     )
 
 
@@ -221,9 +230,30 @@ def resolve_kl_coef(train: Any, estimator: AdvantageEstimator | None) -> float:
     return float(estimator.default_kl_coef) if estimator is not None else 0.0
 
 
-def with_kl_coef(train: Any, kl_coef: float) -> Any:
-    """``train`` (a frozen section) with its ``kl_coef`` resolved to ``kl_coef``: what a trainer reads."""
-    return train if train.kl_coef == kl_coef else train.model_copy(update={"kl_coef": kl_coef})
+def resolve_entropy_coef(train: Any, estimator: AdvantageEstimator | None) -> float:
+    """The run's entropy-bonus weight: ``train.entropy_coef`` where it is set (0 included), else the estimator's
+    :attr:`~AdvantageEstimator.default_entropy_coef` (0 without an estimator)."""
+    if train.entropy_coef is not None:
+        return float(train.entropy_coef)
+    return float(estimator.default_entropy_coef) if estimator is not None else 0.0
+
+
+def with_weights(train: Any, *, kl_coef: float, entropy_coef: float) -> Any:
+    """``train`` (a frozen section) with its ``kl_coef`` and ``entropy_coef`` resolved to these: what a trainer
+    reads."""
+    update = {
+        field: value
+        for field, value in (("kl_coef", kl_coef), ("entropy_coef", entropy_coef))
+        if getattr(train, field) != value
+    }
+    return train.model_copy(update=update) if update else train
+
+
+def resolved_weights(train: Any, estimator: AdvantageEstimator | None) -> Any:
+    """``train`` with its KL and entropy weights resolved: the user's where set, else ``estimator``'s defaults."""
+    return with_weights(
+        train, kl_coef=resolve_kl_coef(train, estimator), entropy_coef=resolve_entropy_coef(train, estimator)
+    )
 
 
 def check_kl_placement(train: Any, estimator: AdvantageEstimator, *, kl_coef: float) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from miles_core.targets import import_target
-from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss, resolve_kl_coef, with_kl_coef
+from miles_core.training.algorithms import AdvantageEstimator, PolicyLoss, resolved_weights, with_weights
 from miles_core.training.batch import TrainBatch, trained_tokens
 from miles_core.training.losses import aggregate, kl_per_token, masked_mean, truncated_importance_weights
 
@@ -36,8 +36,8 @@ class Objective:
     """The loss of a run: ``policy_loss`` (an instance), ``aggregation`` (one of
     :data:`~miles_core.training.algorithms.LOSS_AGGREGATIONS`), ``kl_estimator`` (k1, k2 or k3), ``norm_constant``
     (``seq-mean-token-sum-norm``'s divisor: the rollout's ``max_new_tokens``) and the ``train`` section (clip
-    ranges, TIS, KL and entropy coefficients), its ``kl_coef`` resolved at construction where it is unset (the
-    estimator's default: :func:`~miles_core.training.algorithms.resolve_kl_coef`)."""
+    ranges, TIS, KL and entropy coefficients), its ``kl_coef`` and ``entropy_coef`` resolved at construction where
+    they are unset (the estimator's defaults: :func:`~miles_core.training.algorithms.resolved_weights`)."""
 
     train: Any
     policy_loss: PolicyLoss
@@ -48,7 +48,7 @@ class Objective:
     norm_constant: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "train", with_kl_coef(self.train, resolve_kl_coef(self.train, self.estimator)))
+        object.__setattr__(self, "train", resolved_weights(self.train, self.estimator))
 
     def weight(self, mask: torch.Tensor, shape: StepShape) -> float:
         """The micro-batch's share of the step (the micro-batches' shares add up to 1): its trained tokens' share
@@ -125,8 +125,8 @@ def averaged(steps: list[dict[str, float]]) -> dict[str, float]:
 def objective_from_spec(train: Any, spec: dict[str, Any]) -> Objective:
     """The :class:`~miles_core.training.objective.Objective` of :meth:`AlgorithmChoice.trainer_spec`."""
 
-    if "kl_coef" in spec:  # the driver's resolved weight
-        train = with_kl_coef(train, spec["kl_coef"])
+    if "kl_coef" in spec:  # the driver's resolved weights
+        train = with_weights(train, kl_coef=spec["kl_coef"], entropy_coef=spec["entropy_coef"])
     estimator = None
     if spec.get("estimator_target"):
         estimator = import_target(spec["estimator_target"], what="the run's advantage estimator")(

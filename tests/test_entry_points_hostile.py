@@ -460,3 +460,18 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_worker_starts(tm
         message = str(error.value)
         assert "train prompt 1 (" in message and "with rollout.max_new_tokens (--rollout-max-new-tokens) 8" in message
         assert "more than the model's context length 16: shorten the prompt" in message and len(message) < 600
+
+
+@pytest.mark.parametrize("base", ["/models/qwen3-0.6b", None])
+def test_a_lora_adapter_given_as_the_model_is_named_as_one_before_anything_starts(tmp_path: Path, base) -> None:
+    """peft's adapter directory (``adapter_config.json``, no ``config.json``) as ``--model``: a one-line error that
+    says it is an adapter without its base (and which base it records), before the run directory exists."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    recorded = {"peft_type": "LORA", "r": 8} | ({"base_model_name_or_path": base} if base else {})
+    (adapter / "adapter_config.json").write_text(json.dumps(recorded))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    stderr = train_refused(tmp_path, "--model", str(adapter))
+    assert f"model directory {str(adapter)!r} holds a LoRA adapter (adapter_config.json" in stderr
+    assert "without its base model: give the base model as --model" in stderr
+    assert (f"of the base model {base!r}" in stderr) == (base is not None)

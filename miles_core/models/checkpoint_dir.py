@@ -11,6 +11,8 @@ from typing import Any
 from miles_core.errors import ConfigError, MilesError
 from miles_core.user_files import parse_json_text, read_text
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a directory a peft adapter (a LoRA checkpoint without its base)."""
 MAX_CONFIG_BYTES = 16 << 20
 """A model's ``config.json`` is a few KiB (a large MoE's, with its per-layer lists, well under 1 MiB)."""
 
@@ -40,8 +42,28 @@ def require_checkpoint_dir(path: str | Path) -> Path:
                 "FIFO, device or socket); remove it or point --model at a copy without it"
             )
     if not (path / "config.json").is_file():
-        raise MilesError(f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)")
+        raise MilesError(_no_model_config(path))
     return path
+
+
+def _no_model_config(path: Path) -> str:
+    """Why a directory without ``config.json`` is no model: a LoRA adapter's (peft's ``adapter_config.json``) is
+    named as one, with its base model where it records one."""
+    if not (path / ADAPTER_CONFIG).is_file():
+        return f"model directory {str(path)!r} has no config.json (expected an HF checkpoint directory)"
+    base = ""
+    try:
+        what = f"{ADAPTER_CONFIG} of {str(path)!r}"
+        text = read_text(path / ADAPTER_CONFIG, what=what, expected="peft's adapter config (JSON)", limit=1 << 20)
+        recorded = parse_json_text(text, what=what)
+        if isinstance(recorded, dict) and isinstance(recorded.get("base_model_name_or_path"), str):
+            base = f" of the base model {recorded['base_model_name_or_path'][:200]!r}"
+    except ConfigError:
+        pass  # the adapter is named without its base
+    return (
+        f"model directory {str(path)!r} holds a LoRA adapter ({ADAPTER_CONFIG}{base}) without its base model: give "
+        "the base model as --model (a LoRA run's own checkpoints hold the base and the adapter: --run-resume)"
+    )
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:

@@ -4,6 +4,7 @@ merged)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import peft
+import safetensors.torch
 import torch
 import transformers
 from peft.tuners.lora import LoraLayer
@@ -21,6 +23,8 @@ from miles_core.errors import ConfigError, MilesError
 ALL_LINEAR = "all-linear"
 """peft's preset: every linear layer but the output head."""
 TARGET_PRESETS = (ALL_LINEAR,)
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+"""peft's file of an adapter's tensors (beside ``adapter_config.json``)."""
 ADAPTER_NAME = "default"
 """The trainer's one adapter (peft's default name, so ``save_pretrained`` writes it at the directory's top)."""
 
@@ -85,9 +89,12 @@ def add_adapter(model: transformers.PreTrainedModel, settings: LoraSettings) -> 
     return peft.get_peft_model(model, settings.peft_config())
 
 
-def adapter_tensors(model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter's tensors under peft's saved names (``base_model.model....lora_A.weight``), detached."""
-    return {name: tensor.detach() for name, tensor in peft.get_peft_model_state_dict(model).items()}
+def adapter_tensors(model: peft.PeftModel, adapter_name: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
+    """The adapter's own tensors under peft's saved names (``base_model.model....lora_A.weight``), detached; never a
+    frozen base layer (peft would add an output head's or embedding's whole base weight to an adapter that targets
+    it: the engines hold the base already)."""
+    state = peft.get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    return {name: tensor.detach() for name, tensor in state.items()}
 
 
 def adapter_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -128,18 +135,25 @@ def base_and_merged(model: torch.nn.Module, *, merged: bool) -> Iterator[tuple[s
 
 def save_adapter(model: peft.PeftModel, directory: str | Path) -> Path:
     """The adapter in peft's own format (``adapter_config.json``, ``adapter_model.safetensors``), loadable with
-    ``PeftModel.from_pretrained(base, directory)``."""
+    ``PeftModel.from_pretrained(base, directory)``: the two files ``PeftModel.save_pretrained`` writes, written
+    directly (it renders a model card too, each step a cost on the weight update, and copies a targeted output
+    head's or embedding's frozen base weight into the file)."""
     directory = Path(directory)
-    model.save_pretrained(directory)
-    (directory / "README.md").unlink(missing_ok=True)  # peft's model-card template says nothing about this run
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.contiguous() for name, tensor in adapter_tensors(model).items()}
+    safetensors.torch.save_file(tensors, directory / ADAPTER_WEIGHTS_FILE, metadata={"format": "pt"})
+    config = copy.copy(model.peft_config[ADAPTER_NAME])
+    config.inference_mode = True  # as peft saves it: loaded for serving unless a trainer asks otherwise
+    config.save_pretrained(str(directory))
     return directory
 
 
-def load_adapter_weights(model: peft.PeftModel, directory: str | Path) -> None:
-    """Set the adapter's tensors from a directory that :func:`save_adapter` wrote (the same rank and targets)."""
+def load_adapter_weights(model: peft.PeftModel, directory: str | Path, adapter_name: str = ADAPTER_NAME) -> None:
+    """Set the tensors of ``model``'s adapter ``adapter_name`` from a directory that :func:`save_adapter` wrote (the
+    same rank and targets), in place."""
     loaded = peft.utils.load_peft_weights(str(directory), device="cpu")
-    result = peft.set_peft_model_state_dict(model, loaded)
-    missing = [name for name in result.missing_keys if ".lora_" in name]
+    result = peft.set_peft_model_state_dict(model, loaded, adapter_name=adapter_name)
+    missing = [name for name in result.missing_keys if ".lora_" in name and f".{adapter_name}." in name]
     if missing or result.unexpected_keys:
         raise ValueError(
             f"the adapter in {directory} does not fit this model's LoRA: missing {missing[:3]}, unexpected "

@@ -178,3 +178,34 @@ def test_adapter_routes_need_the_admin_key_and_refuse_a_name_twice(engine, adapt
             assert math.isfinite(served(await client.generate(PROMPT, {"max_new_tokens": 2}))[1][0])
 
     asyncio.run(scenario())
+
+
+def test_a_published_adapter_reuses_the_slot_of_the_one_unloaded_before(model_dir: Path, adapters) -> None:
+    """A run's pattern (load the new adapter, unload the one before): from the third load on, the adapter is copied
+    into the spare slot in place, and the engine's model then serves exactly the loaded adapter (its digest, its
+    logprobs against one loaded into a fresh peft model)."""
+    from miles_core.builtin.local_engine.lora_adapters import SPARE_SLOTS, LoraAdapters
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    served_adapters = LoraAdapters(model)
+    order = ["first", "second", "first", "second", "first"]
+    previous = None
+    for version, which in enumerate(order):
+        directory, digest = adapters[which]
+        name = f"v{version}"
+        assert served_adapters.load(name, str(directory)) == digest  # the trainer's adapter, as served
+        if previous is not None:
+            served_adapters.unload(previous)
+        previous = name
+    assert sorted(served_adapters.slots.values()) == ["slot-0"]  # v4 reuses the first slot: two made in all
+    assert served_adapters._slots_made == 2 and len(served_adapters._spare) <= SPARE_SLOTS
+    served_adapters.activate(previous)
+    ids = torch.tensor([[*PROMPT, 3, 5, 8]])
+    with torch.no_grad():
+        reused = torch.log_softmax(served_adapters._peft(input_ids=ids).logits.float(), dim=-1)
+    fresh = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir), adapters["first"][0]
+    ).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(fresh(input_ids=ids).logits.float(), dim=-1)
+    torch.testing.assert_close(reused, expected, rtol=0, atol=1e-5)  # the same float32 ops on the same tensors

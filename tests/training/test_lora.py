@@ -16,20 +16,11 @@ from miles_core.config.sections import TrainSection
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import ConfigError, MilesError
 from miles_core.testkit.tiny_models import save_tiny_llama, tiny_llama_config
-from miles_core.training.batch import TrainBatch, TrainSample
 from miles_core.training.lora import adapter_digest, adapter_tensors, check_target_modules
 from miles_core.weight_transfer.digests import checksum
+from tests.training.test_torch_trainer import batch
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lr=1e-2)
-
-
-def batch(seed: int) -> TrainBatch:
-    generator = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(6):
-        response = torch.randint(3, 64, (3,), generator=generator).tolist()
-        samples.append(TrainSample([2, 5 + i], response, [-2.0, -2.5, -3.0], float(i % 3 - 1), 0.0))
-    return TrainBatch(samples)
 
 
 @pytest.fixture

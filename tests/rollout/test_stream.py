@@ -62,6 +62,7 @@ class ScriptedEngine:
 
 class FakeController:
     router_client = None
+    lora_name = None  # no LoRA adapter published: generation runs on the base weights
 
     def __init__(self, engine: ScriptedEngine) -> None:
         self.engine = engine

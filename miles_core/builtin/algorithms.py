@@ -61,9 +61,10 @@ class Grpo(AdvantageEstimator):
 ENTROPY_COEF_AGAINST_COLLAPSE = 0.03
 """The default entropy-bonus weight of dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline and ppo:
 without one they collapse onto one answer on the default task before they learn it (their token entropy falls to
-0.6-1.0 while grpo's is still 1.9). The bonus keeps the entropy for the cost of nothing measurable, where a KL to the
-reference did as well but cost the reference model's forward pass, about a fifth of the step (measured:
-docs/concepts/algorithms.md). RLOO's and REINFORCE++'s papers train with a KL instead: ``--train-kl-coef``."""
+0.6-1.0 while grpo's is still 1.9). The bonus keeps the entropy without a reference model (a KL to the reference did
+as well but loads a copy of the policy and runs its forward each step); it is not free: the entropy's backward through
+the logits made a step of the tiny default model 1.22-1.25x grpo's (measured: docs/concepts/algorithms.md). RLOO's
+and REINFORCE++'s papers train with a KL instead: ``--train-kl-coef``."""
 
 
 class DrGrpo(AdvantageEstimator):

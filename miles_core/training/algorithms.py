@@ -59,7 +59,7 @@ class AdvantageEstimator:
     non-zero weight loads a reference model and costs its forward pass each step)."""
     default_entropy_coef: ClassVar[float] = 0.0
     """The weight of the entropy bonus a run with this estimator uses unless ``train.entropy_coef`` sets one (it
-    costs nothing measurable: the step's forward pass gives the logits, and their entropy's backward is small)."""
+    needs no reference model, but a non-zero weight adds the entropy's backward through the logits to each step)."""
     min_group_size: ClassVar[int] = 1
     """The smallest ``rollout.group_size`` it can work with (a group baseline needs two samples)."""
     needs_critic: ClassVar[bool] = False

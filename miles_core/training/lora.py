@@ -9,16 +9,26 @@ import dataclasses
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import peft
 import safetensors.torch
 import torch
 import transformers
-from peft.tuners.lora import LoraLayer
 
 from miles_core.engines.weights import unique_named_tensors
 from miles_core.errors import ConfigError, MilesError
+
+if TYPE_CHECKING:
+    import peft
+
+
+def _peft() -> Any:
+    """``peft``, imported on first use: only a LoRA run pays its import (about 2 s), not every run whose trainer or
+    setup imports this module."""
+    import peft
+
+    return peft
+
 
 ALL_LINEAR = "all-linear"
 """peft's preset: every linear layer but the output head."""
@@ -50,7 +60,7 @@ class LoraSettings:
         targets: str | list[str] = (
             ALL_LINEAR if self.target_modules == (ALL_LINEAR,) else [n for n in self.target_modules]
         )
-        return peft.LoraConfig(
+        return _peft().LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
@@ -86,14 +96,14 @@ def check_target_modules(model_config: transformers.PretrainedConfig, targets: t
 def add_adapter(model: transformers.PreTrainedModel, settings: LoraSettings) -> peft.PeftModel:
     """``model`` with a fresh LoRA adapter injected into its layers (in place; B is zero, so the model's outputs are
     unchanged); only the adapter's parameters require gradients."""
-    return peft.get_peft_model(model, settings.peft_config())
+    return _peft().get_peft_model(model, settings.peft_config())
 
 
 def adapter_tensors(model: peft.PeftModel, adapter_name: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
     """The adapter's own tensors under peft's saved names (``base_model.model....lora_A.weight``), detached; never a
     frozen base layer (peft would add an output head's or embedding's whole base weight to an adapter that targets
     it: the engines hold the base already)."""
-    state = peft.get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
+    state = _peft().get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
     return {name: tensor.detach() for name, tensor in state.items()}
 
 
@@ -112,8 +122,9 @@ def base_and_merged(model: torch.nn.Module, *, merged: bool) -> Iterator[tuple[s
     never touched); the adapter's own parameters are left out, tied tensors once."""
     deltas: dict[str, torch.Tensor] = {}
     if merged:
+        lora_layer = _peft().tuners.lora.LoraLayer
         for path, module in model.named_modules():
-            if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
+            if isinstance(module, lora_layer) and ADAPTER_NAME in module.lora_A:
                 deltas[f"{path}.base_layer.weight"] = module.get_delta_weight(ADAPTER_NAME).detach()
     # tied tensors dropped before merging: a merged tensor is new, and its memory may be reused once consumed
     kept = list(unique_named_tensors(model.state_dict().items()))
@@ -151,6 +162,7 @@ def save_adapter(model: peft.PeftModel, directory: str | Path) -> Path:
 def load_adapter_weights(model: peft.PeftModel, directory: str | Path, adapter_name: str = ADAPTER_NAME) -> None:
     """Set the tensors of ``model``'s adapter ``adapter_name`` from a directory that :func:`save_adapter` wrote (the
     same rank and targets), in place."""
+    peft = _peft()
     loaded = peft.utils.load_peft_weights(str(directory), device="cpu")
     result = peft.set_peft_model_state_dict(model, loaded, adapter_name=adapter_name)
     missing = [name for name in result.missing_keys if ".lora_" in name and f".{adapter_name}." in name]
